@@ -1,0 +1,4 @@
+class SpikefuseError(ValueError):
+    pass
+class BackendUnavailableError(SpikefuseError, RuntimeError):
+    pass

@@ -1,0 +1,416 @@
+"""Spiking neuron modules with SpikingJelly's conventions.
+
+``step_mode='s'`` takes one step ``[N, *]``; ``step_mode='m'`` takes a sequence ``[T, N, *]``.
+State (``.v``, and ``.w`` for Izhikevich) persists across calls until
+:func:`spikefuse.functional.reset_net`. ``backend`` is ``'torch'`` (reference), ``'cuda'`` (alias
+``'cupy'``: fused NVRTC kernels) or ``'auto'`` (cuda for CUDA tensors when it can run them,
+else torch; the repr shows which one ran).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import definitions as defs
+from .cuda import unavailable_reason
+from .errors import BackendUnavailableError, SpikefuseError
+from .ops import run_neuron
+from .program import NeuronProgram
+from .reference import compute_dtype
+from .surrogate import Sigmoid, Surrogate
+
+log = logging.getLogger("spikefuse")
+STEP_MODES = ("s", "m")
+BACKEND_NAMES = ("auto", "torch", "cuda", "cupy")
+
+
+class MemoryModule(nn.Module):
+    """A module with per-sample state (memories) that :meth:`reset` restores to defaults."""
+
+    def __init__(self, step_mode: str = "s") -> None:
+        super().__init__()
+        self._memory_defaults: dict[str, Any] = {}
+        self.step_mode = step_mode
+
+    @property
+    def step_mode(self) -> str:
+        return self._step_mode
+
+    @step_mode.setter
+    def step_mode(self, mode: str) -> None:
+        if mode not in STEP_MODES:
+            raise SpikefuseError(f"step_mode must be 's' or 'm', got {mode!r}")
+        self._step_mode = mode
+
+    def register_memory(self, name: str, value: Any) -> None:
+        """Declare a state variable; ``value`` is restored by :meth:`reset`."""
+        self._memory_defaults[name] = copy.deepcopy(value)
+        setattr(self, name, value)
+
+    def reset(self) -> None:
+        """Restore every memory to its default (call between independent sequences)."""
+        for name, value in self._memory_defaults.items():
+            setattr(self, name, copy.deepcopy(value))
+
+
+class BaseNode(MemoryModule):
+    """A spiking neuron layer running any :class:`~spikefuse.definitions.NeuronDef`.
+
+    Use it directly for your own neuron definitions::
+
+        CUBIC = NeuronDef("cubic", charge="v + (x - k * v**3) / tau", params=("tau", "k"))
+        node = BaseNode(CUBIC, params={"tau": 2.0, "k": 0.1}, step_mode="m")
+
+    Args:
+        definition: the neuron's equations.
+        params: a value for every parameter of ``definition`` (stored as attributes).
+        v_threshold: V_th.
+        v_reset: hard-reset potential, or ``None`` for soft reset (V -= V_th on a spike).
+        surrogate_function: the spike's surrogate gradient.
+        detach_reset: stop the gradient through the reset's dependence on S.
+        step_mode: ``'s'`` (input [N, *]) or ``'m'`` (input [T, N, *]).
+        backend: ``'auto'``, ``'torch'``, ``'cuda'`` or ``'cupy'`` (alias of cuda).
+        store_v_seq: in multi-step mode keep V[1..T] as ``.v_seq`` (shape of the input).
+        w_init: initial W for two-state neurons.
+    """
+
+    learnable_params: tuple[str, ...] = ()
+    # parameter -> exclusive lower bound, checked on every call (e.g. tau > 1 keeps 1/tau in (0, 1))
+    lower_bounds: Mapping[str, float] = {}
+
+    def __init__(
+        self,
+        definition: defs.NeuronDef,
+        params: Mapping[str, float] | None = None,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        surrogate_function: Surrogate | None = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+        backend: str = "auto",
+        store_v_seq: bool = False,
+        w_init: float = 0.0,
+    ) -> None:
+        super().__init__(step_mode)
+        params = dict(params or {})
+        missing = set(definition.params) - set(params) - set(self.learnable_params)
+        extra = set(params) - set(definition.params)
+        if missing or extra:
+            raise SpikefuseError(
+                f"{definition.name}: missing params {sorted(missing)}, unknown {sorted(extra)}"
+            )
+        surrogate_function = Sigmoid() if surrogate_function is None else surrogate_function
+        if not isinstance(surrogate_function, Surrogate):
+            raise SpikefuseError(
+                f"surrogate_function must be a spikefuse.surrogate.Surrogate, got "
+                f"{type(surrogate_function).__name__}"
+            )
+        self.definition = definition
+        for name, value in params.items():
+            setattr(self, name, value)
+        self.v_threshold = v_threshold
+        self.v_reset = v_reset
+        self.surrogate_function = surrogate_function
+        self.detach_reset = detach_reset
+        self.backend = backend
+        self.store_v_seq = store_v_seq
+        self._programs: dict[tuple, NeuronProgram] = {}
+        self._update_program()
+        self.last_backend: str | None = None
+        self.constants()  # validates the parameters now, not at the first call
+        self.register_memory("v", 0.0 if v_reset is None else float(v_reset))
+        if definition.adaptive:
+            self.register_memory("w", float(w_init))
+        self.register_memory("v_seq", None)
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        if name not in BACKEND_NAMES:
+            raise SpikefuseError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
+        self._backend = "cuda" if name == "cupy" else name
+
+    # ---- what the kernels get ----------------------------------------------------------------
+    _PROGRAM_FIELDS = ("surrogate_function", "v_reset", "detach_reset")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        # Rebuild the program eagerly when its configuration changes, so forward (and
+        # torch.compile tracing it) only reads an attribute.
+        if name in self._PROGRAM_FIELDS and "_programs" in self.__dict__:
+            self._update_program()
+
+    def _update_program(self) -> None:
+        key = (id(self.surrogate_function), self.v_reset is None, bool(self.detach_reset))
+        if key not in self._programs:
+            self._programs = {
+                key: NeuronProgram(
+                    self.definition,
+                    self.surrogate_function,
+                    hard_reset=self.v_reset is not None,
+                    detach_reset=bool(self.detach_reset),
+                    learnable=self.learnable_params,
+                )
+            }
+        self.program: NeuronProgram = self._programs[key]
+
+    def constants(self) -> list[float]:
+        """V_th, V_reset (0 for soft reset) and the non-learnable parameters, validated."""
+        names = [p for p in self.definition.params if p not in self.learnable_params]
+        values = [self.v_threshold, 0.0 if self.v_reset is None else self.v_reset]
+        values += [getattr(self, p) for p in names]
+        for name, value in zip(("v_threshold", "v_reset", *names), values, strict=True):
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise SpikefuseError(f"{type(self).__name__}: {name} must be a finite float, got {value!r}")
+            bound = self.lower_bounds.get(name)
+            if bound is not None and not value > bound:
+                raise SpikefuseError(f"{type(self).__name__}: {name} must be > {bound}, got {value}")
+        return [float(v) for v in values]
+
+    def learnable_values(self, device: torch.device) -> Tensor:
+        """Learnable parameter values [P] (float32), in definition order; empty by default."""
+        return torch.empty(0, device=device)
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def _check_input(self, x: Tensor) -> Tensor:
+        name = type(self).__name__
+        if not isinstance(x, Tensor):
+            raise SpikefuseError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise SpikefuseError(f"{name}: input dtype must be floating point, got {x.dtype}")
+        if self.step_mode == "m":
+            if x.dim() < 2:
+                raise SpikefuseError(
+                    f"{name}: step_mode='m' needs input [T, N, *], got shape {tuple(x.shape)}"
+                )
+            if x.shape[0] == 0:
+                raise SpikefuseError(f"{name}: the input has T = 0 time steps")
+            return x
+        if x.dim() < 1:
+            raise SpikefuseError(f"{name}: step_mode='s' needs input [N, *], got a scalar")
+        return x.unsqueeze(0)
+
+    def _state(self, name: str, x_seq: Tensor) -> Tensor:
+        value = getattr(self, name)
+        shape, dtype = x_seq.shape[1:], compute_dtype(x_seq.dtype)
+        if not isinstance(value, Tensor):
+            return torch.full(shape, float(value), dtype=dtype, device=x_seq.device)
+        if value.shape != shape or value.device != x_seq.device or value.dtype != dtype:
+            raise SpikefuseError(
+                f"{type(self).__name__}: state {name} is {tuple(value.shape)} {value.dtype} on "
+                f"{value.device}, but this input needs {tuple(shape)} {dtype} on {x_seq.device}; "
+                "call spikefuse.functional.reset_net(net) after changing batch size, device or dtype"
+            )
+        return value
+
+    def _resolve_backend(self, x_seq: Tensor) -> str:
+        if self.backend == "torch":
+            chosen = "torch"
+        else:
+            reason = unavailable_reason(x_seq)
+            if self.backend == "cuda" and reason is not None:
+                raise BackendUnavailableError(f"{type(self).__name__}: backend 'cuda': {reason}")
+            chosen = "cuda" if reason is None else "torch"
+        if chosen != self.last_backend and not torch.compiler.is_compiling():
+            log.info("%s: backend=%r runs %s", type(self).__name__, self.backend, chosen)
+            self.last_backend = chosen
+        return chosen
+
+    def forward(self, x: Tensor) -> Tensor:
+        x_seq = self._check_input(x)
+        constants = self.constants()
+        backend = self._resolve_backend(x_seq)
+        v0 = self._state("v", x_seq)
+        w0 = self._state("w", x_seq) if self.definition.adaptive else x_seq.new_empty(0)
+        spikes, v_seq, v_last, w_last = run_neuron(
+            self.program, backend, x_seq, v0, w0, self.learnable_values(x_seq.device),
+            constants, self.store_v_seq and self.step_mode == "m",
+        )  # fmt: skip
+        self.v = v_last
+        if self.definition.adaptive:
+            self.w = w_last
+        if self.step_mode == "m":
+            self.v_seq = v_seq if self.store_v_seq else None
+            return spikes
+        return spikes[0]
+
+    def extra_repr(self) -> str:
+        params = ", ".join(f"{p}={getattr(self, p)}" for p in self.definition.params
+                           if p not in self.learnable_params)  # fmt: skip
+        ran = f" (ran: {self.last_backend})" if self.backend == "auto" and self.last_backend else ""
+        return (
+            f"{params + ', ' if params else ''}v_threshold={self.v_threshold}, "
+            f"v_reset={self.v_reset}, detach_reset={self.detach_reset}, "
+            f"step_mode={self.step_mode}, backend={self.backend}{ran}"
+        )
+
+
+class IFNode(BaseNode):
+    """Integrate-and-fire: H[t] = V[t-1] + X[t]."""
+
+    def __init__(
+        self,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        surrogate_function: Surrogate | None = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+        backend: str = "auto",
+        store_v_seq: bool = False,
+    ) -> None:
+        super().__init__(defs.IF, {}, v_threshold, v_reset, surrogate_function, detach_reset,
+                         step_mode, backend, store_v_seq)  # fmt: skip
+
+
+class LIFNode(BaseNode):
+    """Leaky integrate-and-fire.
+
+    decay_input=True:  H[t] = V[t-1] + (X[t] - (V[t-1] - V_reset)) / tau
+    decay_input=False: H[t] = V[t-1] - (V[t-1] - V_reset) / tau + X[t]
+    (V_reset is 0 under soft reset.) Requires tau > 1.
+    """
+
+    lower_bounds = {"tau": 1.0}
+
+    def __init__(
+        self,
+        tau: float = 2.0,
+        decay_input: bool = True,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        surrogate_function: Surrogate | None = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+        backend: str = "auto",
+        store_v_seq: bool = False,
+    ) -> None:
+        self.decay_input = decay_input
+        definition = defs.LIF if decay_input else defs.LIF_NO_DECAY_INPUT
+        super().__init__(definition, {"tau": tau}, v_threshold, v_reset, surrogate_function,
+                         detach_reset, step_mode, backend, store_v_seq)  # fmt: skip
+
+
+class ParametricLIFNode(BaseNode):
+    """LIF with a learnable time constant (PLIF): 1/tau = sigmoid(w), w initialised from init_tau.
+
+    The charge equations are LIF's with ``decay`` = 1/tau; the gradient of ``decay`` comes from
+    the backend, autograd chains it through the sigmoid into ``self.w``.
+    """
+
+    learnable_params = ("decay",)
+
+    def __init__(
+        self,
+        init_tau: float = 2.0,
+        decay_input: bool = True,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        surrogate_function: Surrogate | None = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+        backend: str = "auto",
+        store_v_seq: bool = False,
+    ) -> None:
+        if not (isinstance(init_tau, (int, float)) and math.isfinite(init_tau) and init_tau > 1):
+            raise SpikefuseError(f"ParametricLIFNode: init_tau must be finite and > 1, got {init_tau}")
+        self.decay_input = decay_input
+        definition = defs.PLIF if decay_input else defs.PLIF_NO_DECAY_INPUT
+        super().__init__(definition, {}, v_threshold, v_reset, surrogate_function, detach_reset,
+                         step_mode, backend, store_v_seq)  # fmt: skip
+        self.w = nn.Parameter(torch.tensor(-math.log(init_tau - 1.0)))
+
+    def learnable_values(self, device: torch.device) -> Tensor:
+        return self.w.sigmoid().reshape(1).float()
+
+    def extra_repr(self) -> str:
+        return f"tau={1.0 / self.w.detach().sigmoid().item():.4f}, " + super().extra_repr()
+
+
+class QIFNode(BaseNode):
+    """Quadratic integrate-and-fire: H = V + (X + a0 (V - v_rest)(V - v_c)) / tau."""
+
+    lower_bounds = {"tau": 1.0}
+
+    def __init__(
+        self,
+        tau: float = 2.0,
+        v_c: float = 0.8,
+        a0: float = 1.0,
+        v_threshold: float = 1.0,
+        v_rest: float = 0.0,
+        v_reset: float | None = -0.1,
+        surrogate_function: Surrogate | None = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+        backend: str = "auto",
+        store_v_seq: bool = False,
+    ) -> None:
+        params = {"tau": tau, "a0": a0, "v_rest": v_rest, "v_c": v_c}
+        super().__init__(defs.QIF, params, v_threshold, v_reset, surrogate_function, detach_reset,
+                         step_mode, backend, store_v_seq)  # fmt: skip
+
+
+class EIFNode(BaseNode):
+    """Exponential integrate-and-fire:
+    H = V + (X - (V - v_rest) + delta_T exp((V - theta_rh) / delta_T)) / tau."""
+
+    lower_bounds = {"tau": 1.0, "delta_T": 0.0}
+
+    def __init__(
+        self,
+        tau: float = 2.0,
+        delta_T: float = 1.0,
+        theta_rh: float = 0.8,
+        v_threshold: float = 1.0,
+        v_rest: float = 0.0,
+        v_reset: float | None = -0.1,
+        surrogate_function: Surrogate | None = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+        backend: str = "auto",
+        store_v_seq: bool = False,
+    ) -> None:
+        params = {"tau": tau, "v_rest": v_rest, "delta_T": delta_T, "theta_rh": theta_rh}
+        super().__init__(defs.EIF, params, v_threshold, v_reset, surrogate_function, detach_reset,
+                         step_mode, backend, store_v_seq)  # fmt: skip
+
+
+class IzhikevichNode(BaseNode):
+    """Izhikevich (two states V, W):
+    H = V + (X + a0 (V - v_rest)(V - v_c) - W) / tau,
+    Z = W + (a (H - v_rest) - W) / tau_w,  W[t] = Z + b S[t]."""
+
+    lower_bounds = {"tau": 1.0, "tau_w": 1.0}
+
+    def __init__(
+        self,
+        tau: float = 2.0,
+        v_c: float = 0.8,
+        a0: float = 1.0,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        v_rest: float = -0.1,
+        w_rest: float = 0.0,
+        tau_w: float = 2.0,
+        a: float = 1.0,
+        b: float = 0.0,
+        surrogate_function: Surrogate | None = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+        backend: str = "auto",
+        store_v_seq: bool = False,
+    ) -> None:
+        params = {"tau": tau, "a0": a0, "v_rest": v_rest, "v_c": v_c, "a": a, "tau_w": tau_w, "b": b}
+        self.w_rest = w_rest
+        super().__init__(defs.IZHIKEVICH, params, v_threshold, v_reset, surrogate_function,
+                         detach_reset, step_mode, backend, store_v_seq, w_init=w_rest)  # fmt: skip

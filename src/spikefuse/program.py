@@ -1,0 +1,97 @@
+"""A neuron program: a definition bound to a surrogate and a reset rule, shared by all backends.
+
+The program is the static part of a neuron's computation (what a kernel is compiled for).
+Runtime values travel separately: ``constants`` (floats: V_th, V_reset, then the non-learnable
+parameters in definition order) and ``learnable`` (a float32 tensor with the learnable
+parameters in definition order, possibly empty).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sympy as sp
+import torch
+
+from .definitions import NeuronDef
+from .errors import SpikefuseError
+from .surrogate import Surrogate
+
+_REGISTRY: dict[str, NeuronProgram] = {}
+
+
+@dataclass(frozen=True, eq=False)
+class NeuronProgram:
+    """Everything that fixes a neuron's forward/backward code, except the storage dtype."""
+
+    definition: NeuronDef
+    surrogate: Surrogate
+    hard_reset: bool
+    detach_reset: bool
+    learnable: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.learnable) - set(self.definition.params)
+        if unknown:
+            raise SpikefuseError(f"{self.definition.name}: learnable {sorted(unknown)} not in params")
+        # Custom ops receive programs by key; registering here keeps the hot path free of it.
+        _REGISTRY.setdefault(self.key, self)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """Stable identifier; also the name under which the custom ops find this program."""
+        text = (
+            f"{self.definition.describe()}|{self.surrogate.key}|hard={self.hard_reset}"
+            f"|detach={self.detach_reset}|learnable={','.join(self.learnable)}"
+        )
+        return f"{self.definition.name}_{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+    @property
+    def constant_names(self) -> tuple[str, ...]:
+        """Names of the float constants, in ``constants`` order."""
+        return tuple(p for p in self.definition.all_params if p not in self.learnable)
+
+    # ---- torch evaluation (reference backend, oracle) -------------------------------------------
+    def _lambdify(self, expr: sp.Expr) -> Callable[..., torch.Tensor | float]:
+        d = self.definition
+        args = [d.symbols[n] for n in ("v", "x", "w", "h", *d.all_params)]
+        return sp.lambdify(args, expr, modules="torch")
+
+    @functools.cached_property
+    def torch_functions(self) -> dict[str, Callable[..., torch.Tensor | float]]:
+        """charge, adaptation, jump and every partial, as f(v, x, w, h, *all_params)."""
+        d, p = self.definition, self.definition.partials
+        exprs = {
+            "charge": d.charge_expr,
+            "adaptation": d.adaptation_expr,
+            "jump": d.jump_expr,
+            "dh_dx": p.dh_dx,
+            "dh_dv": p.dh_dv,
+            "dh_dw": p.dh_dw,
+            "dz_dh": p.dz_dh,
+            "dz_dw": p.dz_dw,
+            **{f"dh_d{name}": p.dh_dparam[name] for name in self.learnable},
+        }
+        return {name: self._lambdify(e) for name, e in exprs.items()}
+
+    def param_values(
+        self, learnable: torch.Tensor, constants: list[float], like: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """All parameter values in ``definition.all_params`` order, as 0-dim tensors like ``like``."""
+        consts = iter(constants)
+        learn = iter(learnable.to(like.dtype).unbind(0)) if self.learnable else iter(())
+        return [
+            next(learn) if name in self.learnable else like.new_tensor(next(consts))
+            for name in self.definition.all_params
+        ]
+
+
+def lookup(key: str) -> NeuronProgram:
+    """The registered program with this key."""
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise SpikefuseError(f"unknown neuron program {key!r}") from None

@@ -1,0 +1,218 @@
+"""The reference backend: pure PyTorch, any device; the specification in code.
+
+``fptt`` runs the dynamics through time; ``bptt`` is the explicit backward of seed 003's
+dL/dH[t] recurrence. ``oracle`` is an independent plain-autograd step loop used only by tests
+to check ``bptt``. Arithmetic runs in float32 (float64 for float64 input); outputs are cast to
+the input dtype, states stay in the compute dtype.
+
+Shapes: ``x_seq`` [T, *], states [*]; ``learnable`` [P] float32; ``constants`` floats (see
+:mod:`spikefuse.program`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .program import NeuronProgram
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic dtype for a storage dtype: float64 stays, everything else computes in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class FPTTOut(NamedTuple):
+    spikes: torch.Tensor  # [T, *], x dtype
+    v_seq: torch.Tensor  # [T, *], x dtype; empty unless store_v_seq
+    v_last: torch.Tensor  # [*], compute dtype
+    w_last: torch.Tensor  # [*], compute dtype; empty for one-state neurons
+    h_seq: torch.Tensor  # [T, *], saved for backward; empty unless save_for_backward
+    w_seq: torch.Tensor  # [T, *], saved when a derivative needs W; else empty
+
+
+class BPTTOut(NamedTuple):
+    grad_x: torch.Tensor  # [T, *], x dtype
+    grad_v0: torch.Tensor  # [*]
+    grad_w0: torch.Tensor  # [*] or empty
+    grad_learnable: torch.Tensor  # [P], compute dtype
+
+
+def _reset(program: NeuronProgram, h, s, vth, vreset):
+    return h * (1 - s) + vreset * s if program.hard_reset else h - vth * s
+
+
+def fptt(
+    program: NeuronProgram,
+    x_seq: torch.Tensor,
+    v0: torch.Tensor,
+    w0: torch.Tensor,
+    learnable: torch.Tensor,
+    constants: list[float],
+    save_for_backward: bool,
+    store_v_seq: bool,
+) -> FPTTOut:
+    """Forward through time. S[t], V[t] from X[t] and V[0] (and W[0])."""
+    f, d = program.torch_functions, program.definition
+    cd = compute_dtype(x_seq.dtype)
+    xs = x_seq.to(cd)
+    params = program.param_values(learnable, constants, xs)
+    vth, vreset = params[0], params[1]
+    v, w = v0.to(cd), w0.to(cd)
+    zero = xs.new_zeros(())
+    spikes, hs, vs, ws = [], [], [], []
+    for t in range(xs.shape[0]):
+        h = f["charge"](v, xs[t], w, zero, *params)
+        s = (h >= vth).to(cd)
+        if d.adaptive:
+            z = f["adaptation"](v, xs[t], w, h, *params)
+            w = z + f["jump"](v, xs[t], w, h, *params) * s
+            ws.append(w)
+        v = _reset(program, h, s, vth, vreset)
+        spikes.append(s)
+        hs.append(h)
+        vs.append(v)
+    def empty():  # distinct objects: custom-op outputs must not alias each other
+        return xs.new_empty(0)
+
+    return FPTTOut(
+        spikes=torch.stack(spikes).to(x_seq.dtype),
+        v_seq=torch.stack(vs).to(x_seq.dtype) if store_v_seq else empty(),
+        v_last=v.clone(),
+        w_last=w.clone() if d.adaptive else empty(),
+        h_seq=torch.stack(hs) if save_for_backward else empty(),
+        w_seq=torch.stack(ws) if save_for_backward and d.partials.needs_w else empty(),
+    )
+
+
+def bptt(
+    program: NeuronProgram,
+    grad_spikes: torch.Tensor,
+    grad_v_seq: torch.Tensor | None,
+    grad_v_last: torch.Tensor | None,
+    grad_w_last: torch.Tensor | None,
+    h_seq: torch.Tensor,
+    w_seq: torch.Tensor,
+    x_seq: torch.Tensor,
+    v0: torch.Tensor,
+    w0: torch.Tensor,
+    learnable: torch.Tensor,
+    constants: list[float],
+) -> BPTTOut:
+    """Backward through time (seed 003), walking t = T-1 .. 0.
+
+    dL/dV[t] = ∂L/∂V[t] + dL/dH[t+1] ∂H[t+1]/∂V[t]
+    dL/dW[t] = dL/dH[t+1] ∂H[t+1]/∂W[t] + dL/dW[t+1] ∂Z[t+1]/∂W[t]
+    dL/dH[t] = ∂L/∂S[t] Θ' + dL/dV[t] dV[t]/dH[t] + dL/dW[t] (∂Z[t]/∂H[t] + jump Θ')
+    dL/dX[t] = dL/dH[t] ∂H[t]/∂X[t]
+    """
+    f, d = program.torch_functions, program.definition
+    cd = h_seq.dtype
+    params = program.param_values(learnable, constants, h_seq)
+    vth, vreset = params[0], params[1]
+    not_detached = 0.0 if program.detach_reset else 1.0
+    zero = h_seq.new_zeros(())
+    T = h_seq.shape[0]
+    xs = x_seq.to(cd) if x_seq.numel() else None
+    v0, w0 = v0.to(cd), w0.to(cd)
+
+    def x_at(t):
+        return xs[t] if xs is not None else zero
+
+    def w_at(t):  # W[t] (t = -1: initial state); only derivatives that need W read it
+        return (w_seq[t] if t >= 0 else w0) if w_seq.numel() else zero
+
+    def v_at(t):
+        if t < 0:
+            return v0
+        h = h_seq[t]
+        return _reset(program, h, (h >= vth).to(cd), vth, vreset)
+
+    grad_x = torch.empty_like(h_seq)
+    grad_learn = [h_seq.new_zeros(()) for _ in program.learnable]
+    grad_h_next = grad_w_next = None
+    for t in range(T - 1, -1, -1):
+        h, v, v_prev = h_seq[t], v_at(t), v_at(t - 1)
+        s = (h >= vth).to(cd)
+        sg = program.surrogate.derivative(h - vth)
+        if program.hard_reset:
+            dv_dh = (1 - s) + (vreset - h) * sg * not_detached
+        else:
+            dv_dh = 1 - vth * sg * not_detached
+
+        grad_v = torch.zeros_like(h)
+        if grad_v_seq is not None:
+            grad_v = grad_v + grad_v_seq[t].to(cd)
+        if t == T - 1 and grad_v_last is not None:
+            grad_v = grad_v + grad_v_last.to(cd)
+        if grad_h_next is not None:  # H[t+1] = f(V[t], X[t+1], W[t])
+            args_next = (v, x_at(t + 1), w_at(t), h_seq[t + 1], *params)
+            grad_v = grad_v + grad_h_next * f["dh_dv"](*args_next)
+        grad_h = grad_spikes[t].to(cd) * sg + grad_v * dv_dh
+
+        if d.adaptive:
+            grad_w = torch.zeros_like(h)
+            if t == T - 1 and grad_w_last is not None:
+                grad_w = grad_w + grad_w_last.to(cd)
+            if grad_h_next is not None:
+                grad_w = grad_w + grad_h_next * f["dh_dw"](*args_next)
+                grad_w = grad_w + grad_w_next * f["dz_dw"](v, x_at(t + 1), w_at(t), h_seq[t + 1], *params)
+            args = (v_prev, x_at(t), w_at(t - 1), h, *params)
+            grad_h = grad_h + grad_w * (f["dz_dh"](*args) + f["jump"](*args) * sg)
+            grad_w_next = grad_w
+
+        args = (v_prev, x_at(t), w_at(t - 1), h, *params)
+        grad_x[t] = grad_h * f["dh_dx"](*args)
+        for i, name in enumerate(program.learnable):
+            grad_learn[i] = grad_learn[i] + (grad_h * f[f"dh_d{name}"](*args)).sum()
+        grad_h_next = grad_h
+
+    args0 = (v0, x_at(0), w_at(-1), h_seq[0], *params)
+    grad_v0 = grad_h_next * f["dh_dv"](*args0)
+    if d.adaptive:
+        grad_w0 = grad_h_next * f["dh_dw"](*args0) + grad_w_next * f["dz_dw"](*args0)
+    else:
+        grad_w0 = h_seq.new_empty(0)
+    return BPTTOut(
+        grad_x=grad_x.to(grad_spikes.dtype),
+        grad_v0=torch.as_tensor(grad_v0, dtype=cd).expand_as(v0).clone(),
+        grad_w0=grad_w0.expand_as(w0).clone() if d.adaptive else grad_w0,
+        grad_learnable=torch.stack(grad_learn) if grad_learn else learnable.new_zeros(0),
+    )
+
+
+def oracle(
+    program: NeuronProgram,
+    x_seq: torch.Tensor,
+    v0: torch.Tensor,
+    w0: torch.Tensor,
+    learnable: torch.Tensor,
+    constants: list[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain autograd step loop (the test oracle): spikes, v_seq, v_last, w_last.
+
+    Gradients come from autograd through the charge function and the surrogate; nothing here
+    shares code with :func:`bptt` beyond the lambdified charge and surrogate derivative.
+    """
+    f, d = program.torch_functions, program.definition
+    params = program.param_values(learnable, constants, x_seq)
+    vth, vreset = params[0], params[1]
+    v, w = v0, w0
+    zero = x_seq.new_zeros(())
+    spikes, vs = [], []
+    for t in range(x_seq.shape[0]):
+        h = f["charge"](v, x_seq[t], w, zero, *params)
+        s = program.surrogate(h - vth)
+        s_reset = s.detach() if program.detach_reset else s
+        if d.adaptive:
+            w = f["adaptation"](v, x_seq[t], w, h, *params) + f["jump"](v, x_seq[t], w, h, *params) * s
+        v = h * (1 - s_reset) + vreset * s_reset if program.hard_reset else h - vth * s_reset
+        spikes.append(s)
+        vs.append(v)
+    return torch.stack(spikes), torch.stack(vs), v, w
+
+
+def saved_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the H/W sequences this backend saves for backward."""
+    return compute_dtype(dtype)

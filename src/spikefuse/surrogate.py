@@ -1,0 +1,182 @@
+"""Surrogate gradients: a Heaviside forward whose derivative is defined once, as a sympy expression.
+
+Each surrogate gives dΘ/dx for x = H - V_th. The torch backend evaluates the expression with
+PyTorch ops, the CUDA backend prints it as C; a surrogate may override :meth:`cuda_code` with
+hand-written CUDA. Formulas and defaults follow SpikingJelly where it has the same name.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import sympy as sp
+import torch
+from torch import nn
+
+from .errors import SpikefuseError
+
+x_sym = sp.Symbol("x", real=True)
+
+
+def heaviside(x: torch.Tensor) -> torch.Tensor:
+    """Θ(x) = 1 if x >= 0 else 0, in x's dtype."""
+    return (x >= 0).to(x.dtype)
+
+
+class _SurrogateSpike(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, derivative: Callable[[torch.Tensor], torch.Tensor]):
+        ctx.save_for_backward(x)
+        ctx.derivative = derivative
+        return heaviside(x)
+
+    @staticmethod
+    def backward(ctx, grad_spike: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        return grad_spike * ctx.derivative(x), None
+
+
+class Surrogate(nn.Module):
+    """Base class: subclasses set hyper-parameters and implement :meth:`expression`.
+
+    Calling a surrogate on a tensor x returns Θ(x) with the surrogate derivative in backward.
+    """
+
+    def hyperparameters(self) -> dict[str, float]:
+        """Hyper-parameter values by name (they are baked into generated kernels)."""
+        return {}
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        """dΘ/dx as a sympy expression of ``x`` (hyper-parameters as numbers)."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def derivative_expr(self) -> sp.Expr:
+        return self.expression(x_sym).evalf()
+
+    @functools.cached_property
+    def derivative(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """dΘ/dx evaluated with PyTorch ops (fp64 stays fp64)."""
+        fn = sp.lambdify([x_sym], self.derivative_expr, modules="torch")
+        return lambda x: torch.as_tensor(fn(x), dtype=x.dtype, device=x.device).expand_as(x)
+
+    def cuda_code(self, x: str) -> str:
+        """A CUDA float expression for dΘ/dx, given the name of the float variable holding x."""
+        from .cuda.printer import cuda_expr  # the printer is only needed for code generation
+
+        return cuda_expr(self.derivative_expr, {x_sym: x})
+
+    @property
+    def key(self) -> str:
+        """Identifies the derivative (for kernel caches)."""
+        return f"{type(self).__name__}({self.derivative_expr})"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SurrogateSpike.apply(x, self.derivative)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.hyperparameters().items())
+
+
+class _AlphaSurrogate(Surrogate):
+    default_alpha = 1.0
+
+    def __init__(self, alpha: float | None = None) -> None:
+        super().__init__()
+        self.alpha = float(self.default_alpha if alpha is None else alpha)
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise SpikefuseError(f"{type(self).__name__}: alpha must be finite and > 0, got {alpha}")
+
+    def hyperparameters(self) -> dict[str, float]:
+        return {"alpha": self.alpha}
+
+
+class Sigmoid(_AlphaSurrogate):
+    """Θ'(x) = α·σ(αx)(1 - σ(αx))."""
+
+    default_alpha = 4.0
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        s = 1 / (1 + sp.exp(-self.alpha * x))
+        return self.alpha * s * (1 - s)
+
+
+class ATan(_AlphaSurrogate):
+    """Θ'(x) = α / (2 (1 + (π α x / 2)²))."""
+
+    default_alpha = 2.0
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        return self.alpha / 2 / (1 + (sp.pi / 2 * self.alpha * x) ** 2)
+
+
+class PiecewiseQuadratic(_AlphaSurrogate):
+    """Θ'(x) = α - α²|x| for |x| <= 1/α, else 0."""
+
+    default_alpha = 1.0
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        a = self.alpha
+        return sp.Piecewise((0, sp.Abs(x) > 1 / a), (a - a**2 * sp.Abs(x), True))
+
+
+class PiecewiseExp(_AlphaSurrogate):
+    """Θ'(x) = (α/2) exp(-α|x|)."""
+
+    default_alpha = 1.0
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        return self.alpha / 2 * sp.exp(-self.alpha * sp.Abs(x))
+
+
+class SoftSign(_AlphaSurrogate):
+    """Θ'(x) = α / (2 (1 + |αx|)²)."""
+
+    default_alpha = 2.0
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        return self.alpha / (2 * (1 + sp.Abs(self.alpha * x)) ** 2)
+
+
+class SuperSpike(_AlphaSurrogate):
+    """Θ'(x) = 1 / (α|x| + 1)² (Zenke & Ganguli)."""
+
+    default_alpha = 1.0
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        return 1 / (self.alpha * sp.Abs(x) + 1) ** 2
+
+
+class Erf(_AlphaSurrogate):
+    """Θ'(x) = (α/√π) exp(-α²x²)."""
+
+    default_alpha = 2.0
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        return self.alpha / sp.sqrt(sp.pi) * sp.exp(-(self.alpha**2) * x**2)
+
+
+class Rect(Surrogate):
+    """The DATE'22 paper's rectangular window: Θ'(x) = η for th_l < x < th_r, else 0.
+
+    The window is relative to the threshold (x = H - V_th): the paper's absolute window
+    (-0.25, 0.75) around threshold 0.25 is ``Rect(eta=1., th_l=-0.5, th_r=0.5)``.
+    """
+
+    def __init__(self, eta: float = 1.0, th_l: float = -0.5, th_r: float = 0.5) -> None:
+        super().__init__()
+        self.eta, self.th_l, self.th_r = float(eta), float(th_l), float(th_r)
+        if not all(map(math.isfinite, (self.eta, self.th_l, self.th_r))) or self.th_l >= self.th_r:
+            raise SpikefuseError(f"Rect: need finite eta and th_l < th_r, got {eta}, {th_l}, {th_r}")
+
+    def hyperparameters(self) -> dict[str, float]:
+        return {"eta": self.eta, "th_l": self.th_l, "th_r": self.th_r}
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        inside = sp.And(x > self.th_l, x < self.th_r)
+        return sp.Piecewise((self.eta, inside), (0, True))
+
+
+ALL = (Sigmoid, ATan, PiecewiseQuadratic, PiecewiseExp, SoftSign, SuperSpike, Erf, Rect)
