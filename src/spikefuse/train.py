@@ -40,6 +40,9 @@ NEURONS: dict[str, Callable[..., nn.Module]] = {
     "if": neuron.IFNode,
     "lif": functools.partial(neuron.LIFNode, tau=2.0),
     "plif": functools.partial(neuron.ParametricLIFNode, init_tau=2.0),
+    "qif": neuron.QIFNode,
+    "eif": neuron.EIFNode,
+    "izhikevich": neuron.IzhikevichNode,
 }
 
 

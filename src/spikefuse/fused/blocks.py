@@ -1,0 +1,318 @@
+"""Fused Conv/Linear → BatchNorm → neuron modules, and :func:`fuse` to convert existing models."""
+
+from __future__ import annotations
+
+import copy
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import layer, surrogate
+from ..errors import SpikefuseError
+from ..neuron import BaseNode, LIFNode
+from .bn_neuron import BNNeuronFunction, BNSpec, NeuronCall
+from .packing import is_marked_binary, mark_binary, saving_spikes_packed
+
+SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
+# The BatchNorm class that matches each synapse: channels are dim 1 of the merged [T*B, C, *].
+_BN_FOR = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Linear: nn.BatchNorm1d}
+# Classes whose forward is exactly the torch layer's (plain or with spikefuse's step_mode); a
+# subclass with its own forward is left unfused.
+_EXACT = {
+    nn.Conv1d: (nn.Conv1d, layer.Conv1d),
+    nn.Conv2d: (nn.Conv2d, layer.Conv2d),
+    nn.Linear: (nn.Linear, layer.Linear),
+    nn.BatchNorm1d: (nn.BatchNorm1d, layer.BatchNorm1d),
+    nn.BatchNorm2d: (nn.BatchNorm2d, layer.BatchNorm2d),
+}
+
+
+def paper_lif(**kwargs) -> LIFNode:
+    """The DATE'22 paper's LIF: u[t] = 0.25 u[t-1] (1 - s[t-1]) + x[t], threshold 0.25, hard reset
+    to 0, rectangular surrogate 1 on (-0.25, 0.75); multi-step. ``kwargs`` override (e.g.
+    ``backend``)."""
+    options = dict(
+        tau=4.0 / 3.0,  # 1 - 1/tau = 0.25
+        decay_input=False,
+        v_threshold=0.25,
+        v_reset=0.0,
+        surrogate_function=surrogate.Rect(eta=1.0, th_l=-0.5, th_r=0.5),
+        step_mode="m",
+    )
+    options.update(kwargs)
+    return LIFNode(**options)
+
+
+def _synapse_kind(module: nn.Module) -> type[nn.Module] | None:
+    for base in SYNAPSES:
+        if type(module) in _EXACT[base]:
+            return base
+    return None
+
+
+class FusedBlock(nn.Module):
+    """``synapse → [BatchNorm] → neuron`` on multi-step input, keeping only the synapse output.
+
+    Input ``[T, B, C_in, *]`` (Conv2d: ``[T, B, C_in, H, W]``, Linear: ``[T, B, F_in]``); output
+    spikes ``[T, B, C_out, *]`` in the input's dtype (bf16 under bf16 autocast). The synapse runs
+    once on the merged ``[T*B, ...]`` batch. BatchNorm normalises each channel over
+    (T, B, spatial) — batch statistics in training (synchronised across processes when
+    torch.distributed is initialised), running statistics in eval — exactly like the unfused
+    ``layer.BatchNorm2d(step_mode='m')``. The neuron is any one-state :class:`BaseNode`; it runs
+    from its reset state on every call, so each call is an independent sequence and the node's
+    ``.v`` is neither read nor written.
+
+    Memory: backward keeps the synapse output and per-channel vectors; BN output, membrane
+    potentials and spikes are recomputed. A synapse input that is the spike output of another
+    fused block is saved at 1 bit per spike.
+
+    Args:
+        synapse: ``nn.Conv1d``/``nn.Conv2d``/``nn.Linear`` (or spikefuse ``layer`` versions).
+        bn: the matching ``BatchNorm1d``/``BatchNorm2d``, or None for no normalisation.
+        node: the neuron (e.g. :func:`paper_lif`).
+        process_group: the group BN synchronises over (None: the default group).
+    """
+
+    def __init__(
+        self,
+        synapse: nn.Module,
+        bn: nn.modules.batchnorm._BatchNorm | None,
+        node: BaseNode,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        kind = _synapse_kind(synapse)
+        if kind is None:
+            raise SpikefuseError(
+                f"FusedBlock: synapse must be a Conv1d, Conv2d or Linear, got {type(synapse).__name__}"
+            )
+        if bn is not None:
+            expected = _BN_FOR[kind]
+            if type(bn) not in _EXACT[expected]:
+                raise SpikefuseError(
+                    f"FusedBlock: a {kind.__name__} needs {expected.__name__}, got {type(bn).__name__}"
+                )
+            channels = synapse.out_channels if kind is not nn.Linear else synapse.out_features
+            if bn.num_features != channels:
+                raise SpikefuseError(
+                    f"FusedBlock: BatchNorm has {bn.num_features} features, the {kind.__name__} "
+                    f"produces {channels} channels"
+                )
+        if not isinstance(node, BaseNode):
+            raise SpikefuseError(
+                f"FusedBlock: node must be a spikefuse neuron, got {type(node).__name__}"
+            )
+        if node.definition.adaptive:
+            raise SpikefuseError(
+                f"FusedBlock: only one-state neurons can be fused, {type(node).__name__} has two"
+            )
+        if node.store_v_seq:
+            raise SpikefuseError(
+                "FusedBlock: store_v_seq=True needs V, which fused blocks never keep"
+            )
+        self.synapse, self.bn, self.node = synapse, bn, node
+        self._kind = kind
+        self.process_group = process_group
+
+    def _check_input(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor):
+            raise SpikefuseError(f"FusedBlock: input must be a tensor, got {type(x).__name__}")
+        rank = {nn.Conv1d: 4, nn.Conv2d: 5}.get(self._kind)
+        if rank is not None and x.dim() != rank:
+            raise SpikefuseError(
+                f"FusedBlock({self._kind.__name__}): expected input [T, B, C, ...] of rank {rank}, "
+                f"got shape {tuple(x.shape)}"
+            )
+        if self._kind is nn.Linear and x.dim() != 3:
+            raise SpikefuseError(
+                f"FusedBlock(Linear): expected input [T, B, F], got shape {tuple(x.shape)}"
+            )
+        if x.shape[0] == 0:
+            raise SpikefuseError("FusedBlock: the input has T = 0 time steps")
+        if not x.dtype.is_floating_point:
+            raise SpikefuseError(f"FusedBlock: input dtype must be floating point, got {x.dtype}")
+
+    def _synapse_forward(self, x: Tensor) -> Tensor:
+        merged = x.flatten(0, 1)
+        # The torch base class's forward: spikefuse layers would otherwise re-split T and B.
+        forward = self._kind.forward
+        if is_marked_binary(x):
+            with saving_spikes_packed(merged):
+                y = forward(self.synapse, merged)
+        else:
+            y = forward(self.synapse, merged)
+        return y.unflatten(0, x.shape[:2])
+
+    def _bn_spec(self) -> BNSpec | None:
+        bn = self.bn
+        if bn is None:
+            return None
+        batch_stats = bn.training or not bn.track_running_stats
+        momentum = None
+        if bn.training and bn.track_running_stats:
+            bn.num_batches_tracked.add_(1)
+            momentum = bn.momentum
+            if momentum is None:  # cumulative moving average, as in torch's BatchNorm
+                momentum = 1.0 / float(bn.num_batches_tracked)
+        return BNSpec(
+            weight=bn.weight,
+            bias=bn.bias,
+            running_mean=bn.running_mean,
+            running_var=bn.running_var,
+            batch_stats=batch_stats,
+            momentum=momentum,
+            eps=bn.eps,
+            group=self.process_group,
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_input(x)
+        y = self._synapse_forward(x)
+        bn = self._bn_spec()
+        neuron = NeuronCall.from_node(self.node, y)
+        learnable = self.node.learnable_values(y.device)
+        weight = bn.weight if bn is not None else None
+        bias = bn.bias if bn is not None else None
+        spikes = BNNeuronFunction.apply(y, weight, bias, learnable, bn, neuron)
+        return mark_binary(spikes)
+
+
+class FusedConvBNNeuron(FusedBlock):
+    """Conv2d → BatchNorm2d → neuron on ``[T, B, C_in, H, W]`` (``bn=False``: no BatchNorm).
+
+    Conv arguments as ``nn.Conv2d``; ``bias`` defaults to ``not bn`` (BN's shift makes a conv
+    bias redundant); ``node`` defaults to :func:`paper_lif`.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] | str = 0,
+        dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
+        bias: bool | None = None,
+        bn: bool = True,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        node: BaseNode | None = None,
+    ) -> None:
+        conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias=not bn if bias is None else bias)  # fmt: skip
+        norm = nn.BatchNorm2d(out_channels, eps, momentum) if bn else None
+        super().__init__(conv, norm, paper_lif() if node is None else node)
+
+
+class FusedLinearBNNeuron(FusedBlock):
+    """Linear → BatchNorm1d → neuron on ``[T, B, F_in]`` (``bn=False``: no BatchNorm).
+
+    ``bias`` defaults to ``not bn``; ``node`` defaults to :func:`paper_lif`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool | None = None,
+        bn: bool = True,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        node: BaseNode | None = None,
+    ) -> None:
+        linear = nn.Linear(in_features, out_features, bias=not bn if bias is None else bias)
+        norm = nn.BatchNorm1d(out_features, eps, momentum) if bn else None
+        super().__init__(linear, norm, paper_lif() if node is None else node)
+
+
+# ---- converting existing models ------------------------------------------------------------
+def _multi_step(module: nn.Module) -> bool:
+    # Plain torch layers have no step_mode; only Linear accepts [T, B, F] as it is.
+    mode = getattr(module, "step_mode", None)
+    return mode == "m" or (mode is None and type(module) is nn.Linear)
+
+
+def _as_synapse_bn(module: nn.Module) -> tuple[nn.Module, nn.Module | None] | None:
+    """(synapse, bn or None) if ``module`` applies a synapse (then BN) to [T, B, ...] input."""
+    if type(module) is layer.SeqToANNContainer and len(module) in (1, 2):
+        inner = list(module)
+        if _synapse_kind(inner[0]) is None or getattr(inner[0], "step_mode", "s") != "s":
+            return None
+        if len(inner) == 2 and not _is_bn_for(inner[1], inner[0], step_mode="s"):
+            return None
+        return inner[0], inner[1] if len(inner) == 2 else None
+    if _synapse_kind(module) is not None and _multi_step(module):
+        return module, None
+    return None
+
+
+def _is_bn_for(bn: nn.Module, synapse: nn.Module, step_mode: str) -> bool:
+    kind = _synapse_kind(synapse)
+    # Inside SeqToANNContainer a layer must run single-step ('s' or a plain torch layer).
+    mode = getattr(bn, "step_mode", "s")
+    return type(bn) in _EXACT[_BN_FOR[kind]] and mode == step_mode
+
+
+def _as_bn(module: nn.Module, synapse: nn.Module) -> nn.Module | None:
+    if type(module) is layer.SeqToANNContainer and len(module) == 1:
+        return module[0] if _is_bn_for(module[0], synapse, step_mode="s") else None
+    return module if _is_bn_for(module, synapse, step_mode="m") else None
+
+
+def _fusable_node(module: nn.Module) -> bool:
+    return (
+        isinstance(module, BaseNode)
+        and module.step_mode == "m"
+        and not module.definition.adaptive
+        and not module.store_v_seq
+    )
+
+
+def fuse(
+    model: nn.Module, inplace: bool = False, process_group: dist.ProcessGroup | None = None
+) -> nn.Module:
+    """Replace every ``synapse → [BN] → neuron`` run inside ``nn.Sequential`` s with a FusedBlock.
+
+    Only plain ``nn.Sequential`` containers are searched (their data flow is known). Recognised
+    runs of consecutive modules (all multi-step):
+
+    * ``layer.Conv2d``/``layer.Linear``/``layer.Conv1d`` (``step_mode='m'``) or a plain
+      ``nn.Linear``, optionally followed by the matching ``layer.BatchNorm*d(step_mode='m')``;
+    * ``layer.SeqToANNContainer(conv_or_linear[, batchnorm])`` (then optionally a separate BN);
+    * then a one-state spikefuse neuron with ``step_mode='m'`` and ``store_v_seq=False``.
+
+    The fused block holds the original modules (parameters and buffers are shared, not copied);
+    the BN and neuron positions become ``nn.Identity`` so the Sequential's indices stay the same.
+    ``process_group`` is what the fused BatchNorms synchronise over (None: the default group).
+    Returns the converted model (a deep copy unless ``inplace``). It computes the same function,
+    but each forward call is an independent sequence (fused neurons start from their reset state).
+    """
+    if not inplace:
+        model = copy.deepcopy(model)
+    for module in list(model.modules()):
+        if type(module) is nn.Sequential:
+            _fuse_sequential(module, process_group)
+    return model
+
+
+def _fuse_sequential(seq: nn.Sequential, process_group: dist.ProcessGroup | None) -> None:
+    modules = list(seq)
+    i = 0
+    while i < len(modules):
+        found = _as_synapse_bn(modules[i])
+        if found is None:
+            i += 1
+            continue
+        synapse, bn = found
+        j = i + 1
+        if bn is None and j < len(modules):
+            bn = _as_bn(modules[j], synapse)
+            j += bn is not None
+        if j >= len(modules) or not _fusable_node(modules[j]):
+            i += 1
+            continue
+        seq[i] = FusedBlock(synapse, bn, modules[j], process_group)
+        for k in range(i + 1, j + 1):
+            seq[k] = nn.Identity()
+        i = j + 1

@@ -1,0 +1,260 @@
+"""BatchNorm → spiking neuron as one autograd function that keeps only its input for backward.
+
+For the synapse output ``y`` of shape ``[T, B, C, *spatial]`` (Conv: ``[T, B, C, H, W]``,
+Linear: ``[T, B, C]``) with per-channel statistics over every dimension except C (tdBN)::
+
+    mean[c], var[c] = batch (or running) statistics of y[:, :, c]
+    invstd          = 1 / sqrt(var + eps)
+    scale           = gamma * invstd,  shift = beta - mean * scale
+    x               = y * scale[c] + shift[c]                      (BN output)
+    spikes          = neuron(x)                                    (BPTT through T)
+
+Saved for backward: ``y`` and the per-channel vectors only. Backward recomputes x and the
+neuron's forward, runs the neuron's BPTT to get ``g = dL/dx`` and finishes BatchNorm's backward
+with two per-channel sums (all-reduced across processes when torch.distributed is initialised)::
+
+    sum_g[c]    = Σ g,       sum_gxh[c] = Σ g * xhat,      xhat = (y - mean) * invstd
+    dL/dgamma   = sum_gxh,   dL/dbeta   = sum_g             (local sums: DDP averages them)
+    dL/dy       = scale * (g - Σ_all g / n - xhat * Σ_all g xhat / n)    (batch statistics)
+    dL/dy       = scale * g                                              (running statistics)
+
+with n the number of elements per channel over all processes. The element-wise work sits in
+:func:`bn_neuron_forward` (affine + neuron forward) and :func:`bn_neuron_backward` (recompute,
+BPTT and the per-channel sums): a backend with kernels that fuse the affine into the neuron's
+prologue and the sums into its backward epilogue replaces exactly these two functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..errors import SpikefuseError
+from ..neuron import BaseNode
+from ..program import NeuronProgram
+from ..reference import compute_dtype
+
+
+@dataclass(frozen=True)
+class NeuronCall:
+    """What the neuron ops need from a node, fixed for one forward/backward pair.
+
+    Every call starts from the node's reset state (``v = v_reset``, or 0 for soft reset).
+    """
+
+    program: NeuronProgram
+    backend: str  # resolved: 'torch' or 'cuda'
+    constants: tuple[float, ...]
+    v_init: float
+
+    @classmethod
+    def from_node(cls, node: BaseNode, x: Tensor) -> NeuronCall:
+        if node.definition.adaptive:
+            raise SpikefuseError(
+                f"fused blocks support one-state neurons only; {type(node).__name__} has two states"
+            )
+        v_init = 0.0 if node.v_reset is None else float(node.v_reset)
+        backend = node._resolve_backend(x)
+        return cls(node.program, backend, tuple(node.constants()), v_init)
+
+    def _v0(self, x: Tensor) -> Tensor:
+        return torch.full(x.shape[1:], self.v_init, dtype=compute_dtype(x.dtype), device=x.device)
+
+    def forward(self, x: Tensor, learnable: Tensor, save_h: bool) -> tuple[Tensor, Tensor]:
+        """Spikes [T, *] (x dtype) and, with ``save_h``, the charge sequence H for BPTT."""
+        out = torch.ops.spikefuse.neuron_fptt(
+            self.program.key, self.backend, x, self._v0(x), x.new_empty(0), learnable,
+            list(self.constants), save_h, False,
+        )  # fmt: skip
+        return out[0], out[4]
+
+    def backward(
+        self, x: Tensor, h_seq: Tensor, learnable: Tensor, grad_spikes: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """dL/dx [T, *] (dtype of H) and dL/d(learnable) [P] from dL/dspikes."""
+        keep_x = x if self.program.definition.partials.needs_x else x.new_empty(0)
+        grad_x, _, _, grad_learnable = torch.ops.spikefuse.neuron_bptt(
+            self.program.key, self.backend, grad_spikes.to(h_seq.dtype), None, None, None,
+            h_seq, h_seq.new_empty(0), keep_x, self._v0(h_seq), h_seq.new_empty(0), learnable,
+            list(self.constants),
+        )  # fmt: skip
+        return grad_x, grad_learnable
+
+
+def _per_channel(v: Tensor, ndim: int) -> Tensor:
+    """[C] → [1, 1, C, 1, ...] broadcastable against a [T, B, C, *spatial] tensor."""
+    return v.view(1, 1, -1, *([1] * (ndim - 3)))
+
+
+def _reduce_dims(ndim: int) -> list[int]:
+    return [0, 1, *range(3, ndim)]
+
+
+def _neuron_input(y: Tensor, scale: Tensor | None, shift: Tensor | None) -> Tensor:
+    """x = y * scale + shift in float32 (float64 stays); y itself when there is no BN."""
+    if scale is None:
+        return y
+    cd = compute_dtype(y.dtype)
+    return torch.addcmul(_per_channel(shift, y.dim()), y.to(cd), _per_channel(scale, y.dim()))
+
+
+def bn_neuron_forward(
+    y: Tensor, scale: Tensor | None, shift: Tensor | None, neuron: NeuronCall, learnable: Tensor
+) -> Tensor:
+    """Spikes [T, B, C, *] in y's dtype from the synapse output y; no BN when scale is None."""
+    spikes, _ = neuron.forward(_neuron_input(y, scale, shift), learnable, save_h=False)
+    return spikes.to(y.dtype)
+
+
+def bn_neuron_backward(
+    y: Tensor,
+    scale: Tensor | None,
+    shift: Tensor | None,
+    mean: Tensor | None,
+    invstd: Tensor | None,
+    neuron: NeuronCall,
+    learnable: Tensor,
+    grad_spikes: Tensor,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """Recompute the neuron from y, run its BPTT and reduce per channel.
+
+    Returns ``(g, sum_g, sum_gxhat, grad_learnable)``: g = dL/dx [T, B, C, *] in the compute
+    dtype (float32 for half inputs), the two local per-channel sums [C] (None without BN) and
+    the gradient of the neuron's learnable parameters [P].
+    """
+    x = _neuron_input(y, scale, shift)
+    _, h_seq = neuron.forward(x, learnable, save_h=True)
+    g, grad_learnable = neuron.backward(x, h_seq, learnable, grad_spikes)
+    del x, h_seq
+    if scale is None:
+        return g, None, None, grad_learnable
+    dims = _reduce_dims(y.dim())
+    sum_g = g.sum(dims)
+    xc = y.to(g.dtype) - _per_channel(mean, y.dim())
+    sum_gxhat = (xc.mul_(g)).sum(dims) * invstd
+    return g, sum_g, sum_gxhat, grad_learnable
+
+
+# ---- statistics, synchronised across processes ------------------------------------------------
+def _distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def batch_stats(y: Tensor, group: dist.ProcessGroup | None = None) -> tuple[Tensor, Tensor, int]:
+    """Per-channel (mean, biased var) over all dims but C, across processes; and the count n.
+
+    Each process computes its local mean/var in one pass; processes then all-reduce
+    (n·mean, n·(var + mean²), n) in float64 so recombining the moments loses nothing.
+    """
+    cd = compute_dtype(y.dtype)
+    dims = _reduce_dims(y.dim())
+    var, mean = torch.var_mean(y.to(cd), dim=dims, correction=0)
+    count = y.numel() // y.shape[2]
+    if not _distributed(group):
+        return mean, var, count
+    n = float(count)
+    packed = torch.cat([mean.double() * n, (var.double() + mean.double() ** 2) * n,
+                        mean.new_full((1,), n, dtype=torch.float64)])  # fmt: skip
+    dist.all_reduce(packed, group=group)
+    c = mean.numel()
+    total = packed[-1]
+    g_mean = packed[:c] / total
+    g_var = (packed[c : 2 * c] / total - g_mean**2).clamp_(min=0)
+    return g_mean.to(cd), g_var.to(cd), int(total.item())
+
+
+def all_reduce_sums(sums: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Sum a small per-channel tensor over processes (identity when not distributed)."""
+    if _distributed(group):
+        sums = sums.clone()
+        dist.all_reduce(sums, group=group)
+    return sums
+
+
+@dataclass
+class BNSpec:
+    """The BatchNorm side of a fused call (None weight/bias: affine=False).
+
+    ``batch_stats`` says whether statistics come from the batch (training, or no running
+    statistics) or from ``running_mean``/``running_var``; ``momentum`` is the running-average
+    factor of this call (None: do not update the running statistics).
+    """
+
+    weight: Tensor | None
+    bias: Tensor | None
+    running_mean: Tensor | None
+    running_var: Tensor | None
+    batch_stats: bool
+    momentum: float | None
+    eps: float
+    group: dist.ProcessGroup | None = None
+
+
+class BNNeuronFunction(torch.autograd.Function):
+    """spikes = neuron(BN(y)); saves y and per-channel vectors only (see the module docstring).
+
+    ``apply(y, weight, bias, learnable, bn, neuron)``: ``weight``/``bias`` are BN's gamma/beta
+    (or None), passed separately from ``bn`` so autograd tracks them; ``bn`` None means no BN.
+    """
+
+    @staticmethod
+    def forward(ctx, y, weight, bias, learnable, bn: BNSpec | None, neuron: NeuronCall):
+        scale = shift = mean = invstd = None
+        count = 0
+        if bn is not None:
+            mean, invstd, count = _bn_affine_stats(y, bn)
+            scale = invstd * weight.to(invstd.dtype) if weight is not None else invstd
+            shift = -mean * scale
+            if bias is not None:
+                shift = shift + bias.to(scale.dtype)
+        spikes = bn_neuron_forward(y, scale, shift, neuron, learnable)
+        ctx.save_for_backward(y, scale, shift, mean, invstd, learnable)
+        ctx.neuron, ctx.bn, ctx.count = neuron, bn, count
+        ctx.affine = (weight is not None, bias is not None)
+        return spikes
+
+    @staticmethod
+    def backward(ctx, grad_spikes):
+        y, scale, shift, mean, invstd, learnable = ctx.saved_tensors
+        bn: BNSpec | None = ctx.bn
+        g, sum_g, sum_gxhat, grad_learnable = bn_neuron_backward(
+            y, scale, shift, mean, invstd, ctx.neuron, learnable, grad_spikes
+        )
+        grad_learnable = grad_learnable if ctx.needs_input_grad[3] else None
+        if bn is None:
+            return g.to(y.dtype), None, None, grad_learnable, None, None
+        has_weight, has_bias = ctx.affine
+        grad_weight = sum_gxhat if has_weight and ctx.needs_input_grad[1] else None
+        grad_bias = sum_g if has_bias and ctx.needs_input_grad[2] else None
+        ndim = y.dim()
+        grad_y = g.mul_(_per_channel(scale, ndim))
+        if bn.batch_stats:
+            # dL/dy = scale*g + y*k1 + k0: the mean and variance terms of BN's backward.
+            c = scale.numel()
+            totals = all_reduce_sums(torch.cat([sum_g, sum_gxhat]), bn.group)
+            mean_g, mean_gxhat = totals[:c] / ctx.count, totals[c:] / ctx.count
+            k1 = -scale * invstd * mean_gxhat
+            k0 = -scale * mean_g - mean * k1
+            grad_y.addcmul_(y, _per_channel(k1, ndim)).add_(_per_channel(k0, ndim))
+        return grad_y.to(y.dtype), grad_weight, grad_bias, grad_learnable, None, None
+
+
+def _bn_affine_stats(y: Tensor, bn: BNSpec) -> tuple[Tensor, Tensor, int]:
+    """(mean, invstd, n) to normalise with; updates the running statistics in training."""
+    cd = compute_dtype(y.dtype)
+    if not bn.batch_stats:
+        return bn.running_mean.to(cd), torch.rsqrt(bn.running_var.to(cd) + bn.eps), 0
+    mean, var, count = batch_stats(y, bn.group)
+    if count <= 1:
+        raise SpikefuseError(
+            f"BatchNorm in training needs more than 1 value per channel, got {count} "
+            f"(input shape {tuple(y.shape)})"
+        )
+    if bn.momentum is not None and bn.running_mean is not None:
+        unbiased = var * (count / (count - 1))
+        bn.running_mean.lerp_(mean.to(bn.running_mean.dtype), bn.momentum)
+        bn.running_var.lerp_(unbiased.to(bn.running_var.dtype), bn.momentum)
+    return mean, torch.rsqrt(var + bn.eps), count
