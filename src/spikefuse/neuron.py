@@ -232,8 +232,14 @@ class BaseNode(MemoryModule):
         backend = self._resolve_backend(x_seq)
         v0 = self._state("v", x_seq)
         w0 = self._state("w", x_seq) if self.definition.adaptive else x_seq.new_empty(0)
+        learnable = self.learnable_values(x_seq.device)
+        if learnable.device != x_seq.device:
+            raise SpikefuseError(
+                f"{type(self).__name__}: parameters are on {learnable.device} but the input is on "
+                f"{x_seq.device}; move the module with .to(device)"
+            )
         spikes, v_seq, v_last, w_last = run_neuron(
-            self.program, backend, x_seq, v0, w0, self.learnable_values(x_seq.device),
+            self.program, backend, x_seq, v0, w0, learnable,
             constants, self.store_v_seq and self.step_mode == "m",
         )  # fmt: skip
         self.v = v_last

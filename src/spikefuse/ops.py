@@ -41,10 +41,24 @@ def neuron_fptt(
     store_v_seq: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(spikes, v_seq, v_last, w_last, h_seq, w_seq); see :class:`spikefuse.reference.FPTTOut`."""
+    return _fptt(program, backend, x_seq, v0, w0, learnable, constants, save_for_backward,
+                 store_v_seq)  # fmt: skip
+
+
+def _fptt(program, backend, x_seq, v0, w0, learnable, constants, save_for_backward, store_v_seq):
     out = backend_module(backend).fptt(
         lookup(program), x_seq, v0, w0, learnable, constants, save_for_backward, store_v_seq
     )
     return tuple(out)
+
+
+def _bptt(program, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, h_seq, w_seq,
+          x_seq, v0, w0, learnable, constants):  # fmt: skip
+    out = backend_module(backend).bptt(
+        lookup(program), grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
+        h_seq, w_seq, x_seq, v0, w0, learnable, constants,
+    )  # fmt: skip
+    return out.grad_x, out.grad_v0, out.grad_w0, out.grad_learnable.to(learnable.dtype)
 
 
 @neuron_fptt.register_fake
@@ -84,11 +98,8 @@ def neuron_bptt(
     constants: list[float],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_x, grad_v0, grad_w0, grad_learnable); see :class:`spikefuse.reference.BPTTOut`."""
-    out = backend_module(backend).bptt(
-        lookup(program), grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
-        h_seq, w_seq, x_seq, v0, w0, learnable, constants,
-    )  # fmt: skip
-    return out.grad_x, out.grad_v0, out.grad_w0, out.grad_learnable.to(learnable.dtype)
+    return _bptt(program, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, h_seq,
+                 w_seq, x_seq, v0, w0, learnable, constants)  # fmt: skip
 
 
 @neuron_bptt.register_fake
@@ -107,7 +118,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(h_seq, w_seq, keep_x, v0, w0, learnable)
 
 
-def _backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _grad_h, _grad_w):
+def _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, bptt):
+    """Gradients of (x_seq, v0, w0, learnable) from the saved context, via ``bptt``."""
     if not ctx.saved:
         raise RuntimeError("spikefuse: backward through a neuron whose forward saved nothing")
     h_seq, w_seq, x_seq, v0, w0, learnable = ctx.saved_tensors
@@ -116,15 +128,32 @@ def _backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _grad_h, _
     grad_w_last = grad_w_last if w0.numel() else None
     if grad_spikes is None:
         grad_spikes = torch.zeros(h_seq.shape, dtype=v0.dtype, device=h_seq.device)
-    grads = neuron_bptt(
-        ctx.program, ctx.backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
-        h_seq, w_seq, x_seq, v0, w0, learnable, ctx.constants,
-    )  # fmt: skip
-    grad_x, grad_v0, grad_w0, grad_learnable = grads
-    return None, None, grad_x, grad_v0, grad_w0, grad_learnable, None, None, None
+    return bptt(ctx.program, ctx.backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
+                h_seq, w_seq, x_seq, v0, w0, learnable, ctx.constants)  # fmt: skip
+
+
+def _backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _grad_h, _grad_w):
+    grads = _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, neuron_bptt)
+    return None, None, *grads, None, None, None
 
 
 neuron_fptt.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerNeuron(torch.autograd.Function):
+    """The same computation as the custom ops, without their Python dispatch cost (eager mode)."""
+
+    @staticmethod
+    def forward(ctx, x_seq, v0, w0, learnable, program, backend, constants, save, store_v_seq):
+        out = _fptt(program, backend, x_seq, v0, w0, learnable, constants, save, store_v_seq)
+        _setup_context(ctx, (program, backend, x_seq, v0, w0, learnable, constants, save,
+                             store_v_seq), out)  # fmt: skip
+        return out[:4]
+
+    @staticmethod
+    def backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last):
+        grads = _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _bptt)
+        return *grads, None, None, None, None, None
 
 
 def run_neuron(
@@ -144,7 +173,10 @@ def run_neuron(
     save = torch.is_grad_enabled() and (
         x_seq.requires_grad or v0.requires_grad or w0.requires_grad or learnable.requires_grad
     )
-    out = torch.ops.spikefuse.neuron_fptt(
-        program.key, backend, x_seq, v0, w0, learnable, constants, save, store_v_seq
-    )
-    return out[0], out[1], out[2], out[3]
+    args = (program.key, backend, x_seq, v0, w0, learnable, constants, save, store_v_seq)
+    if torch.compiler.is_compiling():  # the custom op: opaque to the compiler, no graph break
+        out = torch.ops.spikefuse.neuron_fptt(*args)
+        return out[0], out[1], out[2], out[3]
+    if not save:
+        return _fptt(*args)[:4]
+    return _EagerNeuron.apply(x_seq, v0, w0, learnable, *args[:2], *args[6:])

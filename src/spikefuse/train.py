@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -151,6 +151,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@contextlib.contextmanager
+def cpu_threads(device: torch.device, count: int) -> Iterator[None]:
+    """Limit torch's intra-op CPU threads while training on the CPU.
+
+    The digits network's ops are too small to gain from threads, and spinning OpenMP threads
+    slow down many times over when other processes share the cores. A fixed count also makes
+    the results independent of the machine's core count.
+    """
+    if device.type != "cpu":
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def describe_backend(backend: str, device: torch.device) -> str:
     """Say which neuron backend will run on ``device``; fail early if ``cuda`` cannot."""
     reason = unavailable_reason(torch.empty(0, device=device))
@@ -167,16 +186,15 @@ def describe_backend(backend: str, device: torch.device) -> str:
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` atomically: an interrupted save never leaves a truncated file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: replace is atomic
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -207,6 +225,8 @@ def load_checkpoint(path: Path, model_config: dict[str, Any]) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"checkpoint '{path}' is incomplete: no {', '.join(missing)}")
     saved = payload["config"]
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint '{path}' is damaged: its config is not a dict")
     differences = [
         f"{key}={saved.get(key)!r} in the checkpoint but {value!r} now"
         for key, value in model_config.items()
@@ -240,6 +260,9 @@ def train_epoch(
 ) -> float:
     """Run one epoch and return the mean training loss."""
     model.train()
+    # Cosine decay, computed from the epoch alone so a resumed run needs no scheduler state.
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr * 0.5 * (1.0 + math.cos(math.pi * epoch / config.epochs))
     # Seeded per epoch, so a resumed run sees the same batches as an uninterrupted one.
     order = torch.from_numpy(
         np.random.default_rng([config.seed, epoch]).permutation(len(data.y_train))
@@ -257,8 +280,9 @@ def train_epoch(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        total_loss += loss.item() * len(index)
-        batches.set_postfix(loss=f"{loss.item():.3f}")
+        value = loss.item()
+        total_loss += value * len(index)
+        batches.set_postfix(loss=f"{value:.3f}")
     return total_loss / len(order)
 
 
@@ -285,37 +309,38 @@ def run(config: TrainConfig) -> float:
         try:
             model.load_state_dict(payload["model"])
             optimizer.load_state_dict(payload["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
+            start_epoch = int(payload["epoch"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(
                 f"checkpoint '{checkpoint}' does not fit the model: {exc}"
             ) from exc
-        start_epoch = int(payload["epoch"])
         print(f"resumed from '{checkpoint}' after epoch {start_epoch}", flush=True)
 
-    accuracy = None
-    for epoch in range(start_epoch, config.epochs):
-        began = time.perf_counter()
-        loss = train_epoch(model, optimizer, data, config, epoch)
-        accuracy = evaluate(model, data.x_test, data.y_test, config.T)
-        save_checkpoint(
-            checkpoint,
-            {
-                "format": CHECKPOINT_FORMAT,
-                "version": CHECKPOINT_VERSION,
-                "epoch": epoch + 1,
-                "config": config.model_config(),
-                "test_accuracy": accuracy,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-            },
-        )
-        print(
-            f"epoch {epoch + 1}/{config.epochs}: train loss {loss:.4f}, "
-            f"test accuracy {accuracy:.4f} ({time.perf_counter() - began:.1f}s)",
-            flush=True,
-        )
-    if accuracy is None:  # resumed a run that had already finished
-        accuracy = evaluate(model, data.x_test, data.y_test, config.T)
+    with cpu_threads(device, 1):
+        accuracy = None
+        for epoch in range(start_epoch, config.epochs):
+            began = time.perf_counter()
+            loss = train_epoch(model, optimizer, data, config, epoch)
+            accuracy = evaluate(model, data.x_test, data.y_test, config.T)
+            save_checkpoint(
+                checkpoint,
+                {
+                    "format": CHECKPOINT_FORMAT,
+                    "version": CHECKPOINT_VERSION,
+                    "epoch": epoch + 1,
+                    "config": config.model_config(),
+                    "test_accuracy": accuracy,
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                },
+            )
+            print(
+                f"epoch {epoch + 1}/{config.epochs}: train loss {loss:.4f}, "
+                f"test accuracy {accuracy:.4f} ({time.perf_counter() - began:.1f}s)",
+                flush=True,
+            )
+        if accuracy is None:  # resumed a run that had already finished
+            accuracy = evaluate(model, data.x_test, data.y_test, config.T)
     print(f"checkpoint: {checkpoint}")
     print(f"final test accuracy: {accuracy:.4f}", flush=True)
     return accuracy
@@ -337,17 +362,22 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--epochs", type=_positive_int, default=d.epochs, help="total epochs")
-    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size)
+    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help="training batch")
     p.add_argument("--T", type=_positive_int, default=d.T, help="time steps per sample")
-    p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate")
-    p.add_argument("--neuron", choices=sorted(NEURONS), default=d.neuron)
+    p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate, cosine-decayed")
+    p.add_argument("--neuron", choices=sorted(NEURONS), default=d.neuron, help="neuron model")
     p.add_argument(
         "--backend",
         choices=["auto", "torch", "cuda"],
         default=d.backend,
         help="neuron backend; auto lets each neuron pick the fastest available",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default=d.device,
+        help="auto: cuda if available",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the split, init and batches")
     p.add_argument(
         "--checkpoint", default=d.checkpoint, help="written after every epoch", metavar="PATH"

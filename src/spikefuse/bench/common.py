@@ -139,7 +139,8 @@ def format_table(results: Sequence[BenchResult], *, baseline: str | None = None)
                 _fmt(r.peak_mib / b.peak_mib if b else math.nan, ".2f", suffix="x"),
             ]
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(header))]
+    full = [row for row in rows if len(row) == len(header)]
+    widths = [max(len(row[i]) for row in full) for i in range(len(header))]
     lines = []
     for row in rows:
         if len(row) < len(header):  # a failure message spans the remaining columns

@@ -57,6 +57,14 @@ def _module(source: str):
     return cp.RawModule(code=source, options=options, backend="nvrtc")
 
 
+def precompile(kernels: list[NeuronKernel], threads: int = 8) -> None:
+    """Compile kernels ahead of use, in parallel (NVRTC runs outside the GIL); fills the caches."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda k: _module(k.full_codes).compile(), kernels))
+
+
 _functions: dict[tuple, object] = {}
 _streams: dict[tuple[int, int], object] = {}
 
@@ -72,9 +80,8 @@ def _launch(kernel: NeuronKernel, forward: bool, device: torch.device, blocks: i
     try:
         fn = _functions.get(key)
         if fn is None:
-            source = kernel.fptt_source() if forward else kernel.bptt_source()
             name = kernel.fptt_name if forward else kernel.bptt_name
-            fn = _functions[key] = _module(source).get_function(name)
+            fn = _functions[key] = _module(kernel.full_codes).get_function(name)
         stream = _streams.get((index, stream_ptr))
         if stream is None:
             stream = _streams[(index, stream_ptr)] = cp.cuda.ExternalStream(stream_ptr, index)

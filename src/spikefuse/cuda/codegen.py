@@ -47,26 +47,42 @@ __device__ __forceinline__ float to_float(const scalar_t x) {{ return {to_f}; }}
 __device__ __forceinline__ scalar_t from_float(const float x) {{ return {from_f}; }}
 """
     if dtype == torch.float32:
-        return code + """\
-// float32 storage is exact: the saved H reproduces the forward's spikes as is.
-__device__ __forceinline__ scalar_t store_h(const float h, const float v_threshold) { return h; }
-"""
+        return code
     bits = _BITS[dtype]
     return code + f"""\
-// Round H to storage, then nudge it one ulp if rounding moved it across the threshold, so that
-// backward's recomputed spike (h >= v_threshold) is exactly the forward's spike.
-__device__ __forceinline__ scalar_t store_h(const float h, const float v_threshold) {{
-    scalar_t r = from_float(h);
-    const bool spike = h >= v_threshold;
-    if ((to_float(r) >= v_threshold) != spike) {{
-        unsigned short b = __{bits}_as_ushort(r);
-        if ((b & 0x7fff) == 0) b = spike ? 0x0001 : 0x8001;  // +-0: step to the smallest value
-        else b = (spike != ((b & 0x8000) != 0)) ? b + 1 : b - 1;  // one ulp up (spike) or down
-        r = __ushort_as_{bits}(b);
+// Round-to-storage keeps H on the float32 value's side of boundary b: if rounding crossed it,
+// step one ulp back (the neighbour lies beyond the exact value, so on the correct side).
+__device__ __forceinline__ scalar_t keep_side(scalar_t r, const float h, const float b) {{
+    const bool above = h >= b;
+    if ((to_float(r) >= b) != above) {{
+        unsigned short u = __{bits}_as_ushort(r);
+        if ((u & 0x7fff) == 0) u = above ? 0x0001 : 0x8001;  // +-0: the smallest magnitude
+        else u = (above != ((u & 0x8000) != 0)) ? u + 1 : u - 1;
+        r = __ushort_as_{bits}(u);
     }}
     return r;
 }}
 """
+
+
+def _store_h(dtype: torch.dtype, surrogate: Surrogate) -> str:
+    """store_h(): H in the storage dtype such that backward recomputes the forward's spike and
+    the same surrogate branch (threshold and surrogate discontinuities are kept on their side)."""
+    if dtype == torch.float32:
+        return (
+            "__device__ __forceinline__ scalar_t store_h(const float h, const Params& p) "
+            "{ return h; }  // exact"
+        )
+    sides = "\n".join(
+        f"    r = keep_side(r, h, p.v_threshold + ({b!r}f));  // surrogate discontinuity"
+        for b in surrogate.discontinuities
+    )
+    return f"""\
+__device__ __forceinline__ scalar_t store_h(const float h, const Params& p) {{
+    scalar_t r = keep_side(from_float(h), h, p.v_threshold);
+{sides}
+    return r;
+}}"""
 
 
 class NeuronKernel:
@@ -212,6 +228,7 @@ class NeuronKernel:
                 "__device__ __forceinline__ void store_pack(scalar_t* p, long long i, const pack_t& v)"
                 " { *reinterpret_cast<pack_t*>(p + i) = v; }",
                 self._device_functions(),
+                _store_h(self.dtype, self.surrogate),
             ]
         )
 
@@ -261,7 +278,7 @@ extern "C" __global__ void {self.fptt_name}(
             const float h = charge(v, x, w, p);
             const bool spike = h >= p.v_threshold;{adapt}
             sp.e[k] = from_float(spike ? 1.0f : 0.0f);
-            hp.e[k] = store_h(h, p.v_threshold);
+            hp.e[k] = store_h(h, p);
             v_reg[k] = {self._reset("h", "spike")};
             vp.e[k] = from_float(v_reg[k]);
         }}

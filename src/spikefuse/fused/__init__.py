@@ -11,7 +11,14 @@ Build blocks directly (:class:`FusedConvBNNeuron`, :class:`FusedLinearBNNeuron`,
 :class:`FusedBlock`) or convert a model made of spikefuse layers with :func:`fuse`.
 """
 
-from .blocks import FusedBlock, FusedConvBNNeuron, FusedLinearBNNeuron, fuse, paper_lif
+from .blocks import (
+    FusedBlock,
+    FusedConvBNNeuron,
+    FusedLinearBNNeuron,
+    SpikePool,
+    fuse,
+    paper_lif,
+)
 from .bn_neuron import BNNeuronFunction, bn_neuron_backward, bn_neuron_forward
 from .packing import pack_bits, unpack_bits
 
@@ -20,6 +27,7 @@ __all__ = [
     "FusedBlock",
     "FusedConvBNNeuron",
     "FusedLinearBNNeuron",
+    "SpikePool",
     "bn_neuron_backward",
     "bn_neuron_forward",
     "fuse",

@@ -11,9 +11,10 @@ from .. import layer, surrogate
 from ..errors import SpikefuseError
 from ..neuron import BaseNode, LIFNode
 from .bn_neuron import BNNeuronFunction, BNSpec, NeuronCall
-from .packing import is_marked_binary, mark_binary, saving_spikes_packed
+from .packing import PackedSpikes, is_marked_binary, mark_binary, mark_derived, saving_packed
 
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
+POOLS = (nn.AvgPool2d, nn.MaxPool2d)
 # The BatchNorm class that matches each synapse: channels are dim 1 of the merged [T*B, C, *].
 _BN_FOR = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Linear: nn.BatchNorm1d}
 # Classes whose forward is exactly the torch layer's (plain or with spikefuse's step_mode); a
@@ -24,6 +25,8 @@ _EXACT = {
     nn.Linear: (nn.Linear, layer.Linear),
     nn.BatchNorm1d: (nn.BatchNorm1d, layer.BatchNorm1d),
     nn.BatchNorm2d: (nn.BatchNorm2d, layer.BatchNorm2d),
+    nn.AvgPool2d: (nn.AvgPool2d, layer.AvgPool2d),
+    nn.MaxPool2d: (nn.MaxPool2d, layer.MaxPool2d),
 }
 
 
@@ -135,12 +138,8 @@ class FusedBlock(nn.Module):
     def _synapse_forward(self, x: Tensor) -> Tensor:
         merged = x.flatten(0, 1)
         # The torch base class's forward: spikefuse layers would otherwise re-split T and B.
-        forward = self._kind.forward
-        if is_marked_binary(x):
-            with saving_spikes_packed(merged):
-                y = forward(self.synapse, merged)
-        else:
-            y = forward(self.synapse, merged)
+        with saving_packed(merged):
+            y = self._kind.forward(self.synapse, merged)
         return y.unflatten(0, x.shape[:2])
 
     def _bn_spec(self) -> BNSpec | None:
@@ -175,6 +174,47 @@ class FusedBlock(nn.Module):
         bias = bn.bias if bn is not None else None
         spikes = BNNeuronFunction.apply(y, weight, bias, learnable, bn, neuron)
         return mark_binary(spikes)
+
+
+class SpikePool(nn.Module):
+    """Average or max pooling of multi-step spikes ``[T, B, C, H, W]`` that saves 1 bit a spike.
+
+    On the spike output of a fused block, the pooling's saved input is bit-packed; the output
+    of max pooling is again binary, the output of average pooling is tagged so that the next
+    fused block saves it as a recomputation from the same bits. Any other input is pooled
+    plainly. ``pool``: an ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse ``layer`` version).
+    """
+
+    def __init__(self, pool: nn.Module) -> None:
+        super().__init__()
+        kind = next((k for k in POOLS if type(pool) in _EXACT[k]), None)
+        if kind is None:
+            raise SpikefuseError(
+                f"SpikePool: pool must be AvgPool2d or MaxPool2d, got {type(pool).__name__}"
+            )
+        if getattr(pool, "return_indices", False):
+            raise SpikefuseError("SpikePool: return_indices=True is not supported")
+        self.pool = pool
+        self._kind = kind
+
+    def _pool(self, merged: Tensor) -> Tensor:
+        return self._kind.forward(self.pool, merged)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) or x.dim() != 5:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise SpikefuseError(f"SpikePool: expected input [T, B, C, H, W], got {shape}")
+        merged = x.flatten(0, 1)
+        if not is_marked_binary(merged):
+            return self._pool(merged).unflatten(0, x.shape[:2])
+        packed = PackedSpikes(merged)
+        with saving_packed(merged, packed):
+            out = self._pool(merged)
+        if self._kind is nn.MaxPool2d:
+            out = mark_binary(out)
+        else:
+            out = mark_derived(out, packed, self._pool)
+        return out.unflatten(0, x.shape[:2])
 
 
 class FusedConvBNNeuron(FusedBlock):
@@ -260,6 +300,19 @@ def _as_bn(module: nn.Module, synapse: nn.Module) -> nn.Module | None:
     return module if _is_bn_for(module, synapse, step_mode="m") else None
 
 
+def _as_pool(module: nn.Module) -> nn.Module | None:
+    """The pooling layer if ``module`` pools [T, B, C, H, W] input with a supported pool."""
+    if type(module) is layer.SeqToANNContainer and len(module) == 1:
+        module = module[0]  # the container merges T and B; the pool inside runs single-step
+        multi_step = getattr(module, "step_mode", "s") == "s"
+    else:
+        multi_step = getattr(module, "step_mode", None) == "m"
+    supported = any(type(module) in _EXACT[k] for k in POOLS)
+    if supported and multi_step and not getattr(module, "return_indices", False):
+        return module
+    return None
+
+
 def _fusable_node(module: nn.Module) -> bool:
     return (
         isinstance(module, BaseNode)
@@ -282,6 +335,9 @@ def fuse(
     * ``layer.SeqToANNContainer(conv_or_linear[, batchnorm])`` (then optionally a separate BN);
     * then a one-state spikefuse neuron with ``step_mode='m'`` and ``store_v_seq=False``.
 
+    Multi-step ``AvgPool2d``/``MaxPool2d`` layers become :class:`SpikePool` (same result; on
+    fused-block spikes they save their input at 1 bit per spike).
+
     The fused block holds the original modules (parameters and buffers are shared, not copied);
     the BN and neuron positions become ``nn.Identity`` so the Sequential's indices stay the same.
     ``process_group`` is what the fused BatchNorms synchronise over (None: the default group).
@@ -300,6 +356,9 @@ def _fuse_sequential(seq: nn.Sequential, process_group: dist.ProcessGroup | None
     modules = list(seq)
     i = 0
     while i < len(modules):
+        pool = _as_pool(modules[i])
+        if pool is not None:
+            seq[i] = SpikePool(pool)
         found = _as_synapse_bn(modules[i])
         if found is None:
             i += 1

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
+from ..ops import backend_module
 from ..program import NeuronProgram
 from ..reference import compute_dtype
 
@@ -65,23 +66,23 @@ class NeuronCall:
 
     def forward(self, x: Tensor, learnable: Tensor, save_h: bool) -> tuple[Tensor, Tensor]:
         """Spikes [T, *] (x dtype) and, with ``save_h``, the charge sequence H for BPTT."""
-        out = torch.ops.spikefuse.neuron_fptt(
-            self.program.key, self.backend, x, self._v0(x), x.new_empty(0), learnable,
-            list(self.constants), save_h, False,
+        out = backend_module(self.backend).fptt(
+            self.program, x, self._v0(x), x.new_empty(0), learnable, list(self.constants),
+            save_h, False,
         )  # fmt: skip
-        return out[0], out[4]
+        return out.spikes, out.h_seq
 
     def backward(
         self, x: Tensor, h_seq: Tensor, learnable: Tensor, grad_spikes: Tensor
     ) -> tuple[Tensor, Tensor]:
         """dL/dx [T, *] (dtype of H) and dL/d(learnable) [P] from dL/dspikes."""
         keep_x = x if self.program.definition.partials.needs_x else x.new_empty(0)
-        grad_x, _, _, grad_learnable = torch.ops.spikefuse.neuron_bptt(
-            self.program.key, self.backend, grad_spikes.to(h_seq.dtype), None, None, None,
-            h_seq, h_seq.new_empty(0), keep_x, self._v0(h_seq), h_seq.new_empty(0), learnable,
+        out = backend_module(self.backend).bptt(
+            self.program, grad_spikes.to(h_seq.dtype), None, None, None, h_seq,
+            h_seq.new_empty(0), keep_x, self._v0(h_seq), h_seq.new_empty(0), learnable,
             list(self.constants),
         )  # fmt: skip
-        return grad_x, grad_learnable
+        return out.grad_x, out.grad_learnable.to(learnable.dtype)
 
 
 def _per_channel(v: Tensor, ndim: int) -> Tensor:

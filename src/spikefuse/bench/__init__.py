@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m spikefuse bench {neuron,e2e}``; shared helpers in :mod:`.common`."""

@@ -1,0 +1,255 @@
+"""End-to-end training benchmark on the DATE'22 paper's CIFAR10 networks (its Table I, with BN).
+
+One iteration = forward, cross-entropy loss, backward and an SGD (momentum) step on a synthetic
+CIFAR-shaped batch: the image [B, 3, 32, 32] is repeated over T steps, the output is averaged
+over T. Networks (3×3 convs with padding 1, 2×2 average pooling, every Conv/FC but the last
+followed by BatchNorm and the paper's LIF)::
+
+    small:  128C-AP-256C-AP-512C-AP-1024FC-512FC-10FC
+    medium: 128C-128C-AP-256C-256C-AP-512C-512C-AP-1024FC-512FC-10FC
+    large:  128C-128C-128C-AP-256C-256C-256C-AP-512C-512C-512C-AP-1024FC-512FC-10FC
+
+Variants: ``vanilla`` (plain PyTorch: Conv/BN on the merged T·B batch, a Python loop over T for
+the LIF with a rectangular-surrogate autograd function), ``vanilla-compile`` (``torch.compile``
+of it), ``spikefuse`` (spikefuse layers and neurons; cuda backend on GPUs) and ``fused``
+(:func:`spikefuse.fused.fuse` of that model). Reports median ms per iteration (CUDA events) and
+peak allocated MiB, for fp32 and bf16 autocast; writes ``e2e_<model>.csv`` and ``.png``.
+
+    python -m spikefuse bench e2e --model medium
+    python -m spikefuse bench e2e --device cpu --T 2 --batch 2 --iters 2   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import functional, layer
+from ..fused import fuse, paper_lif
+from .common import BenchResult, format_table, measure, plot_results, write_csv
+
+# Paper's LIF (Table I): u[t] = ALPHA u[t-1] (1 - s[t-1]) + x[t]; s = [u >= TH];
+# surrogate derivative ETA inside (TH - HALF_WIDTH, TH + HALF_WIDTH).
+ALPHA, TH, ETA, HALF_WIDTH = 0.25, 0.25, 1.0, 0.5
+POOL = "AP"
+# Conv widths (AP: pool), then hidden FC widths; the classifier has NUM_CLASSES outputs.
+MODELS: dict[str, tuple[tuple[int | str, ...], tuple[int, ...]]] = {
+    "small": ((128, POOL, 256, POOL, 512, POOL), (1024, 512)),
+    "medium": ((128, 128, POOL, 256, 256, POOL, 512, 512, POOL), (1024, 512)),
+    "large": ((128, 128, 128, POOL, 256, 256, 256, POOL, 512, 512, 512, POOL), (1024, 512)),
+}
+NUM_CLASSES, IMAGE_SIZE, IN_CHANNELS = 10, 32, 3
+VARIANTS = ("vanilla", "vanilla-compile", "spikefuse", "fused")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+# ---- the vanilla PyTorch baseline -------------------------------------------------------------
+class RectSpike(torch.autograd.Function):
+    """s = [u >= TH]; ds/du = ETA for |u - TH| < HALF_WIDTH, else 0."""
+
+    @staticmethod
+    def forward(ctx, u: Tensor) -> Tensor:
+        ctx.save_for_backward(u)
+        return (u >= TH).to(u.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (u,) = ctx.saved_tensors
+        return grad * ((u - TH).abs() < HALF_WIDTH).to(grad.dtype) * ETA
+
+
+class VanillaLIF(nn.Module):
+    """The paper's LIF as a Python loop over T on [T, B, ...] input (gradient through the reset)."""
+
+    def forward(self, y: Tensor) -> Tensor:
+        u = torch.zeros_like(y[0])
+        s = torch.zeros_like(y[0])
+        spikes = []
+        for t in range(y.shape[0]):
+            u = ALPHA * u * (1 - s) + y[t]
+            s = RectSpike.apply(u)
+            spikes.append(s)
+        return torch.stack(spikes)
+
+
+class Merged(nn.Sequential):
+    """Runs its modules on [T*B, ...] for [T, B, ...] input."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.flatten(0, 1)).unflatten(0, x.shape[:2])
+
+
+def vanilla_model(name: str) -> nn.Sequential:
+    convs, fcs = MODELS[name]
+    layers: list[nn.Module] = []
+    channels, size = IN_CHANNELS, IMAGE_SIZE
+    for item in convs:
+        if item == POOL:
+            layers.append(Merged(nn.AvgPool2d(2)))
+            size //= 2
+            continue
+        layers += [Merged(nn.Conv2d(channels, item, 3, padding=1, bias=False),
+                          nn.BatchNorm2d(item)), VanillaLIF()]  # fmt: skip
+        channels = item
+    layers.append(Merged(nn.Flatten()))
+    features = channels * size * size
+    for width in fcs:
+        layers += [Merged(nn.Linear(features, width, bias=False), nn.BatchNorm1d(width)),
+                   VanillaLIF()]  # fmt: skip
+        features = width
+    layers.append(Merged(nn.Linear(features, NUM_CLASSES)))
+    return nn.Sequential(*layers)
+
+
+# ---- spikefuse models -------------------------------------------------------------------------
+def spikefuse_model(name: str, backend: str) -> nn.Sequential:
+    """The same network from spikefuse layers and neurons (multi-step)."""
+    convs, fcs = MODELS[name]
+    layers: list[nn.Module] = []
+    channels, size = IN_CHANNELS, IMAGE_SIZE
+    for item in convs:
+        if item == POOL:
+            layers.append(layer.AvgPool2d(2, step_mode="m"))
+            size //= 2
+            continue
+        layers += [
+            layer.Conv2d(channels, item, 3, padding=1, bias=False, step_mode="m"),
+            layer.BatchNorm2d(item, step_mode="m"),
+            paper_lif(backend=backend),
+        ]
+        channels = item
+    layers.append(layer.Flatten(step_mode="m"))
+    features = channels * size * size
+    for width in fcs:
+        layers += [
+            layer.Linear(features, width, bias=False, step_mode="m"),
+            layer.BatchNorm1d(width, step_mode="m"),
+            paper_lif(backend=backend),
+        ]
+        features = width
+    layers.append(layer.Linear(features, NUM_CLASSES, step_mode="m"))
+    return nn.Sequential(*layers)
+
+
+def build(variant: str, model: str, device: torch.device) -> nn.Module:
+    backend = "cuda" if device.type == "cuda" else "torch"
+    if variant == "vanilla":
+        return vanilla_model(model)
+    if variant == "vanilla-compile":
+        return torch.compile(vanilla_model(model))
+    if variant == "spikefuse":
+        return spikefuse_model(model, backend)
+    if variant == "fused":
+        return fuse(spikefuse_model(model, backend), inplace=True)
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def training_step(
+    net: nn.Module, device: torch.device, T: int, batch: int, amp: torch.dtype | None
+) -> Callable[[], None]:
+    """A closure running one full training iteration on a fixed synthetic batch."""
+    net = net.to(device).train()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    images = torch.rand(batch, IN_CHANNELS, IMAGE_SIZE, IMAGE_SIZE, generator=gen).to(device)
+    labels = torch.randint(0, NUM_CLASSES, (batch,), generator=gen).to(device)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        x = images.unsqueeze(0).expand(T, -1, -1, -1, -1)  # the same image at every step
+        autocast = (
+            torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
+        )
+        with autocast:
+            loss = F.cross_entropy(net(x).mean(0), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        functional.reset_net(net)
+
+    return step
+
+
+def run(
+    model: str,
+    device: torch.device,
+    T: int,
+    batch: int,
+    variants: Sequence[str],
+    dtypes: Sequence[str],
+    *,
+    warmup: int,
+    iters: int,
+) -> list[BenchResult]:
+    results = []
+    for dtype in dtypes:
+        for variant in variants:
+            torch.manual_seed(0)
+            result = measure(
+                f"e2e-{model}",
+                variant,
+                dtype,
+                lambda v=variant, d=dtype: training_step(
+                    build(v, model, device), device, T, batch, DTYPES[d]
+                ),  # fmt: skip
+                device,
+                warmup=warmup,
+                iters=iters,
+            )
+            if variant == "vanilla-compile":
+                torch._dynamo.reset()  # drop compiled graphs (and the models they hold)
+            print(format_table([result]).splitlines()[-1], flush=True)
+            results.append(result)
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spikefuse bench e2e",
+        description="End-to-end SNN training benchmark on the DATE'22 CIFAR10 networks.",
+    )
+    parser.add_argument("--model", choices=sorted(MODELS), default="medium")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--T", type=int, default=10, help="time steps (default: 10)")
+    parser.add_argument("--batch", type=int, default=64, help="batch size (default: 64)")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations (default: 20)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed iterations first (default: 5; 1 on CPU)")  # fmt: skip
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    parser.add_argument("--out", type=Path, default=Path("bench_results"),
+                        help="directory for the CSV and PNG (default: bench_results/)")  # fmt: skip
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("T", "batch", "iters"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"spikefuse bench e2e: --{name} must be >= 1")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("spikefuse bench e2e: CUDA is not available; use --device cpu")
+    warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 1)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"e2e {args.model}: T={args.T} B={args.batch} on {where}, median of {args.iters} "
+          f"iterations after {warmup} warm-up")  # fmt: skip
+    results = run(args.model, device, args.T, args.batch, args.variants, args.dtypes,
+                  warmup=warmup, iters=args.iters)  # fmt: skip
+    print()
+    print(format_table(results, baseline="vanilla"))
+    csv_path = args.out / f"e2e_{args.model}.csv"
+    png_path = args.out / f"e2e_{args.model}.png"
+    write_csv(csv_path, results)
+    plot_results(png_path, results, f"{args.model}: T={args.T}, B={args.batch}, {where}")
+    print(f"\nwrote {csv_path} and {png_path}")
+    return 0 if any(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

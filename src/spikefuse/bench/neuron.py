@@ -1,0 +1,194 @@
+"""Neuron benchmark: LIF forward+backward on [T, 64, 32768], loop vs torch.compile vs cuda.
+
+``python -m spikefuse bench neuron [--T 2 4 8 16 32] [--dtypes float32 float16 bfloat16]``
+
+Each step is ``spikes = f(x); spikes.backward(g)`` with a fixed random upstream gradient. Times are
+medians of CUDA-event intervals after warm-up. "GB/s" is the floor traffic of five passes over
+[T, N] in the storage dtype (read x, write spikes; read the saved state, read the gradient,
+write grad x) divided by the time, next to the device's measured copy bandwidth. "extra MiB" is
+the peak allocation above the inputs during the step. A second table compares every one-state
+neuron and Izhikevich with LIF on the cuda backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .. import neuron
+from .common import MIB, BenchResult, format_table, time_ms, write_csv
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class _SigmoidSpike(torch.autograd.Function):
+    """Heaviside with SpikingJelly's Sigmoid surrogate (alpha=4), for the plain-torch loop."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (x >= 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(4.0 * x)
+        return grad * 4.0 * s * (1 - s)
+
+
+def lif_loop(x_seq: torch.Tensor, tau: float = 2.0, v_th: float = 1.0) -> torch.Tensor:
+    """The reference loop: LIF (decay_input, hard reset to 0) stepped in Python, autograd BPTT."""
+    v = torch.zeros_like(x_seq[0])
+    spikes = []
+    for x in x_seq:
+        h = v + (x - v) / tau
+        s = _SigmoidSpike.apply(h - v_th)
+        v = h * (1 - s)
+        spikes.append(s)
+    return torch.stack(spikes)
+
+
+def copy_bandwidth_gbs(device: torch.device) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), 1 GiB buffers."""
+    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, warmup=5, iters=30)
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def _step(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: torch.Tensor):
+    def step():
+        x.grad = None
+        model(x).backward(g)
+
+    return step
+
+
+def _measure(bench, variant, dtype, model, x, g, device, floor_bytes, warmup, iters) -> BenchResult:
+    r = BenchResult(bench=bench, variant=variant, dtype=dtype)
+    try:
+        step = _step(model, x, g)
+        r.ms = time_ms(step, device, warmup=warmup, iters=iters)
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        r.peak_mib = (torch.cuda.max_memory_allocated(device) - base) / MIB
+        r.note = f"{floor_bytes / r.ms / 1e6:.0f} GB/s"
+    except Exception as exc:  # noqa: BLE001 - one failing variant must not end the run
+        r.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}"
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spikefuse bench neuron", description=__doc__)
+    parser.add_argument("--T", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--features", type=int, default=32768)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the neuron benchmark needs a CUDA GPU")
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    bw = copy_bandwidth_gbs(device)
+    print(f"device: {name}; measured copy bandwidth {bw:.0f} GB/s")
+
+    results: list[BenchResult] = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        compiled = torch.compile(lif_loop, dynamic=False)
+        for T in args.T:
+            x = torch.randn(T, args.batch, args.features, device=device).add_(0.8).to(dtype)
+            x.requires_grad_(True)
+            g = torch.randn_like(x)
+            floor = 5 * x.numel() * x.element_size()
+            node = neuron.LIFNode(tau=2.0, step_mode="m", backend="cuda")
+
+            def cuda_lif(x, node=node):
+                node.reset()
+                return node(x)
+
+            variants = [("torch loop", lif_loop), ("cuda", cuda_lif)]
+            if not args.no_compile:
+                variants.insert(1, ("torch.compile loop", compiled))
+            for variant, model in variants:
+                r = _measure(f"LIF T={T}", variant, dtype_name, model, x, g, device, floor,
+                             args.warmup, args.iters)  # fmt: skip
+                results.append(r)
+                print(format_table([r]).splitlines()[-1], r.note, flush=True)
+            del x, g
+            torch.cuda.empty_cache()
+
+    neuron_results: list[BenchResult] = []
+    nodes = {
+        "LIF": lambda: neuron.LIFNode(step_mode="m", backend="cuda"),
+        "IF": lambda: neuron.IFNode(step_mode="m", backend="cuda"),
+        "PLIF": lambda: neuron.ParametricLIFNode(step_mode="m", backend="cuda"),
+        "QIF": lambda: neuron.QIFNode(step_mode="m", backend="cuda"),
+        "EIF": lambda: neuron.EIFNode(step_mode="m", backend="cuda"),
+        "Izhikevich": lambda: neuron.IzhikevichNode(step_mode="m", backend="cuda"),
+    }
+    for dtype_name in args.dtypes:
+        for T in (8, 32):
+            x = torch.randn(T, args.batch, args.features, device=device).add_(0.8)
+            x = x.to(DTYPES[dtype_name]).requires_grad_(True)
+            g = torch.randn_like(x)
+            floor = 5 * x.numel() * x.element_size()
+            for label, make in nodes.items():
+                node = make()
+                if isinstance(node, neuron.ParametricLIFNode):
+                    node = node.to(device)
+
+                def run(x, node=node):
+                    node.reset()
+                    return node(x)
+
+                r = _measure(f"T={T}", label, dtype_name, run, x, g, device, floor,
+                             args.warmup, args.iters)  # fmt: skip
+                neuron_results.append(r)
+            del x, g
+            torch.cuda.empty_cache()
+
+    header = f"LIF forward+backward, [T, {args.batch}, {args.features}], {name}, copy {bw:.0f} GB/s"
+    table = format_table(results)
+    table_neurons = format_table(neuron_results)
+    notes = "\n".join(f"{r.bench} {r.variant} {r.dtype}: {r.note}" for r in results if r.ok)
+    text = f"{header}\n{table}\n\nfloor-traffic bandwidth:\n{notes}\n\nneurons (cuda backend):\n{table_neurons}\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "neuron.txt").write_text(text)
+    write_csv(args.out / "neuron.csv", results + neuron_results)
+    _plot(args.out / "neuron.png", results, header)
+    return 0
+
+
+def _plot(path: Path, results: list[BenchResult], title: str) -> None:
+    """ms per step against T, one panel per dtype, one line per variant (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(dict.fromkeys(r.dtype for r in results))
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 4), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
+        for variant in dict.fromkeys(r.variant for r in results):
+            pts = [(int(r.bench.split("=")[1]), r.ms) for r in results
+                   if r.dtype == dtype and r.variant == variant and r.ok]  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=variant)
+        ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms (fwd+bwd)", title=dtype)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
