@@ -34,15 +34,18 @@ def build_model(dtype: torch.dtype, device: torch.device, group) -> nn.Module:
     torch.manual_seed(0)  # every rank and the reference start from the same weights
     model = nn.Sequential(
         layer.Conv2d(3, 8, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(8, step_mode="m"), paper_lif(),
+        layer.BatchNorm2d(8, step_mode="m"),
+        paper_lif(),
         layer.AvgPool2d(2, step_mode="m"),
         layer.Conv2d(8, 8, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(8, step_mode="m"), paper_lif(),
+        layer.BatchNorm2d(8, step_mode="m"),
+        paper_lif(),
         layer.Flatten(step_mode="m"),
         layer.Linear(8 * 4 * 4, 16, bias=False, step_mode="m"),
-        layer.BatchNorm1d(16, step_mode="m"), paper_lif(),
+        layer.BatchNorm1d(16, step_mode="m"),
+        paper_lif(),
         layer.Linear(16, CLASSES, step_mode="m"),
-    )  # fmt: skip
+    )
     with torch.no_grad():  # non-trivial BN affine parameters
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -87,8 +90,9 @@ def run_check(steps: int, batch: int, dtype: torch.dtype, device: torch.device) 
 
         check(f"step {step} output", out, out_ref[:, local])
         check(f"step {step} input grad", x_local.grad / world, x_full.grad[:, local])
-        for (name, p), p_ref in zip(model.module.named_parameters(), reference.parameters(),
-                                    strict=True):  # fmt: skip
+        for (name, p), p_ref in zip(
+            model.module.named_parameters(), reference.parameters(), strict=True
+        ):
             check(f"step {step} grad {name}", p.grad, p_ref.grad)
         for (name, b), b_ref in zip(model.module.named_buffers(), reference.buffers(), strict=True):
             check(f"step {step} buffer {name}", b.double(), b_ref.double())
@@ -107,8 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="per-process batch size")
-    parser.add_argument("--dtype", nargs="+", choices=["float64", "float32"], default=None,
-                        help="default: float32 on GPUs (fused CUDA kernels), float64 on CPU")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=["float64", "float32"],
+        default=None,
+        help="default: float32 on GPUs (fused CUDA kernels), float64 on CPU",
+    )
     args = parser.parse_args(argv)
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(
         os.environ.get("LOCAL_WORLD_SIZE", "1")
@@ -130,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             ok &= passed
             if dist.get_rank() == 0:
                 world = dist.get_world_size()
-                print(f"{'PASS' if passed else 'FAIL'}: {world} x batch {args.batch} vs 1 x batch "
-                      f"{world * args.batch} ({dist.get_backend()}, {dtype}, {args.steps} steps): "
-                      f"max relative error {flag.item():.2e}")  # fmt: skip
+                print(
+                    f"{'PASS' if passed else 'FAIL'}: {world} x batch {args.batch} vs 1 x batch "
+                    f"{world * args.batch} ({dist.get_backend()}, {dtype}, {args.steps} steps): "
+                    f"max relative error {flag.item():.2e}"
+                )
     finally:
         dist.destroy_process_group()
     return 0 if ok else 1

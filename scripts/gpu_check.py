@@ -134,7 +134,7 @@ def check_determinism(log) -> bool:
     x = torch.randn(8, 64, 4097, device="cuda")
     grads = []
     for _ in range(3):
-        node = neuron.ParametricLIFNode(step_mode="m", backend="cuda")
+        node = neuron.ParametricLIFNode(step_mode="m", backend="cuda").cuda()
         xs = x.clone().requires_grad_()
         node(xs).sum().backward()
         grads.append(node.w.grad.clone())

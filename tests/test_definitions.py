@@ -138,8 +138,9 @@ def _reldiff(got: torch.Tensor, want: torch.Tensor) -> float:
 def _bptt_vs_oracle(definition, params, learnable=(), hard=True, detach=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     T, shape = 5, (3, 7)
-    program = NeuronProgram(definition, ATan(), hard_reset=hard, detach_reset=detach,
-                            learnable=learnable)  # fmt: skip
+    program = NeuronProgram(
+        definition, ATan(), hard_reset=hard, detach_reset=detach, learnable=learnable
+    )
     vr = -0.1 if hard else 0.0
     consts = [1.0, vr] + [params[p] for p in definition.params if p not in learnable]
     lrn = torch.tensor([params[p] for p in learnable], dtype=torch.float32)
@@ -147,7 +148,10 @@ def _bptt_vs_oracle(definition, params, learnable=(), hard=True, detach=False, s
     v0 = 0.4 * torch.randn(shape, generator=g, dtype=torch.float64)
     w0 = torch.empty(0, dtype=torch.float64)
     out = ref.fptt(program, xs, v0, w0, lrn, consts, save_for_backward=True, store_v_seq=True)
-    gs, gv = torch.randn(xs.shape, generator=g, dtype=xs.dtype), torch.randn(xs.shape, generator=g, dtype=xs.dtype)
+    gs, gv = (
+        torch.randn(xs.shape, generator=g, dtype=xs.dtype),
+        torch.randn(xs.shape, generator=g, dtype=xs.dtype),
+    )
     gl = torch.randn(shape, generator=g, dtype=xs.dtype)
     keep_x = xs if definition.partials.needs_x else xs.new_empty(0)
     back = ref.bptt(program, gs, gv, gl, None, out.h_seq, out.w_seq, keep_x, v0, w0, lrn, consts)
@@ -192,8 +196,9 @@ def _python_cubic(xs, tau_, k_, vth, vr):
 
 def test_cubic_in_base_node_forward():
     g = torch.Generator().manual_seed(3)
-    node = neuron.BaseNode(CUBIC, params={"tau": 2.0, "k": 0.1}, v_reset=-0.05, step_mode="m",
-                           backend="torch")  # fmt: skip
+    node = neuron.BaseNode(
+        CUBIC, params={"tau": 2.0, "k": 0.1}, v_reset=-0.05, step_mode="m", backend="torch"
+    )
     xs = torch.rand(6, 5, generator=g, dtype=torch.float64) * 1.5
     spikes = node(xs)
     assert spikes.shape == xs.shape and spikes.dtype == torch.float64
@@ -205,13 +210,20 @@ def test_cubic_in_base_node_forward():
     assert node.v == -0.05
 
 
-@pytest.mark.parametrize("definition,params", [(CUBIC, {"tau": 2.0, "k": 0.2}), (TANH, {})],
-                         ids=["cubic", "tanh"])  # fmt: skip
+@pytest.mark.parametrize(
+    "definition,params", [(CUBIC, {"tau": 2.0, "k": 0.2}), (TANH, {})], ids=["cubic", "tanh"]
+)
 def test_user_neuron_module_gradients(definition, params):
     """The module path (custom op + autograd) matches the oracle, x kept for needs_x neurons."""
     g = torch.Generator().manual_seed(4)
-    node = neuron.BaseNode(definition, params=params, v_reset=None, step_mode="m",
-                           backend="torch", surrogate_function=Sigmoid(alpha=3.0))  # fmt: skip
+    node = neuron.BaseNode(
+        definition,
+        params=params,
+        v_reset=None,
+        step_mode="m",
+        backend="torch",
+        surrogate_function=Sigmoid(alpha=3.0),
+    )
     xs = (torch.randn(4, 3, 5, generator=g, dtype=torch.float64) + 0.6).transpose(1, 2)
     xs.requires_grad_(True)
     v0 = (0.3 * torch.randn(5, 3, generator=g, dtype=torch.float64)).requires_grad_(True)
@@ -241,8 +253,13 @@ def test_base_node_param_validation():
 
 def test_user_adaptive_neuron_matches_oracle():
     """A two-state neuron whose ∂H/∂V depends on W (so W is saved) and whose Z is nonlinear."""
-    d = defs.NeuronDef("adapt_w", charge="v + (x - v*w)/tau", params=("tau", "a", "tau_w", "b"),
-                       adaptation="w + (a*h**2 - w)/tau_w", adaptation_jump="b")  # fmt: skip
+    d = defs.NeuronDef(
+        "adapt_w",
+        charge="v + (x - v*w)/tau",
+        params=("tau", "a", "tau_w", "b"),
+        adaptation="w + (a*h**2 - w)/tau_w",
+        adaptation_jump="b",
+    )
     assert d.partials.needs_w and not d.partials.needs_x
     params = {"tau": 2.0, "a": 0.5, "tau_w": 2.5, "b": 0.1}
     g = torch.Generator().manual_seed(5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 
 import pytest
 import torch
@@ -11,12 +12,14 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from spikefuse import functional, layer, neuron, surrogate
+from spikefuse.bench import e2e
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import (
     FusedBlock,
     FusedConvBNNeuron,
     FusedLinearBNNeuron,
     SpikePool,
+    bn_neuron,
     fuse,
     pack_bits,
     packing,
@@ -107,6 +110,40 @@ def test_fused_model_matches_unfused(dtype, bn):
     ref.eval()
     fused.eval()
     assert_same_training_step(ref, fused, x, tol)  # eval: running statistics
+
+
+def test_pass_two_recomputes_g_when_pass_one_returns_none(monkeypatch):
+    """A pass-1 kernel may drop g (the paper's Alg. 2-3): pass 2 recomputes it, same result."""
+    real = bn_neuron.bn_neuron_backward
+
+    def without_g(*args):
+        _, *rest = real(*args)
+        return (None, *rest)
+
+    monkeypatch.setattr(bn_neuron, "bn_neuron_backward", without_g)
+    ref = conv_stack(torch.float64)
+    x = torch.randn(T, B, 3, 8, 8, dtype=torch.float64) * 2
+    assert_same_training_step(ref, fuse(ref), x, FP64_TOL)
+
+
+@pytest.mark.parametrize(
+    "bn_options",
+    [dict(momentum=None), dict(track_running_stats=False), dict(affine=False)],
+    ids=["cumulative-average", "no-running-stats", "no-affine"],
+)
+def test_batchnorm_options(bn_options):
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        layer.Conv2d(3, 8, 3, padding=1, step_mode="m"),
+        layer.BatchNorm2d(8, step_mode="m", **bn_options),
+        lif(),
+    ).double()
+    fused = fuse(ref)
+    for mode in ("train", "train", "eval"):
+        ref.train(mode == "train")
+        fused.train(mode == "train")
+        x = torch.randn(T, B, 3, 6, 6, dtype=torch.float64) * 2
+        assert_same_training_step(ref, fused, x, FP64_TOL)
 
 
 @pytest.mark.parametrize(
@@ -354,6 +391,16 @@ def test_bf16_autocast_keeps_bf16_output_and_halves_saved_y(monkeypatch):
     assert block.synapse.weight.grad.dtype == torch.float32
 
 
+def test_bf16_parameters():
+    block = FusedConvBNNeuron(3, 8, 3, padding=1, node=lif()).bfloat16()
+    x = torch.randn(T, B, 3, 8, 8, dtype=torch.bfloat16, requires_grad=True)
+    s = block(x)
+    assert s.dtype == torch.bfloat16
+    s.float().sum().backward()
+    for t in (x, block.synapse.weight, block.bn.weight, block.bn.bias):
+        assert t.grad.dtype == torch.bfloat16 and torch.isfinite(t.grad.float()).all()
+
+
 # ---- training follows the unfused loss curve --------------------------------------------------
 def digits_model() -> nn.Sequential:
     torch.manual_seed(1)
@@ -400,3 +447,42 @@ def test_digits_training_follows_unfused_loss_curve():
     fused_means = fused.view(-1, window).mean(1)
     assert (ref_means - fused_means).abs().max() < 0.05, (ref_means, fused_means)
     assert ref_means[-1] < 0.2 and fused_means[-1] < 0.2
+
+
+# ---- the end-to-end benchmark (CPU smoke test) -----------------------------------------------
+def test_vanilla_baseline_computes_the_same_network():
+    """The benchmark's plain-PyTorch LIF network equals the spikefuse one with equal weights."""
+    torch.manual_seed(0)
+    vanilla = e2e.vanilla_model("small").double()
+    ours = e2e.spikefuse_model("small", backend="torch").double()
+    randomize_bn(vanilla)
+    with torch.no_grad():
+        for p_ours, p_vanilla in zip(ours.parameters(), vanilla.parameters(), strict=True):
+            p_ours.copy_(p_vanilla)
+    x = torch.rand(2, 2, 3, 32, 32, dtype=torch.float64) * 4
+    assert_same_training_step(vanilla, ours, x, FP64_TOL)
+
+
+def test_e2e_bench_smoke(tmp_path, monkeypatch, capsys):
+    real_build = e2e.build
+
+    def build(variant, model, device):
+        if variant == "spikefuse":
+            raise RuntimeError("simulated failure")
+        return real_build(variant, model, device)
+
+    monkeypatch.setattr(e2e, "build", build)
+    argv = ["--model", "small", "--device", "cpu", "--T", "2", "--batch", "2", "--iters", "1",
+            "--warmup", "0", "--variants", "vanilla", "spikefuse", "fused", "--dtypes", "fp32",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert e2e.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "FAILED: RuntimeError: simulated failure" in out
+    rows = list(csv.DictReader((tmp_path / "e2e_small.csv").open()))
+    assert [(r["variant"], r["error"] == "") for r in rows] == [
+        ("vanilla", True),
+        ("spikefuse", False),
+        ("fused", True),
+    ]
+    assert float(rows[2]["ms"]) > 0
+    assert (tmp_path / "e2e_small.png").stat().st_size > 0

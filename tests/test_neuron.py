@@ -51,8 +51,9 @@ def test_single_step_equals_multi_step(name, v_reset):
     gvl = torch.randn(shape, generator=g, dtype=F64)
 
     def run(step_mode):
-        node = NODES[name](v_reset=v_reset, step_mode=step_mode, backend="torch",
-                           surrogate_function=sg.ATan())  # fmt: skip
+        node = NODES[name](
+            v_reset=v_reset, step_mode=step_mode, backend="torch", surrogate_function=sg.ATan()
+        )
         node.v = v0.clone()
         if name == "izh":
             node.w = w0.clone()
@@ -94,8 +95,10 @@ def test_state_persists_across_calls(name):
 @pytest.mark.parametrize("v_reset", [-0.2, None], ids=["hard", "soft"])
 @pytest.mark.parametrize("name", list(NODES))
 def test_reset_net_restores_state(name, v_reset):
-    net = nn.Sequential(layer.Linear(4, 6, step_mode="m"),
-                        NODES[name](v_reset=v_reset, step_mode="m", store_v_seq=True))  # fmt: skip
+    net = nn.Sequential(
+        layer.Linear(4, 6, step_mode="m"),
+        NODES[name](v_reset=v_reset, step_mode="m", store_v_seq=True),
+    )
     node = net[1]
     x = torch.randn(3, 2, 4, generator=gen(2)) * 3
     with torch.no_grad():
@@ -154,13 +157,25 @@ SJ_SIGNATURES = {
     neuron.LIFNode: dict(tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0),
     neuron.ParametricLIFNode: dict(init_tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0),
     neuron.QIFNode: dict(tau=2.0, v_c=0.8, a0=1.0, v_threshold=1.0, v_rest=0.0, v_reset=-0.1),
-    neuron.EIFNode: dict(tau=2.0, delta_T=1.0, theta_rh=0.8, v_threshold=1.0, v_rest=0.0,
-                         v_reset=-0.1),  # fmt: skip
-    neuron.IzhikevichNode: dict(tau=2.0, v_c=0.8, a0=1.0, v_threshold=1.0, v_reset=0.0,
-                                v_rest=-0.1, w_rest=0.0, tau_w=2.0, a=1.0, b=0.0),  # fmt: skip
+    neuron.EIFNode: dict(
+        tau=2.0, delta_T=1.0, theta_rh=0.8, v_threshold=1.0, v_rest=0.0, v_reset=-0.1
+    ),
+    neuron.IzhikevichNode: dict(
+        tau=2.0,
+        v_c=0.8,
+        a0=1.0,
+        v_threshold=1.0,
+        v_reset=0.0,
+        v_rest=-0.1,
+        w_rest=0.0,
+        tau_w=2.0,
+        a=1.0,
+        b=0.0,
+    ),
 }
-SJ_TAIL = dict(surrogate_function=None, detach_reset=False, step_mode="s", backend="auto",
-               store_v_seq=False)  # fmt: skip
+SJ_TAIL = dict(
+    surrogate_function=None, detach_reset=False, step_mode="s", backend="auto", store_v_seq=False
+)
 
 
 @pytest.mark.parametrize("cls", list(SJ_SIGNATURES), ids=lambda c: c.__name__)
@@ -185,7 +200,11 @@ def test_lif_defaults():
     assert neuron.LIFNode(decay_input=False).decay_input is False
     positional = neuron.LIFNode(3.0, False, 0.5, None)
     assert (positional.tau, positional.decay_input, positional.v_threshold, positional.v_reset) == (
-        3.0, False, 0.5, None)  # fmt: skip
+        3.0,
+        False,
+        0.5,
+        None,
+    )
     assert positional.v == 0.0  # soft reset starts at 0
 
 
@@ -271,6 +290,15 @@ def test_state_shape_mismatch(name):
     assert node(torch.ones(2, 4)).shape == (2, 4)
 
 
+def test_learnable_parameter_on_other_device():
+    node = neuron.ParametricLIFNode(step_mode="m").to("meta")
+    with pytest.raises(
+        SpikefuseError, match=r"parameters are on meta but the input is on cpu.*\.to"
+    ):
+        node(torch.ones(2, 3))
+    assert node.v == 0.0
+
+
 def test_state_shape_mismatch_single_step():
     node = neuron.LIFNode()
     node(torch.ones(5, 2))
@@ -283,7 +311,9 @@ def test_state_dtype_mismatch(name):
     node = NODES[name](step_mode="m")
     node(torch.ones(2, 3))
     before = node.v.clone()
-    with pytest.raises(SpikefuseError, match=r"torch.float32.*needs \(3,\) torch.float64.*reset_net"):
+    with pytest.raises(
+        SpikefuseError, match=r"torch.float32.*needs \(3,\) torch.float64.*reset_net"
+    ):
         node(torch.ones(2, 3, dtype=F64))
     assert torch.equal(node.v, before)
     functional.reset_net(node)
@@ -380,15 +410,24 @@ def per_step(module, x_seq):
     "make,shape",
     [
         (lambda m: (layer.Linear(5, 3, step_mode=m), nn.Linear(5, 3)), (4, 3, 5)),
-        (lambda m: (layer.Linear(5, 3, bias=False, step_mode=m), nn.Linear(5, 3, bias=False)),
-         (1, 7, 5)),  # fmt: skip
-        (lambda m: (layer.Conv2d(2, 4, 3, padding=1, step_mode=m), nn.Conv2d(2, 4, 3, padding=1)),
-         (3, 2, 2, 5, 5)),  # fmt: skip
+        (
+            lambda m: (layer.Linear(5, 3, bias=False, step_mode=m), nn.Linear(5, 3, bias=False)),
+            (1, 7, 5),
+        ),
+        (
+            lambda m: (
+                layer.Conv2d(2, 4, 3, padding=1, step_mode=m),
+                nn.Conv2d(2, 4, 3, padding=1),
+            ),
+            (3, 2, 2, 5, 5),
+        ),
         (lambda m: (layer.Conv1d(2, 3, 2, step_mode=m), nn.Conv1d(2, 3, 2)), (2, 3, 2, 6)),
         (lambda m: (layer.MaxPool2d(2, step_mode=m), nn.MaxPool2d(2)), (3, 2, 1, 4, 4)),
         (lambda m: (layer.AvgPool2d(2, step_mode=m), nn.AvgPool2d(2)), (3, 2, 1, 4, 4)),
-        (lambda m: (layer.AdaptiveAvgPool2d(1, step_mode=m), nn.AdaptiveAvgPool2d(1)),
-         (2, 3, 2, 5, 3)),  # fmt: skip
+        (
+            lambda m: (layer.AdaptiveAvgPool2d(1, step_mode=m), nn.AdaptiveAvgPool2d(1)),
+            (2, 3, 2, 5, 3),
+        ),
         (lambda m: (layer.Flatten(step_mode=m), nn.Flatten()), (3, 2, 2, 3, 3)),
     ],
 )
@@ -396,8 +435,11 @@ def test_layer_equals_per_step(make, shape):
     torch.manual_seed(0)
     ours, ref_layer = make("m")
     ref_layer.load_state_dict(ours.state_dict())
-    x = torch.randn(shape, generator=gen(5)).transpose(-1, -2) if len(shape) == 5 else \
-        torch.randn(shape, generator=gen(5))  # fmt: skip
+    x = (
+        torch.randn(shape, generator=gen(5)).transpose(-1, -2)
+        if len(shape) == 5
+        else torch.randn(shape, generator=gen(5))
+    )
     torch.testing.assert_close(ours(x), per_step(ref_layer, x))
     single, _ = make("s")
     single.load_state_dict(ours.state_dict())
@@ -438,9 +480,14 @@ def test_layer_wrong_rank_raises():
 def test_snn_in_layers_multi_vs_single_step():
     """A small network: multi-step with wrappers equals running it step by step."""
     torch.manual_seed(2)
-    net_m = nn.Sequential(layer.Conv2d(1, 2, 3, padding=1), layer.BatchNorm2d(2),
-                          neuron.LIFNode(backend="torch"), layer.Flatten(),
-                          layer.Linear(32, 3), neuron.IFNode(backend="torch"))  # fmt: skip
+    net_m = nn.Sequential(
+        layer.Conv2d(1, 2, 3, padding=1),
+        layer.BatchNorm2d(2),
+        neuron.LIFNode(backend="torch"),
+        layer.Flatten(),
+        layer.Linear(32, 3),
+        neuron.IFNode(backend="torch"),
+    )
     net_m.eval()
     net_s = copy.deepcopy(net_m)
     functional.set_step_mode(net_m, "m")

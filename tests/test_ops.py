@@ -10,7 +10,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from spikefuse import definitions as defs
-from spikefuse import functional, layer, neuron
+from spikefuse import layer, neuron
 from spikefuse import reference as ref
 from spikefuse import surrogate as sg
 from spikefuse.program import NeuronProgram
@@ -26,8 +26,9 @@ def gen(seed: int) -> torch.Generator:
 # ---- torch.compile ------------------------------------------------------------------------------
 def small_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(layer.Linear(5, 7, step_mode="m"),
-                         neuron.LIFNode(step_mode="m", backend="torch"))  # fmt: skip
+    return nn.Sequential(
+        layer.Linear(5, 7, step_mode="m"), neuron.LIFNode(step_mode="m", backend="torch")
+    )
 
 
 def _forward_backward(model, x, gs, inner=None):
@@ -38,13 +39,12 @@ def _forward_backward(model, x, gs, inner=None):
     return s.detach(), x.grad, inner[0].weight.grad.clone(), inner[1].v.detach().clone()
 
 
-@pytest.mark.parametrize("model_input", ["fresh", "after_reset"])
-def test_compile_fullgraph_matches_eager(model_input):
+def test_compile_fullgraph_matches_eager():
     """fullgraph=True fails on any graph break: the neuron is one opaque op to dynamo.
 
     backend="aot_eager" traces forward and backward through AOTAutograd (so the fake impls and
     the autograd registration are exercised) without inductor's C++ build, which takes ~30 s
-    cold on a 2-core CPU; test_compile_non_contiguous_input below runs inductor.
+    cold on a 2-core CPU (about 10 s with a warm cache).
     """
     torch._dynamo.reset()
     eager = small_model()
@@ -52,11 +52,6 @@ def test_compile_fullgraph_matches_eager(model_input):
     compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     x = torch.randn(4, 3, 5, generator=gen(0)) * 2
     gs = torch.randn(4, 3, 7, generator=gen(1))
-    if model_input == "after_reset":  # a used and reset network compiles and runs the same
-        with torch.no_grad():
-            eager(x), compiled_model(x)
-        functional.reset_net(eager)
-        functional.reset_net(compiled_model)
     want = _forward_backward(eager, x, gs)
     got = _forward_backward(compiled, x, gs, inner=compiled_model)
     assert 0 < want[0].sum() < want[0].numel()
@@ -65,26 +60,58 @@ def test_compile_fullgraph_matches_eager(model_input):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: neuron_fptt's fake impl returns torch.empty_like(x_seq) for spikes, which "
-    "keeps x's strides, while the real op returns a contiguous tensor; under torch.compile a "
-    "non-contiguous input (e.g. x.transpose) hits inductor's stride assertion",
-    raises=AssertionError,
-)
-def test_compile_non_contiguous_input():
-    torch._dynamo.reset()
-    node = neuron.LIFNode(step_mode="m", backend="torch")
+# ---- the custom op's own autograd (eager modules use an autograd.Function instead) ----------------
+@pytest.mark.parametrize("name", ["izh", "plif", "tanh"])
+def test_custom_op_autograd_matches_oracle(name):
+    """torch.ops.spikefuse.neuron_fptt called directly: its registered backward (neuron_bptt)
+    gives the oracle's gradients for x, v0, w0 and the learnable tensor."""
+    g = gen(10)
+    T, N = 5, 6
+    f64 = torch.float64
+    if name == "izh":
+        p = _program(defs.IZHIKEVICH, sg.SuperSpike(), True, False)
+        consts = [1.0, 0.0, 2.0, 0.9, -0.1, 0.8, 0.6, 3.0, 0.25]
+        learnable = torch.empty(0)
+    elif name == "plif":
+        p = _program(defs.PLIF, sg.Sigmoid(), False, False, ("decay",))
+        consts = [1.0, 0.0]
+        learnable = torch.tensor([0.4], requires_grad=True)
+    else:
+        p = _program(defs.NeuronDef("tanh_in_ops", charge="v + tanh(x)"), sg.ATan(), True, True)
+        consts = [1.0, -0.1]
+        learnable = torch.empty(0)
+    adaptive = p.definition.adaptive
+    x = (torch.randn(T, N, generator=g, dtype=f64) + 0.6).requires_grad_(True)
+    v0 = (0.3 * torch.randn(N, generator=g, dtype=f64)).requires_grad_(True)
+    w0 = (
+        (0.2 * torch.randn(N, generator=g, dtype=f64)).requires_grad_(True)
+        if adaptive
+        else torch.empty(0, dtype=f64)
+    )
+    spikes, v_seq, v_last, w_last, _, _ = FPTT(
+        p.key, "torch", x, v0, w0, learnable, consts, True, True
+    )
+    ups = [torch.randn(t.shape, generator=g, dtype=f64) for t in (spikes, v_seq, v_last)]
+    loss = sum((a * b).sum() for a, b in zip((spikes, v_seq, v_last), ups, strict=True))
+    if adaptive:
+        gw = torch.randn(N, generator=g, dtype=f64)
+        loss = loss + (w_last * gw).sum()
+    inputs = [x, v0] + ([w0] if adaptive else []) + ([learnable] if learnable.numel() else [])
+    got = torch.autograd.grad(loss, inputs)
 
-    def f(x):
-        return node(x.transpose(1, 2))  # no pointwise kernels: no C++ build, only the op
-
-    x = torch.randn(4, 3, 5, generator=gen(2)) * 3
-    with torch.no_grad():  # forward only keeps inductor's cold compile to a few seconds
-        want = f(x)
-        functional.reset_net(node)
-        got = torch.compile(f, fullgraph=True)(x)
-    assert torch.equal(got, want)
+    clones = [t.detach().clone().requires_grad_(True) for t in inputs]
+    xo, vo = clones[0], clones[1]
+    wo = clones[2] if adaptive else torch.empty(0, dtype=f64)
+    lo = clones[-1] if learnable.numel() else torch.empty(0)
+    so, vso, vlo, wlo = ref.oracle(p, xo, vo, wo, lo, consts)
+    assert torch.equal(spikes.detach(), so.detach())
+    loss_o = sum((a * b).sum() for a, b in zip((so, vso, vlo), ups, strict=True))
+    if adaptive:
+        loss_o = loss_o + (wlo * gw).sum()
+    want = torch.autograd.grad(loss_o, clones)
+    for a, b in zip(got, want, strict=True):
+        tol = 1e-6 if a.dtype == torch.float32 else 1e-10  # the learnable tensor is float32
+        assert (a - b).abs().max() <= tol * b.abs().max()
 
 
 # ---- opcheck ------------------------------------------------------------------------------------
@@ -97,46 +124,119 @@ def _fptt_args(case: str):
     if case == "lif_f32_save_store":
         p = _program(defs.LIF, sg.Sigmoid(), True, False)
         x = torch.randn(3, 4, generator=g, requires_grad=True)
-        return (p.key, "torch", x, torch.zeros(4, requires_grad=True), torch.empty(0),
-                torch.empty(0), [1.0, 0.0, 2.0], True, True)  # fmt: skip
+        return (
+            p.key,
+            "torch",
+            x,
+            torch.zeros(4, requires_grad=True),
+            torch.empty(0),
+            torch.empty(0),
+            [1.0, 0.0, 2.0],
+            True,
+            True,
+        )
     if case == "izh_f64_soft_detach":
         p = _program(defs.IZHIKEVICH, sg.ATan(), False, True)
         x = torch.randn(2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
         v0 = (0.3 * torch.randn(5, 3, generator=g, dtype=torch.float64)).requires_grad_()
         w0 = (0.2 * torch.randn(5, 3, generator=g, dtype=torch.float64)).requires_grad_()
-        return (p.key, "torch", x, v0, w0, torch.empty(0),
-                [1.0, 0.0, 2.0, 1.0, -0.1, 0.8, 1.0, 2.0, 0.3], True, False)  # fmt: skip
+        return (
+            p.key,
+            "torch",
+            x,
+            v0,
+            w0,
+            torch.empty(0),
+            [1.0, 0.0, 2.0, 1.0, -0.1, 0.8, 1.0, 2.0, 0.3],
+            True,
+            False,
+        )
     if case == "plif_learnable":
         p = _program(defs.PLIF, sg.PiecewiseQuadratic(), True, False, ("decay",))
         x = torch.randn(4, 3, generator=g, requires_grad=True)
-        return (p.key, "torch", x, torch.zeros(3), torch.empty(0),
-                torch.tensor([0.4], requires_grad=True), [1.0, -0.1], True, True)  # fmt: skip
+        return (
+            p.key,
+            "torch",
+            x,
+            torch.zeros(3),
+            torch.empty(0),
+            torch.tensor([0.4], requires_grad=True),
+            [1.0, -0.1],
+            True,
+            True,
+        )
     if case == "eif_no_save_T1":
         p = _program(defs.EIF, sg.Erf(), True, False)
         x = torch.randn(1, 7, generator=g)
-        return (p.key, "torch", x, torch.zeros(7), torch.empty(0), torch.empty(0),
-                [1.0, -0.1, 2.0, 0.0, 1.0, 0.8], False, False)  # fmt: skip
+        return (
+            p.key,
+            "torch",
+            x,
+            torch.zeros(7),
+            torch.empty(0),
+            torch.empty(0),
+            [1.0, -0.1, 2.0, 0.0, 1.0, 0.8],
+            False,
+            False,
+        )
     if case == "qif_f16_store":
         p = _program(defs.QIF, sg.Rect(), True, False)
         x = torch.randn(3, 5, generator=g).half().requires_grad_()
-        return (p.key, "torch", x, torch.zeros(5), x.new_empty(0), torch.empty(0),
-                [1.0, -0.1, 2.0, 1.0, 0.0, 0.8], True, True)  # fmt: skip
+        return (
+            p.key,
+            "torch",
+            x,
+            torch.zeros(5),
+            x.new_empty(0),
+            torch.empty(0),
+            [1.0, -0.1, 2.0, 1.0, 0.0, 0.8],
+            True,
+            True,
+        )
     if case == "tanh_needs_x":
-        p = _program(defs.NeuronDef("tanh_in_ops", charge="v + tanh(x)"), sg.SoftSign(), False, False)
+        p = _program(
+            defs.NeuronDef("tanh_in_ops", charge="v + tanh(x)"), sg.SoftSign(), False, False
+        )
         x = torch.randn(3, 4, generator=g, requires_grad=True)
-        return (p.key, "torch", x, torch.zeros(4), torch.empty(0), torch.empty(0), [1.0, 0.0],
-                True, False)  # fmt: skip
-    # --- known failures (see the xfail reasons below)
+        return (
+            p.key,
+            "torch",
+            x,
+            torch.zeros(4),
+            torch.empty(0),
+            torch.empty(0),
+            [1.0, 0.0],
+            True,
+            False,
+        )
     if case == "non_contiguous":
         p = _program(defs.LIF, sg.Sigmoid(), True, False)
         x = torch.randn(4, 3, 5, generator=g).transpose(1, 2).requires_grad_()
-        return (p.key, "torch", x, torch.zeros(5, 3), torch.empty(0), torch.empty(0),
-                [1.0, 0.0, 2.0], True, True)  # fmt: skip
+        return (
+            p.key,
+            "torch",
+            x,
+            torch.zeros(5, 3),
+            torch.empty(0),
+            torch.empty(0),
+            [1.0, 0.0, 2.0],
+            True,
+            True,
+        )
     if case == "bf16_no_store":
         p = _program(defs.LIF, sg.Sigmoid(), True, False)
         x = torch.randn(2, 3, generator=g).bfloat16().requires_grad_()
-        return (p.key, "torch", x, torch.zeros(3), x.new_empty(0), torch.empty(0),
-                [1.0, 0.0, 2.0], True, False)  # fmt: skip
+        return (
+            p.key,
+            "torch",
+            x,
+            torch.zeros(3),
+            x.new_empty(0),
+            torch.empty(0),
+            [1.0, 0.0, 2.0],
+            True,
+            False,
+        )
     raise AssertionError(case)
 
 
@@ -144,28 +244,29 @@ def _fptt_args(case: str):
 # test_aot_dispatch_dynamic) all apply to these ops, so none are left out.
 @pytest.mark.parametrize(
     "case",
-    ["lif_f32_save_store", "izh_f64_soft_detach", "plif_learnable", "eif_no_save_T1",
-     "qif_f16_store", "tanh_needs_x",
-     pytest.param("non_contiguous", marks=pytest.mark.xfail(strict=True, reason=(
-         "src bug: fake impl of neuron_fptt gives spikes x's strides (torch.empty_like), "
-         "the real op returns contiguous spikes: test_faketensor stride mismatch"))),
-     pytest.param("bf16_no_store", marks=pytest.mark.xfail(strict=True, reason=(
-         "src bug: with store_v_seq=False the real op's empty v_seq placeholder has the "
-         "compute dtype (float32) but the fake says x's dtype (bfloat16/float16)"))),
-     ],
-)  # fmt: skip
+    [
+        "lif_f32_save_store",
+        "izh_f64_soft_detach",
+        "plif_learnable",
+        "eif_no_save_T1",
+        "qif_f16_store",
+        "tanh_needs_x",
+        "non_contiguous",
+        "bf16_no_store",
+    ],
+)
 def test_opcheck_fptt(case):
     torch.library.opcheck(FPTT, _fptt_args(case))
 
 
 @pytest.mark.parametrize(
     "case",
-    ["lif_f32", "izh_f64",
-     pytest.param("lif_f16_empty_w0", marks=pytest.mark.xfail(strict=True, reason=(
-         "src bug: neuron_bptt's real grad_w0 for one-state neurons is h_seq.new_empty(0) "
-         "(compute dtype) but the fake is empty_like(w0), and run_neuron passes w0 in x's "
-         "dtype (float16): test_faketensor dtype mismatch")))],
-)  # fmt: skip
+    [
+        "lif_f32",
+        "izh_f64",
+        "lif_f16_empty_w0",
+    ],
+)
 def test_opcheck_bptt(case):
     g = gen(4)
     T, N = 3, 4
@@ -185,8 +286,21 @@ def test_opcheck_bptt(case):
     gs = torch.randn(T, N, generator=g).to(dtype)
     gvl = torch.randn(N, generator=g).to(v0.dtype)
     gwl = torch.randn(N, generator=g).to(dtype) if w0.numel() else None
-    args = (p.key, "torch", gs, None, gvl, gwl, out.h_seq, out.w_seq, x.new_empty(0), v0, w0,
-            torch.empty(0), consts)  # fmt: skip
+    args = (
+        p.key,
+        "torch",
+        gs,
+        None,
+        gvl,
+        gwl,
+        out.h_seq,
+        out.w_seq,
+        x.new_empty(0),
+        v0,
+        w0,
+        torch.empty(0),
+        consts,
+    )
     torch.library.opcheck(BPTT, args)
 
 
@@ -232,7 +346,8 @@ def fptt_calls(monkeypatch):
 @pytest.mark.parametrize("name", ["lif", "izh"])
 def test_forward_without_autograd_saves_nothing(fptt_calls, mode, name):
     node = (neuron.LIFNode if name == "lif" else neuron.IzhikevichNode)(
-        step_mode="m", backend="torch", store_v_seq=True)  # fmt: skip
+        step_mode="m", backend="torch", store_v_seq=True
+    )
     x = torch.randn(5, 3, generator=gen(5)) * 2
     if mode == "no_grad":
         x.requires_grad_(True)

@@ -65,8 +65,10 @@ def points(seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     grid = torch.linspace(-4, 4, 1601, dtype=torch.float64)
     rnd = torch.randn(500, generator=g, dtype=torch.float64) * 2
-    edges = torch.tensor([0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 0.25, -0.25, 1e-300, -1e-300, 30.0, -30.0],
-                         dtype=torch.float64)  # fmt: skip
+    edges = torch.tensor(
+        [0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 0.25, -0.25, 1e-300, -1e-300, 30.0, -30.0],
+        dtype=torch.float64,
+    )
     return torch.cat([grid, rnd, edges])
 
 
@@ -153,8 +155,13 @@ def test_invalid_alpha_raises(cls, alpha):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"th_l": 0.5, "th_r": 0.5}, {"th_l": 1.0, "th_r": -1.0}, {"eta": float("nan")},
-     {"th_l": -float("inf")}, {"th_r": float("nan")}],  # fmt: skip
+    [
+        {"th_l": 0.5, "th_r": 0.5},
+        {"th_l": 1.0, "th_r": -1.0},
+        {"eta": float("nan")},
+        {"th_l": -float("inf")},
+        {"th_r": float("nan")},
+    ],
 )
 def test_invalid_rect_raises(kwargs):
     with pytest.raises(SpikefuseError, match="Rect"):
@@ -198,8 +205,13 @@ def test_user_surrogate_in_neuron(hard):
     """One LIF step: dS/dX = Θ'(H - V_th) / tau with the user's Θ'."""
     g = torch.Generator().manual_seed(2)
     tau, vth = 2.0, 1.0
-    node = neuron.LIFNode(tau=tau, v_reset=0.0 if hard else None, surrogate_function=Triangle(1.5),
-                          step_mode="m", backend="torch")  # fmt: skip
+    node = neuron.LIFNode(
+        tau=tau,
+        v_reset=0.0 if hard else None,
+        surrogate_function=Triangle(1.5),
+        step_mode="m",
+        backend="torch",
+    )
     xs = (torch.randn(1, 9, generator=g, dtype=torch.float64) + 1.5).requires_grad_(True)
     s = node(xs)
     (gx,) = torch.autograd.grad(s.sum(), [xs])
@@ -216,13 +228,30 @@ def test_user_surrogate_bptt_matches_oracle():
     gs = torch.randn(s.shape, generator=g, dtype=s.dtype)
     (gx,) = torch.autograd.grad((s * gs).sum(), [xs])
     xo = xs.detach().clone().requires_grad_()
-    so, *_ = ref.oracle(node.program, xo, torch.zeros(5, dtype=xo.dtype), xo.new_empty(0),
-                        torch.empty(0), node.constants())  # fmt: skip
+    so, *_ = ref.oracle(
+        node.program,
+        xo,
+        torch.zeros(5, dtype=xo.dtype),
+        xo.new_empty(0),
+        torch.empty(0),
+        node.constants(),
+    )
     (ox,) = torch.autograd.grad((so * gs).sum(), [xo])
     assert torch.equal(s.detach(), so.detach())
     assert (gx - ox).abs().max() <= 1e-12 * ox.abs().max()
 
 
 def test_non_surrogate_rejected_by_neuron():
-    with pytest.raises(SpikefuseError, match="surrogate_function must be a spikefuse.surrogate.Surrogate"):
+    with pytest.raises(
+        SpikefuseError, match="surrogate_function must be a spikefuse.surrogate.Surrogate"
+    ):
         neuron.LIFNode(surrogate_function=torch.nn.Sigmoid())
+
+
+def test_discontinuities():
+    """Only Rect's derivative jumps (at its window edges); the others are continuous."""
+    assert sg.Rect().discontinuities == (-0.5, 0.5)
+    assert sg.Rect(eta=2.0, th_l=-0.25, th_r=0.75).discontinuities == (-0.25, 0.75)
+    for cls in ALPHA_SURROGATES:
+        assert cls().discontinuities == (), cls.__name__
+    assert sg.PiecewiseQuadratic(alpha=2.0).discontinuities == ()  # kinks, not jumps

@@ -72,7 +72,7 @@ def _(program, backend, x_seq, v0, w0, learnable, constants, save_for_backward, 
         return x_seq.new_empty(shape if cond else (0,), dtype=dtype)
 
     return (
-        torch.empty_like(x_seq),
+        x_seq.new_empty(seq),  # backends return contiguous outputs whatever the input's strides
         maybe(store_v_seq, seq, x_seq.dtype),
         x_seq.new_empty(state, dtype=cd),
         maybe(prog.definition.adaptive, state, cd),

@@ -37,6 +37,16 @@ class NeuronProgram:
         unknown = set(self.learnable) - set(self.definition.params)
         if unknown:
             raise SpikefuseError(f"{self.definition.name}: learnable {sorted(unknown)} not in params")
+        d = self.definition
+        in_adaptation = {
+            p for p in self.learnable
+            if d.symbols[p] in (d.adaptation_expr.free_symbols | d.jump_expr.free_symbols)
+        }  # fmt: skip
+        if d.adaptive and in_adaptation:
+            raise SpikefuseError(
+                f"{d.name}: learnable parameters must appear only in the charge equation; "
+                f"{sorted(in_adaptation)} appear in the adaptation"
+            )
         # Custom ops receive programs by key; registering here keeps the hot path free of it.
         _REGISTRY.setdefault(self.key, self)
 

@@ -78,7 +78,7 @@ def fptt(
 
     return FPTTOut(
         spikes=torch.stack(spikes).to(x_seq.dtype),
-        v_seq=torch.stack(vs).to(x_seq.dtype) if store_v_seq else empty(),
+        v_seq=torch.stack(vs).to(x_seq.dtype) if store_v_seq else x_seq.new_empty(0),
         v_last=v.clone(),
         w_last=w.clone() if d.adaptive else empty(),
         h_seq=torch.stack(hs) if save_for_backward else empty(),
@@ -115,6 +115,7 @@ def bptt(
     zero = h_seq.new_zeros(())
     T = h_seq.shape[0]
     xs = x_seq.to(cd) if x_seq.numel() else None
+    w0_empty = w0.new_empty(0)  # one-state neurons: a placeholder of the input's dtype
     v0, w0 = v0.to(cd), w0.to(cd)
 
     def x_at(t):
@@ -173,7 +174,7 @@ def bptt(
     if d.adaptive:
         grad_w0 = grad_h_next * f["dh_dw"](*args0) + grad_w_next * f["dz_dw"](*args0)
     else:
-        grad_w0 = h_seq.new_empty(0)
+        grad_w0 = w0_empty
     return BPTTOut(
         grad_x=grad_x.to(grad_spikes.dtype),
         grad_v0=torch.as_tensor(grad_v0, dtype=cd).expand_as(v0).clone(),

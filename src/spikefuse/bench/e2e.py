@@ -85,56 +85,59 @@ class Merged(nn.Sequential):
         return super().forward(x.flatten(0, 1)).unflatten(0, x.shape[:2])
 
 
+def network(name: str, make: dict[str, Callable[..., list[nn.Module]]]) -> nn.Sequential:
+    """The Table I network ``name`` from layer factories.
+
+    ``make`` maps 'conv' (c_in, c_out), 'fc' (f_in, f_out) — each a synapse with BN and LIF —
+    and 'pool', 'flatten', 'classifier' (f_in, f_out) to lists of modules.
+    """
+    convs, fcs = MODELS[name]
+    layers: list[nn.Module] = []
+    channels, size = IN_CHANNELS, IMAGE_SIZE
+    for item in convs:
+        if item == POOL:
+            layers += make["pool"]()
+            size //= 2
+        else:
+            layers += make["conv"](channels, item)
+            channels = item
+    layers += make["flatten"]()
+    features = channels * size * size
+    for width in fcs:
+        layers += make["fc"](features, width)
+        features = width
+    layers += make["classifier"](features, NUM_CLASSES)
+    return nn.Sequential(*layers)
+
+
 def vanilla_model(name: str) -> nn.Sequential:
-    convs, fcs = MODELS[name]
-    layers: list[nn.Module] = []
-    channels, size = IN_CHANNELS, IMAGE_SIZE
-    for item in convs:
-        if item == POOL:
-            layers.append(Merged(nn.AvgPool2d(2)))
-            size //= 2
-            continue
-        layers += [Merged(nn.Conv2d(channels, item, 3, padding=1, bias=False),
-                          nn.BatchNorm2d(item)), VanillaLIF()]  # fmt: skip
-        channels = item
-    layers.append(Merged(nn.Flatten()))
-    features = channels * size * size
-    for width in fcs:
-        layers += [Merged(nn.Linear(features, width, bias=False), nn.BatchNorm1d(width)),
-                   VanillaLIF()]  # fmt: skip
-        features = width
-    layers.append(Merged(nn.Linear(features, NUM_CLASSES)))
-    return nn.Sequential(*layers)
+    """Plain PyTorch: Conv/BN on the merged T·B batch, :class:`VanillaLIF` per layer."""
+    return network(name, {
+        "conv": lambda i, o: [
+            Merged(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o)), VanillaLIF()
+        ],
+        "fc": lambda i, o: [Merged(nn.Linear(i, o, bias=False), nn.BatchNorm1d(o)), VanillaLIF()],
+        "pool": lambda: [Merged(nn.AvgPool2d(2))],
+        "flatten": lambda: [Merged(nn.Flatten())],
+        "classifier": lambda i, o: [Merged(nn.Linear(i, o))],
+    })  # fmt: skip
 
 
-# ---- spikefuse models -------------------------------------------------------------------------
 def spikefuse_model(name: str, backend: str) -> nn.Sequential:
-    """The same network from spikefuse layers and neurons (multi-step)."""
-    convs, fcs = MODELS[name]
-    layers: list[nn.Module] = []
-    channels, size = IN_CHANNELS, IMAGE_SIZE
-    for item in convs:
-        if item == POOL:
-            layers.append(layer.AvgPool2d(2, step_mode="m"))
-            size //= 2
-            continue
-        layers += [
-            layer.Conv2d(channels, item, 3, padding=1, bias=False, step_mode="m"),
-            layer.BatchNorm2d(item, step_mode="m"),
-            paper_lif(backend=backend),
-        ]
-        channels = item
-    layers.append(layer.Flatten(step_mode="m"))
-    features = channels * size * size
-    for width in fcs:
-        layers += [
-            layer.Linear(features, width, bias=False, step_mode="m"),
-            layer.BatchNorm1d(width, step_mode="m"),
-            paper_lif(backend=backend),
-        ]
-        features = width
-    layers.append(layer.Linear(features, NUM_CLASSES, step_mode="m"))
-    return nn.Sequential(*layers)
+    """The same network from spikefuse layers and :func:`~spikefuse.fused.paper_lif` neurons."""
+    return network(name, {
+        "conv": lambda i, o: [
+            layer.Conv2d(i, o, 3, padding=1, bias=False, step_mode="m"),
+            layer.BatchNorm2d(o, step_mode="m"), paper_lif(backend=backend),
+        ],
+        "fc": lambda i, o: [
+            layer.Linear(i, o, bias=False, step_mode="m"),
+            layer.BatchNorm1d(o, step_mode="m"), paper_lif(backend=backend),
+        ],
+        "pool": lambda: [layer.AvgPool2d(2, step_mode="m")],
+        "flatten": lambda: [layer.Flatten(step_mode="m")],
+        "classifier": lambda i, o: [layer.Linear(i, o, step_mode="m")],
+    })  # fmt: skip
 
 
 def build(variant: str, model: str, device: torch.device) -> nn.Module:
@@ -196,13 +199,13 @@ def run(
                 dtype,
                 lambda v=variant, d=dtype: training_step(
                     build(v, model, device), device, T, batch, DTYPES[d]
-                ),  # fmt: skip
+                ),
                 device,
                 warmup=warmup,
                 iters=iters,
             )
             if variant == "vanilla-compile":
-                torch._dynamo.reset()  # drop compiled graphs (and the models they hold)
+                torch.compiler.reset()  # drop compiled graphs (and the models they hold)
             print(format_table([result]).splitlines()[-1], flush=True)
             results.append(result)
     return results
@@ -213,34 +216,75 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spikefuse bench e2e",
         description="End-to-end SNN training benchmark on the DATE'22 CIFAR10 networks.",
     )
-    parser.add_argument("--model", choices=sorted(MODELS), default="medium")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="medium", help="network size (default: medium)"
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device (default: cuda when available, else cpu)",
+    )
     parser.add_argument("--T", type=int, default=10, help="time steps (default: 10)")
     parser.add_argument("--batch", type=int, default=64, help="batch size (default: 64)")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations (default: 20)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed iterations first (default: 5; 1 on CPU)")  # fmt: skip
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
-    parser.add_argument("--out", type=Path, default=Path("bench_results"),
-                        help="directory for the CSV and PNG (default: bench_results/)")  # fmt: skip
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed iterations first (default: 5; 1 on CPU)"
+    )
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="default: all"
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=sorted(DTYPES),
+        default=["fp32", "bf16"],
+        help="fp32 and/or bf16 autocast (default: both)",
+    )
+    parser.add_argument(
+        "--cudnn-benchmark",
+        action="store_true",
+        help="let cuDNN autotune convolution algorithms (all variants alike; default: off)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench_results"),
+        help="directory for the CSV and PNG (default: bench_results/)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     for name in ("T", "batch", "iters"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"spikefuse bench e2e: --{name} must be >= 1")
-    device = torch.device(args.device)
+            parser.error(f"--{name} must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"--device: {exc}")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("spikefuse bench e2e: CUDA is not available; use --device cpu")
+        parser.error("CUDA is not available; use --device cpu")
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 1)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"e2e {args.model}: T={args.T} B={args.batch} on {where}, median of {args.iters} "
-          f"iterations after {warmup} warm-up")  # fmt: skip
-    results = run(args.model, device, args.T, args.batch, args.variants, args.dtypes,
-                  warmup=warmup, iters=args.iters)  # fmt: skip
+    print(
+        f"e2e {args.model}: T={args.T} B={args.batch} on {where}, median of {args.iters} "
+        f"iterations after {warmup} warm-up"
+    )
+    results = run(
+        args.model,
+        device,
+        args.T,
+        args.batch,
+        args.variants,
+        args.dtypes,
+        warmup=warmup,
+        iters=args.iters,
+    )
     print()
     print(format_table(results, baseline="vanilla"))
     csv_path = args.out / f"e2e_{args.model}.csv"

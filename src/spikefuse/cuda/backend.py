@@ -135,7 +135,7 @@ def fptt(
     keep_w = save_for_backward and adaptive and program.definition.partials.needs_w
     w_seq = torch.empty_like(x) if keep_w else x.new_empty(0)
     v_last = torch.empty(state, dtype=torch.float32, device=x.device)
-    w_last = torch.empty_like(v_last) if adaptive else x.new_empty(0)
+    w_last = torch.empty_like(v_last) if adaptive else v_last.new_empty(0)
     if N:
         vec = _vec(x.dtype, N, x)
         kernel = kernel_for(program, x.dtype, vec)

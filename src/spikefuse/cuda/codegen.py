@@ -50,14 +50,16 @@ __device__ __forceinline__ scalar_t from_float(const float x) {{ return {from_f}
         return code
     bits = _BITS[dtype]
     return code + f"""\
-// Round-to-storage keeps H on the float32 value's side of boundary b: if rounding crossed it,
-// step one ulp back (the neighbour lies beyond the exact value, so on the correct side).
+// Round-to-storage keeps H on the float32 value's side of boundary b (above, on, or below: so
+// both `>=` and `>` tests agree): if rounding crossed or landed on it, step one ulp towards h
+// (the neighbour lies beyond the exact value, hence on its side).
 __device__ __forceinline__ scalar_t keep_side(scalar_t r, const float h, const float b) {{
-    const bool above = h >= b;
-    if ((to_float(r) >= b) != above) {{
+    const float rf = to_float(r);
+    if ((h > b) != (rf > b) || (h < b) != (rf < b)) {{
+        const bool up = rf < h;
         unsigned short u = __{bits}_as_ushort(r);
-        if ((u & 0x7fff) == 0) u = above ? 0x0001 : 0x8001;  // +-0: the smallest magnitude
-        else u = (above != ((u & 0x8000) != 0)) ? u + 1 : u - 1;
+        if ((u & 0x7fff) == 0) u = up ? 0x0001 : 0x8001;  // +-0: the smallest magnitude
+        else u = (up != ((u & 0x8000) != 0)) ? u + 1 : u - 1;
         r = __ushort_as_{bits}(u);
     }}
     return r;

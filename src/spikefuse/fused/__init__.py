@@ -19,7 +19,7 @@ from .blocks import (
     fuse,
     paper_lif,
 )
-from .bn_neuron import BNNeuronFunction, bn_neuron_backward, bn_neuron_forward
+from .bn_neuron import BNNeuronFunction, bn_input_grad, bn_neuron_backward, bn_neuron_forward
 from .packing import pack_bits, unpack_bits
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "FusedConvBNNeuron",
     "FusedLinearBNNeuron",
     "SpikePool",
+    "bn_input_grad",
     "bn_neuron_backward",
     "bn_neuron_forward",
     "fuse",

@@ -1,4 +1,4 @@
-"""Fused Conv/Linear → BatchNorm → neuron modules, and :func:`fuse` to convert existing models."""
+"""Fused Conv/Linear → BatchNorm → neuron modules, spike pooling and :func:`fuse` for models."""
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ class FusedBlock(nn.Module):
 
     Memory: backward keeps the synapse output and per-channel vectors; BN output, membrane
     potentials and spikes are recomputed. A synapse input that is the spike output of another
-    fused block is saved at 1 bit per spike.
+    fused block (directly, flattened, or through a :class:`SpikePool`) is saved at 1 bit per
+    spike.
 
     Args:
         synapse: ``nn.Conv1d``/``nn.Conv2d``/``nn.Linear`` (or spikefuse ``layer`` versions).
@@ -87,13 +88,15 @@ class FusedBlock(nn.Module):
         kind = _synapse_kind(synapse)
         if kind is None:
             raise SpikefuseError(
-                f"FusedBlock: synapse must be a Conv1d, Conv2d or Linear, got {type(synapse).__name__}"
+                "FusedBlock: synapse must be a Conv1d, Conv2d or Linear, got "
+                f"{type(synapse).__name__}"
             )
         if bn is not None:
             expected = _BN_FOR[kind]
             if type(bn) not in _EXACT[expected]:
                 raise SpikefuseError(
-                    f"FusedBlock: a {kind.__name__} needs {expected.__name__}, got {type(bn).__name__}"
+                    f"FusedBlock: a {kind.__name__} needs {expected.__name__}, "
+                    f"got {type(bn).__name__}"
                 )
             channels = synapse.out_channels if kind is not nn.Linear else synapse.out_features
             if bn.num_features != channels:
@@ -207,13 +210,13 @@ class SpikePool(nn.Module):
         merged = x.flatten(0, 1)
         if not is_marked_binary(merged):
             return self._pool(merged).unflatten(0, x.shape[:2])
-        packed = PackedSpikes(merged)
-        with saving_packed(merged, packed):
-            out = self._pool(merged)
-        if self._kind is nn.MaxPool2d:
-            out = mark_binary(out)
-        else:
-            out = mark_derived(out, packed, self._pool)
+        if self._kind is nn.MaxPool2d:  # the maximum of spikes is a spike
+            with saving_packed(merged):
+                out = mark_binary(self._pool(merged))
+        else:  # the average is recomputed from the same bits wherever it is saved
+            packed = PackedSpikes(merged)
+            with saving_packed(merged, packed):
+                out = mark_derived(self._pool(merged), packed, self._pool)
         return out.unflatten(0, x.shape[:2])
 
 
@@ -239,8 +242,10 @@ class FusedConvBNNeuron(FusedBlock):
         momentum: float | None = 0.1,
         node: BaseNode | None = None,
     ) -> None:
-        conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias=not bn if bias is None else bias)  # fmt: skip
+        bias = not bn if bias is None else bias
+        conv = nn.Conv2d(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias
+        )
         norm = nn.BatchNorm2d(out_channels, eps, momentum) if bn else None
         super().__init__(conv, norm, paper_lif() if node is None else node)
 
@@ -325,7 +330,7 @@ def _fusable_node(module: nn.Module) -> bool:
 def fuse(
     model: nn.Module, inplace: bool = False, process_group: dist.ProcessGroup | None = None
 ) -> nn.Module:
-    """Replace every ``synapse → [BN] → neuron`` run inside ``nn.Sequential`` s with a FusedBlock.
+    """Replace each ``synapse → [BN] → neuron`` run inside an ``nn.Sequential`` by a FusedBlock.
 
     Only plain ``nn.Sequential`` containers are searched (their data flow is known). Recognised
     runs of consecutive modules (all multi-step):

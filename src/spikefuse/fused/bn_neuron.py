@@ -18,10 +18,11 @@ with two per-channel sums (all-reduced across processes when torch.distributed i
     dL/dy       = scale * (g - Σ_all g / n - xhat * Σ_all g xhat / n)    (batch statistics)
     dL/dy       = scale * g                                              (running statistics)
 
-with n the number of elements per channel over all processes. The element-wise work sits in
-:func:`bn_neuron_forward` (affine + neuron forward) and :func:`bn_neuron_backward` (recompute,
-BPTT and the per-channel sums): a backend with kernels that fuse the affine into the neuron's
-prologue and the sums into its backward epilogue replaces exactly these two functions.
+with n the number of elements per channel over all processes. All element-wise work sits in
+three functions, the places where kernels plug in: :func:`bn_neuron_forward` (affine + neuron
+forward), :func:`bn_neuron_backward` (pass 1: affine + neuron recompute + BPTT + the two
+per-channel sums; the affine belongs in a kernel's prologue, the sums in its epilogue) and
+:func:`bn_input_grad` (pass 2: dL/dy from g, which it may recompute).
 """
 
 from __future__ import annotations
@@ -64,22 +65,33 @@ class NeuronCall:
     def _v0(self, x: Tensor) -> Tensor:
         return torch.full(x.shape[1:], self.v_init, dtype=compute_dtype(x.dtype), device=x.device)
 
-    def forward(self, x: Tensor, learnable: Tensor, save_h: bool) -> tuple[Tensor, Tensor]:
-        """Spikes [T, *] (x dtype) and, with ``save_h``, the charge sequence H for BPTT."""
-        out = backend_module(self.backend).fptt(
-            self.program, x, self._v0(x), x.new_empty(0), learnable, list(self.constants),
-            save_h, False,
-        )  # fmt: skip
-        return out.spikes, out.h_seq
+    def _fptt(self, x: Tensor, v0: Tensor, learnable: Tensor, save_h: bool):
+        backend = backend_module(self.backend)
+        empty = x.new_empty(0)  # no second state, no V sequence
+        return backend.fptt(
+            self.program, x, v0, empty, learnable, list(self.constants), save_h, False
+        )
 
-    def backward(
-        self, x: Tensor, h_seq: Tensor, learnable: Tensor, grad_spikes: Tensor
+    def forward(self, x: Tensor, learnable: Tensor) -> Tensor:
+        """Spikes [T, *] in x's dtype."""
+        return self._fptt(x, self._v0(x), learnable, save_h=False).spikes
+
+    def input_grad(
+        self, x: Tensor, learnable: Tensor, grad_spikes: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """dL/dx [T, *] (dtype of H) and dL/d(learnable) [P] from dL/dspikes."""
-        keep_x = x if self.program.definition.partials.needs_x else x.new_empty(0)
+        """Recompute H from x, then BPTT: dL/dx [T, *] (H's dtype) and dL/d(learnable) [P].
+
+        Pass x as a temporary: it is released before BPTT unless the neuron's derivatives
+        need it, so recompute and backward never hold x, H and dL/dx at once.
+        """
+        v0 = self._v0(x)
+        h_seq = self._fptt(x, v0, learnable, save_h=True).h_seq
+        empty = h_seq.new_empty(0)
+        if not self.program.definition.partials.needs_x:
+            x = empty
+        grad_spikes = grad_spikes.to(h_seq.dtype)
         out = backend_module(self.backend).bptt(
-            self.program, grad_spikes.to(h_seq.dtype), None, None, None, h_seq,
-            h_seq.new_empty(0), keep_x, self._v0(h_seq), h_seq.new_empty(0), learnable,
+            self.program, grad_spikes, None, None, None, h_seq, empty, x, v0, empty, learnable,
             list(self.constants),
         )  # fmt: skip
         return out.grad_x, out.grad_learnable.to(learnable.dtype)
@@ -106,8 +118,7 @@ def bn_neuron_forward(
     y: Tensor, scale: Tensor | None, shift: Tensor | None, neuron: NeuronCall, learnable: Tensor
 ) -> Tensor:
     """Spikes [T, B, C, *] in y's dtype from the synapse output y; no BN when scale is None."""
-    spikes, _ = neuron.forward(_neuron_input(y, scale, shift), learnable, save_h=False)
-    return spikes.to(y.dtype)
+    return neuron.forward(_neuron_input(y, scale, shift), learnable).to(y.dtype)
 
 
 def bn_neuron_backward(
@@ -119,24 +130,49 @@ def bn_neuron_backward(
     neuron: NeuronCall,
     learnable: Tensor,
     grad_spikes: Tensor,
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
-    """Recompute the neuron from y, run its BPTT and reduce per channel.
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    """Backward pass 1 (the paper's Alg. 2): recompute the neuron from y, BPTT, per-channel sums.
 
-    Returns ``(g, sum_g, sum_gxhat, grad_learnable)``: g = dL/dx [T, B, C, *] in the compute
-    dtype (float32 for half inputs), the two local per-channel sums [C] (None without BN) and
-    the gradient of the neuron's learnable parameters [P].
+    Returns ``(g, sum_g, sum_gxhat, grad_learnable)``: the two local per-channel sums [C]
+    (None without BN), the gradient of the neuron's learnable parameters [P] and, optionally,
+    g = dL/dx [T, B, C, *] in the compute dtype for pass 2 to reuse. An implementation may
+    return g = None (pass 2 then recomputes it) to avoid holding a float32 buffer next to
+    half-precision activations; without BN it must return g.
     """
-    x = _neuron_input(y, scale, shift)
-    _, h_seq = neuron.forward(x, learnable, save_h=True)
-    g, grad_learnable = neuron.backward(x, h_seq, learnable, grad_spikes)
-    del x, h_seq
+    g, grad_learnable = neuron.input_grad(_neuron_input(y, scale, shift), learnable, grad_spikes)
     if scale is None:
         return g, None, None, grad_learnable
     dims = _reduce_dims(y.dim())
     sum_g = g.sum(dims)
     xc = y.to(g.dtype) - _per_channel(mean, y.dim())
-    sum_gxhat = (xc.mul_(g)).sum(dims) * invstd
+    sum_gxhat = xc.mul_(g).sum(dims) * invstd
     return g, sum_g, sum_gxhat, grad_learnable
+
+
+def bn_input_grad(
+    g: Tensor | None,
+    y: Tensor,
+    scale: Tensor,
+    shift: Tensor,
+    coef_y: Tensor | None,
+    coef_0: Tensor | None,
+    neuron: NeuronCall,
+    learnable: Tensor,
+    grad_spikes: Tensor,
+) -> Tensor:
+    """Backward pass 2 (the paper's Alg. 3): dL/dy in y's dtype.
+
+    dL/dy = g * scale[c] + y * coef_y[c] + coef_0[c] (the last two terms only with batch
+    statistics). Uses pass 1's g when given, overwriting it (so float32 needs no new buffer),
+    else recomputes g from y.
+    """
+    if g is None:
+        g, _ = neuron.input_grad(_neuron_input(y, scale, shift), learnable, grad_spikes)
+    ndim = y.dim()
+    grad_y = g.mul_(_per_channel(scale, ndim))
+    if coef_y is not None:
+        grad_y.addcmul_(y, _per_channel(coef_y, ndim)).add_(_per_channel(coef_0, ndim))
+    return grad_y.to(y.dtype)
 
 
 # ---- statistics, synchronised across processes ------------------------------------------------
@@ -144,11 +180,14 @@ def _distributed(group: dist.ProcessGroup | None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def batch_stats(y: Tensor, group: dist.ProcessGroup | None = None) -> tuple[Tensor, Tensor, int]:
+def batch_stats(
+    y: Tensor, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, Tensor, int | Tensor]:
     """Per-channel (mean, biased var) over all dims but C, across processes; and the count n.
 
     Each process computes its local mean/var in one pass; processes then all-reduce
-    (n·mean, n·(var + mean²), n) in float64 so recombining the moments loses nothing.
+    (n·mean, n·(var + mean²), n) in float64 so recombining the moments loses nothing. Across
+    processes n stays a 0-dim tensor: reading it on the host would stall the GPU stream.
     """
     cd = compute_dtype(y.dtype)
     dims = _reduce_dims(y.dim())
@@ -157,20 +196,24 @@ def batch_stats(y: Tensor, group: dist.ProcessGroup | None = None) -> tuple[Tens
     if not _distributed(group):
         return mean, var, count
     n = float(count)
-    packed = torch.cat([mean.double() * n, (var.double() + mean.double() ** 2) * n,
-                        mean.new_full((1,), n, dtype=torch.float64)])  # fmt: skip
+    packed = torch.cat(
+        [
+            mean.double() * n,
+            (var.double() + mean.double() ** 2) * n,
+            mean.new_full((1,), n, dtype=torch.float64),
+        ]
+    )
     dist.all_reduce(packed, group=group)
     c = mean.numel()
     total = packed[-1]
     g_mean = packed[:c] / total
     g_var = (packed[c : 2 * c] / total - g_mean**2).clamp_(min=0)
-    return g_mean.to(cd), g_var.to(cd), int(total.item())
+    return g_mean.to(cd), g_var.to(cd), total
 
 
 def all_reduce_sums(sums: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
-    """Sum a small per-channel tensor over processes (identity when not distributed)."""
+    """Sum a small per-channel tensor over processes, in place (no-op when not distributed)."""
     if _distributed(group):
-        sums = sums.clone()
         dist.all_reduce(sums, group=group)
     return sums
 
@@ -214,7 +257,10 @@ class BNNeuronFunction(torch.autograd.Function):
         spikes = bn_neuron_forward(y, scale, shift, neuron, learnable)
         ctx.save_for_backward(y, scale, shift, mean, invstd, learnable)
         ctx.neuron, ctx.bn, ctx.count = neuron, bn, count
-        ctx.affine = (weight is not None, bias is not None)
+        ctx.param_dtypes = (
+            None if weight is None else weight.dtype,
+            None if bias is None else bias.dtype,
+        )
         return spikes
 
     @staticmethod
@@ -227,29 +273,32 @@ class BNNeuronFunction(torch.autograd.Function):
         grad_learnable = grad_learnable if ctx.needs_input_grad[3] else None
         if bn is None:
             return g.to(y.dtype), None, None, grad_learnable, None, None
-        has_weight, has_bias = ctx.affine
-        grad_weight = sum_gxhat if has_weight and ctx.needs_input_grad[1] else None
-        grad_bias = sum_g if has_bias and ctx.needs_input_grad[2] else None
-        ndim = y.dim()
-        grad_y = g.mul_(_per_channel(scale, ndim))
+        weight_dtype, bias_dtype = ctx.param_dtypes
+        grad_weight = sum_gxhat.to(weight_dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = sum_g.to(bias_dtype) if ctx.needs_input_grad[2] else None
+        coef_y = coef_0 = None
         if bn.batch_stats:
-            # dL/dy = scale*g + y*k1 + k0: the mean and variance terms of BN's backward.
+            # The mean and variance terms of BN's backward, from the sums over all processes:
+            # dL/dy = scale*g - scale*mean(g) - xhat*scale*mean(g*xhat)
+            #       = scale*g + coef_y*y + coef_0
             c = scale.numel()
             totals = all_reduce_sums(torch.cat([sum_g, sum_gxhat]), bn.group)
             mean_g, mean_gxhat = totals[:c] / ctx.count, totals[c:] / ctx.count
-            k1 = -scale * invstd * mean_gxhat
-            k0 = -scale * mean_g - mean * k1
-            grad_y.addcmul_(y, _per_channel(k1, ndim)).add_(_per_channel(k0, ndim))
-        return grad_y.to(y.dtype), grad_weight, grad_bias, grad_learnable, None, None
+            coef_y = -scale * invstd * mean_gxhat
+            coef_0 = -scale * mean_g - mean * coef_y
+        grad_y = bn_input_grad(
+            g, y, scale, shift, coef_y, coef_0, ctx.neuron, learnable, grad_spikes
+        )
+        return grad_y, grad_weight, grad_bias, grad_learnable, None, None
 
 
-def _bn_affine_stats(y: Tensor, bn: BNSpec) -> tuple[Tensor, Tensor, int]:
+def _bn_affine_stats(y: Tensor, bn: BNSpec) -> tuple[Tensor, Tensor, int | Tensor]:
     """(mean, invstd, n) to normalise with; updates the running statistics in training."""
     cd = compute_dtype(y.dtype)
     if not bn.batch_stats:
         return bn.running_mean.to(cd), torch.rsqrt(bn.running_var.to(cd) + bn.eps), 0
     mean, var, count = batch_stats(y, bn.group)
-    if count <= 1:
+    if isinstance(count, int) and count <= 1:
         raise SpikefuseError(
             f"BatchNorm in training needs more than 1 value per channel, got {count} "
             f"(input shape {tuple(y.shape)})"

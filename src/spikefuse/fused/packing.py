@@ -40,7 +40,7 @@ def pack_bits(spikes: Tensor) -> Tensor:
     pad = -flat.numel() % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    return (flat.view(-1, 8) * _bit_weights(flat.device)).sum(1, dtype=torch.uint8)
+    return flat.view(-1, 8).mul_(_bit_weights(flat.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(bits: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one go, logs under ${OUT:-gpu_results}:
+#   scripts/gpu_all.sh check   kernel variants vs reference, cuda:1 placement, DDP equivalence
+#   scripts/gpu_all.sh bench   neuron and end-to-end benchmarks
+set -uo pipefail
+OUT="${OUT:-gpu_results}"
+export PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)/src"
+mkdir -p "$OUT"
+status=0
+case "${1:-all}" in
+  check|all)
+    python3 scripts/gpu_check.py --out "$OUT/check" || status=1
+    if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+      torchrun --nproc_per_node=2 scripts/ddp_check.py 2>&1 | tee "$OUT/ddp_check.log" || status=1
+    else
+      echo "DDP check: SKIPPED (needs 2 GPUs)" | tee "$OUT/ddp_check.log"
+    fi ;;&
+  bench|all)
+    python3 -m spikefuse bench neuron --out "$OUT/bench" || status=1
+    for model in medium small large; do
+      python3 -m spikefuse bench e2e --model "$model" --out "$OUT/bench" || status=1
+    done ;;
+esac
+exit $status
