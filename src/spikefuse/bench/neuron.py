@@ -105,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     results: list[BenchResult] = []
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
-        compiled = torch.compile(lif_loop, dynamic=False)
         for T in args.T:
+            # A fresh compilation per shape: dynamo's per-function recompile limit would
+            # otherwise silently fall back to eager after a few shapes.
+            torch._dynamo.reset()
+            compiled = torch.compile(lif_loop, dynamic=False)
             x = torch.randn(T, args.batch, args.features, device=device).add_(0.8).to(dtype)
             x.requires_grad_(True)
             g = torch.randn_like(x)
