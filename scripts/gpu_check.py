@@ -159,14 +159,18 @@ def main() -> int:
     nodes = {k: NODES[k] for k in ("LIF", "Izhikevich")} if args.quick else NODES
     surrogates = (surrogate.Sigmoid, surrogate.Rect) if args.quick else surrogate.ALL
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    variants = list(itertools.product(nodes.items(), surrogates, dtypes, (True, False), (False, True)))
+    variants = list(
+        itertools.product(nodes.items(), surrogates, dtypes, (True, False), (False, True))
+    )
 
     t0 = time.perf_counter()
     kernels = []
-    for (name, make), sur, dtype, hard, detach in variants:
+    for (_, make), sur, dtype, hard, detach in variants:
         program = make(surrogate_function=sur(), v_reset=0.0 if hard else None,
                        detach_reset=detach).program  # fmt: skip
-        kernels += [cuda_backend.kernel_for(program, dtype, vec) for vec in (1, vector_width(dtype))]
+        kernels += [
+            cuda_backend.kernel_for(program, dtype, vec) for vec in (1, vector_width(dtype))
+        ]
     cuda_backend.precompile(kernels, threads=16)
     log(f"compiled {len(kernels)} kernel modules in {time.perf_counter() - t0:.1f} s")
 
@@ -180,7 +184,9 @@ def main() -> int:
             ok, problems, worst = check_variant(name, make, sur, dtype, hard, detach, gen)
         except Exception as exc:  # noqa: BLE001 - report and continue with the other variants
             ok, problems, worst = False, [f"{type(exc).__name__}: {exc}"], {}
-        w = worst_by_dtype.setdefault(str(dtype)[6:], {"value": 0.0, "grad": 0.0, "spike_mismatch": 0.0})
+        w = worst_by_dtype.setdefault(
+            str(dtype)[6:], {"value": 0.0, "grad": 0.0, "spike_mismatch": 0.0}
+        )
         for k, v in worst.items():
             w[k] = max(w[k], v)
         passed += ok
@@ -188,8 +194,10 @@ def main() -> int:
         if not ok:
             log(f"FAIL {label}: " + "; ".join(problems))
     for dtype, w in worst_by_dtype.items():
-        log(f"worst normalised error vs float32 reference, {dtype}: values {w['value']:.2e}, "
-            f"gradients {w['grad']:.2e}, spike mismatch fraction {w['spike_mismatch']:.2e}")
+        log(
+            f"worst normalised error vs float32 reference, {dtype}: values {w['value']:.2e}, "
+            f"gradients {w['grad']:.2e}, spike mismatch fraction {w['spike_mismatch']:.2e}"
+        )
     extra_ok = check_device_placement(log) & check_determinism(log)
     log(f"GPU check on {torch.cuda.get_device_name(0)}: {passed} variants passed, {failed} failed "
         f"({len(SHAPES)} shapes each), extra checks {'PASS' if extra_ok else 'FAIL'}, "

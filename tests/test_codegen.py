@@ -77,7 +77,9 @@ def test_generated_source_is_printable_and_names_the_variant():
     kernel = DefinitionKernel(node.program, torch.bfloat16, 8)
     code = kernel.full_codes
     assert kernel.fptt_name in code and kernel.bptt_name in code
-    assert "plif" in kernel.fptt_name and "soft" in kernel.fptt_name and "bfloat16" in kernel.fptt_name
+    assert (
+        "plif" in kernel.fptt_name and "soft" in kernel.fptt_name and "bfloat16" in kernel.fptt_name
+    )
     assert "p.decay" in code and "keep_side" in code  # learnable decay, 16-bit consistent rounding
     assert "atomicAdd" not in code  # the tau gradient is reduced deterministically
     assert code.count("__global__") == 2

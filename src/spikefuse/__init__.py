@@ -3,6 +3,7 @@
 from . import functional, layer, neuron, surrogate
 from .definitions import NeuronDef
 from .errors import BackendUnavailableError, SpikefuseError
+from .fused import fuse
 
 __version__ = "0.1.0"
 __all__ = [
@@ -10,6 +11,7 @@ __all__ = [
     "NeuronDef",
     "SpikefuseError",
     "functional",
+    "fuse",
     "layer",
     "neuron",
     "surrogate",

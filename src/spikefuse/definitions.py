@@ -74,7 +74,9 @@ class NeuronDef:
             p for p in self.params if self.params.count(p) > 1
         }
         if clash:
-            raise SpikefuseError(f"{self.name}: parameter names {sorted(clash)} are reserved/repeated")
+            raise SpikefuseError(
+                f"{self.name}: parameter names {sorted(clash)} are reserved/repeated"
+            )
         for p in self.params:
             if not p.isidentifier():
                 raise SpikefuseError(f"{self.name}: parameter name {p!r} is not an identifier")
@@ -176,9 +178,13 @@ LIF = NeuronDef("lif", charge="v + (x - (v - v_reset)) / tau", params=("tau",))
 LIF_NO_DECAY_INPUT = NeuronDef("lif_ndi", charge="v - (v - v_reset) / tau + x", params=("tau",))
 # PLIF is LIF with the learnable decay = 1/tau as its parameter.
 PLIF = NeuronDef("plif", charge="v + (x - (v - v_reset)) * decay", params=("decay",))
-PLIF_NO_DECAY_INPUT = NeuronDef("plif_ndi", charge="v - (v - v_reset) * decay + x", params=("decay",))
+PLIF_NO_DECAY_INPUT = NeuronDef(
+    "plif_ndi", charge="v - (v - v_reset) * decay + x", params=("decay",)
+)
 QIF = NeuronDef(
-    "qif", charge="v + (x + a0 * (v - v_rest) * (v - v_c)) / tau", params=("tau", "a0", "v_rest", "v_c")
+    "qif",
+    charge="v + (x + a0 * (v - v_rest) * (v - v_c)) / tau",
+    params=("tau", "a0", "v_rest", "v_c"),
 )
 EIF = NeuronDef(
     "eif",

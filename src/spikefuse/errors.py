@@ -1,4 +1,6 @@
 class SpikefuseError(ValueError):
     pass
+
+
 class BackendUnavailableError(SpikefuseError, RuntimeError):
     pass

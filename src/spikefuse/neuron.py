@@ -171,10 +171,14 @@ class BaseNode(MemoryModule):
         values += [getattr(self, p) for p in names]
         for name, value in zip(("v_threshold", "v_reset", *names), values, strict=True):
             if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise SpikefuseError(f"{type(self).__name__}: {name} must be a finite float, got {value!r}")
+                raise SpikefuseError(
+                    f"{type(self).__name__}: {name} must be a finite float, got {value!r}"
+                )
             bound = self.lower_bounds.get(name)
             if bound is not None and not value > bound:
-                raise SpikefuseError(f"{type(self).__name__}: {name} must be > {bound}, got {value}")
+                raise SpikefuseError(
+                    f"{type(self).__name__}: {name} must be > {bound}, got {value}"
+                )
         return [float(v) for v in values]
 
     def learnable_values(self, device: torch.device) -> Tensor:
@@ -328,7 +332,9 @@ class ParametricLIFNode(BaseNode):
         store_v_seq: bool = False,
     ) -> None:
         if not (isinstance(init_tau, (int, float)) and math.isfinite(init_tau) and init_tau > 1):
-            raise SpikefuseError(f"ParametricLIFNode: init_tau must be finite and > 1, got {init_tau}")
+            raise SpikefuseError(
+                f"ParametricLIFNode: init_tau must be finite and > 1, got {init_tau}"
+            )
         self.decay_input = decay_input
         definition = defs.PLIF if decay_input else defs.PLIF_NO_DECAY_INPUT
         super().__init__(definition, {}, v_threshold, v_reset, surrogate_function, detach_reset,
@@ -416,7 +422,15 @@ class IzhikevichNode(BaseNode):
         backend: str = "auto",
         store_v_seq: bool = False,
     ) -> None:
-        params = {"tau": tau, "a0": a0, "v_rest": v_rest, "v_c": v_c, "a": a, "tau_w": tau_w, "b": b}
+        params = {
+            "tau": tau,
+            "a0": a0,
+            "v_rest": v_rest,
+            "v_c": v_c,
+            "a": a,
+            "tau_w": tau_w,
+            "b": b,
+        }
         self.w_rest = w_rest
         super().__init__(defs.IZHIKEVICH, params, v_threshold, v_reset, surrogate_function,
                          detach_reset, step_mode, backend, store_v_seq, w_init=w_rest)  # fmt: skip

@@ -112,7 +112,12 @@ def _(program, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, h_seq
 def _setup_context(ctx, inputs, output) -> None:
     program, backend, x_seq, v0, w0, learnable, constants, save_for_backward, store_v_seq = inputs
     h_seq, w_seq = output[4], output[5]
-    ctx.program, ctx.backend, ctx.constants, ctx.saved = program, backend, constants, save_for_backward
+    ctx.program, ctx.backend, ctx.constants, ctx.saved = (
+        program,
+        backend,
+        constants,
+        save_for_backward,
+    )
     ctx.store_v_seq = store_v_seq
     keep_x = x_seq if lookup(program).definition.partials.needs_x else x_seq.new_empty(0)
     ctx.save_for_backward(h_seq, w_seq, keep_x, v0, w0, learnable)

@@ -36,7 +36,9 @@ class NeuronProgram:
     def __post_init__(self) -> None:
         unknown = set(self.learnable) - set(self.definition.params)
         if unknown:
-            raise SpikefuseError(f"{self.definition.name}: learnable {sorted(unknown)} not in params")
+            raise SpikefuseError(
+                f"{self.definition.name}: learnable {sorted(unknown)} not in params"
+            )
         d = self.definition
         in_adaptation = {
             p for p in self.learnable

@@ -73,6 +73,7 @@ def fptt(
         spikes.append(s)
         hs.append(h)
         vs.append(v)
+
     def empty():  # distinct objects: custom-op outputs must not alias each other
         return xs.new_empty(0)
 
@@ -158,7 +159,9 @@ def bptt(
                 grad_w = grad_w + grad_w_last.to(cd)
             if grad_h_next is not None:
                 grad_w = grad_w + grad_h_next * f["dh_dw"](*args_next)
-                grad_w = grad_w + grad_w_next * f["dz_dw"](v, x_at(t + 1), w_at(t), h_seq[t + 1], *params)
+                grad_w = grad_w + grad_w_next * f["dz_dw"](
+                    v, x_at(t + 1), w_at(t), h_seq[t + 1], *params
+                )
             args = (v_prev, x_at(t), w_at(t - 1), h, *params)
             grad_h = grad_h + grad_w * (f["dz_dh"](*args) + f["jump"](*args) * sg)
             grad_w_next = grad_w
@@ -207,7 +210,10 @@ def oracle(
         s = program.surrogate(h - vth)
         s_reset = s.detach() if program.detach_reset else s
         if d.adaptive:
-            w = f["adaptation"](v, x_seq[t], w, h, *params) + f["jump"](v, x_seq[t], w, h, *params) * s
+            w = (
+                f["adaptation"](v, x_seq[t], w, h, *params)
+                + f["jump"](v, x_seq[t], w, h, *params) * s
+            )
         v = h * (1 - s_reset) + vreset * s_reset if program.hard_reset else h - vth * s_reset
         spikes.append(s)
         vs.append(v)

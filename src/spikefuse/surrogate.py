@@ -104,7 +104,9 @@ class _AlphaSurrogate(Surrogate):
         super().__init__()
         self.alpha = float(self.default_alpha if alpha is None else alpha)
         if not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise SpikefuseError(f"{type(self).__name__}: alpha must be finite and > 0, got {alpha}")
+            raise SpikefuseError(
+                f"{type(self).__name__}: alpha must be finite and > 0, got {alpha}"
+            )
 
     def hyperparameters(self) -> dict[str, float]:
         return {"alpha": self.alpha}
@@ -186,7 +188,9 @@ class Rect(Surrogate):
         super().__init__()
         self.eta, self.th_l, self.th_r = float(eta), float(th_l), float(th_r)
         if not all(map(math.isfinite, (self.eta, self.th_l, self.th_r))) or self.th_l >= self.th_r:
-            raise SpikefuseError(f"Rect: need finite eta and th_l < th_r, got {eta}, {th_l}, {th_r}")
+            raise SpikefuseError(
+                f"Rect: need finite eta and th_l < th_r, got {eta}, {th_l}, {th_r}"
+            )
 
     def hyperparameters(self) -> dict[str, float]:
         return {"eta": self.eta, "th_l": self.th_l, "th_r": self.th_r}

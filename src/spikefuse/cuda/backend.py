@@ -174,7 +174,9 @@ def bptt(
     grad_w0 = torch.empty_like(w0) if d.adaptive else w0.new_empty(0)
     vec = _vec(dtype, N, grad_spikes, grad_v_seq, h_seq)
     blocks = max(1, -(-N // (vec * BLOCK_THREADS)))
-    partial = torch.empty((len(program.learnable), blocks), dtype=torch.float32, device=h_seq.device)
+    partial = torch.empty(
+        (len(program.learnable), blocks), dtype=torch.float32, device=h_seq.device
+    )
     if N:
         kernel = kernel_for(program, dtype, vec)
         v_last_g = None if grad_v_last is None else grad_v_last.float().contiguous()

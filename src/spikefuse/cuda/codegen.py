@@ -49,7 +49,9 @@ __device__ __forceinline__ scalar_t from_float(const float x) {{ return {from_f}
     if dtype == torch.float32:
         return code
     bits = _BITS[dtype]
-    return code + f"""\
+    return (
+        code
+        + f"""\
 // Round-to-storage keeps H on the float32 value's side of boundary b (above, on, or below: so
 // both `>=` and `>` tests agree): if rounding crossed or landed on it, step one ulp towards h
 // (the neighbour lies beyond the exact value, hence on its side).
@@ -65,6 +67,7 @@ __device__ __forceinline__ scalar_t keep_side(scalar_t r, const float h, const f
     return r;
 }}
 """
+    )
 
 
 def _store_h(dtype: torch.dtype, surrogate: Surrogate) -> str:
@@ -251,7 +254,11 @@ class NeuronKernel:
             if self.adaptive
             else ""
         )
-        w_init = "float w_reg[VEC]; for (int k = 0; k < VEC; ++k) w_reg[k] = w0[n + k];" if self.adaptive else ""
+        w_init = (
+            "float w_reg[VEC]; for (int k = 0; k < VEC; ++k) w_reg[k] = w0[n + k];"
+            if self.adaptive
+            else ""
+        )
         w_store = "if (w_seq) store_pack(w_seq, off, wp);" if self.adaptive else ""
         w_last = "w_last[n + k] = w_reg[k];" if self.adaptive else ""
         w_local = "float w = w_reg[k];" if self.adaptive else "const float w = 0.0f;"
