@@ -217,7 +217,8 @@ class BaseNode(MemoryModule):
             )
         return value
 
-    def _resolve_backend(self, x_seq: Tensor) -> str:
+    def resolve_backend(self, x_seq: Tensor) -> str:
+        """The backend that runs for this input (raises if an explicit one cannot)."""
         if self.backend == "torch":
             chosen = "torch"
         else:
@@ -233,7 +234,7 @@ class BaseNode(MemoryModule):
     def forward(self, x: Tensor) -> Tensor:
         x_seq = self._check_input(x)
         constants = self.constants()
-        backend = self._resolve_backend(x_seq)
+        backend = self.resolve_backend(x_seq)
         v0 = self._state("v", x_seq)
         w0 = self._state("w", x_seq) if self.definition.adaptive else x_seq.new_empty(0)
         learnable = self.learnable_values(x_seq.device)

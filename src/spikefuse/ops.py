@@ -16,8 +16,6 @@ from torch import Tensor
 from . import reference
 from .program import NeuronProgram, lookup
 
-BACKENDS = ("torch", "cuda")
-
 
 def backend_module(backend: str) -> ModuleType:
     """The module implementing ``fptt``/``bptt``/``saved_dtype`` for a backend name."""

@@ -59,7 +59,7 @@ class NeuronCall:
                 f"fused blocks support one-state neurons only; {type(node).__name__} has two states"
             )
         v_init = 0.0 if node.v_reset is None else float(node.v_reset)
-        backend = node._resolve_backend(x)
+        backend = node.resolve_backend(x)
         return cls(node.program, backend, tuple(node.constants()), v_init)
 
     def _v0(self, x: Tensor) -> Tensor:
