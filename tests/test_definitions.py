@@ -147,14 +147,16 @@ def _bptt_vs_oracle(definition, params, learnable=(), hard=True, detach=False, s
     xs = torch.randn((T, *shape), generator=g, dtype=torch.float64) + 0.5
     v0 = 0.4 * torch.randn(shape, generator=g, dtype=torch.float64)
     w0 = torch.empty(0, dtype=torch.float64)
-    out = ref.fptt(program, xs, v0, w0, lrn, consts, save_for_backward=True, store_v_seq=True)
+    lrn_in = lrn if learnable else None
+    out = ref.fptt(program, xs, v0, None, lrn_in, consts, [0.0, 0.0], True, True)
     gs, gv = (
         torch.randn(xs.shape, generator=g, dtype=xs.dtype),
         torch.randn(xs.shape, generator=g, dtype=xs.dtype),
     )
     gl = torch.randn(shape, generator=g, dtype=xs.dtype)
-    keep_x = xs if definition.partials.needs_x else xs.new_empty(0)
-    back = ref.bptt(program, gs, gv, gl, None, out.h_seq, out.w_seq, keep_x, v0, w0, lrn, consts)
+    keep_x = xs if ref.keeps_x(program) else None
+    back = ref.bptt(program, gs, gv, gl, None, out.saved_v, out.saved_w, keep_x, v0, None,
+                    lrn_in, consts, [0.0, 0.0])  # fmt: skip
 
     xo, vo = xs.clone().requires_grad_(), v0.clone().requires_grad_()
     lo = lrn.double().requires_grad_()

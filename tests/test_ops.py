@@ -71,7 +71,7 @@ def test_custom_op_autograd_matches_oracle(name):
     if name == "izh":
         p = _program(defs.IZHIKEVICH, sg.SuperSpike(), True, False)
         consts = [1.0, 0.0, 2.0, 0.9, -0.1, 0.8, 0.6, 3.0, 0.25]
-        learnable = torch.empty(0)
+        learnable = None
     elif name == "plif":
         p = _program(defs.PLIF, sg.Sigmoid(), False, False, ("decay",))
         consts = [1.0, 0.0]
@@ -79,30 +79,26 @@ def test_custom_op_autograd_matches_oracle(name):
     else:
         p = _program(defs.NeuronDef("tanh_in_ops", charge="v + tanh(x)"), sg.ATan(), True, True)
         consts = [1.0, -0.1]
-        learnable = torch.empty(0)
+        learnable = None
     adaptive = p.definition.adaptive
     x = (torch.randn(T, N, generator=g, dtype=f64) + 0.6).requires_grad_(True)
     v0 = (0.3 * torch.randn(N, generator=g, dtype=f64)).requires_grad_(True)
-    w0 = (
-        (0.2 * torch.randn(N, generator=g, dtype=f64)).requires_grad_(True)
-        if adaptive
-        else torch.empty(0, dtype=f64)
-    )
+    w0 = (0.2 * torch.randn(N, generator=g, dtype=f64)).requires_grad_(True) if adaptive else None
     spikes, v_seq, v_last, w_last, _, _ = FPTT(
-        p.key, "torch", x, v0, w0, learnable, consts, True, True
+        p.key, "torch", x, v0, w0, learnable, consts, [0.0, 0.0], True, True
     )
     ups = [torch.randn(t.shape, generator=g, dtype=f64) for t in (spikes, v_seq, v_last)]
     loss = sum((a * b).sum() for a, b in zip((spikes, v_seq, v_last), ups, strict=True))
     if adaptive:
         gw = torch.randn(N, generator=g, dtype=f64)
         loss = loss + (w_last * gw).sum()
-    inputs = [x, v0] + ([w0] if adaptive else []) + ([learnable] if learnable.numel() else [])
+    inputs = [x, v0] + ([w0] if adaptive else []) + ([learnable] if learnable is not None else [])
     got = torch.autograd.grad(loss, inputs)
 
     clones = [t.detach().clone().requires_grad_(True) for t in inputs]
     xo, vo = clones[0], clones[1]
     wo = clones[2] if adaptive else torch.empty(0, dtype=f64)
-    lo = clones[-1] if learnable.numel() else torch.empty(0)
+    lo = clones[-1] if learnable is not None else torch.empty(0)
     so, vso, vlo, wlo = ref.oracle(p, xo, vo, wo, lo, consts)
     assert torch.equal(spikes.detach(), so.detach())
     loss_o = sum((a * b).sum() for a, b in zip((so, vso, vlo), ups, strict=True))
@@ -120,124 +116,94 @@ def _program(definition, surrogate, hard, detach, learnable=()):
 
 
 def _fptt_args(case: str):
+    """(program, backend, x, v0, w0, learnable, constants, init, save, store_v_seq)."""
     g = gen(3)
+    f64 = torch.float64
     if case == "lif_f32_save_store":
         p = _program(defs.LIF, sg.Sigmoid(), True, False)
         x = torch.randn(3, 4, generator=g, requires_grad=True)
-        return (
-            p.key,
-            "torch",
-            x,
+        v0, w0, lrn, consts, save, store = (
             torch.zeros(4, requires_grad=True),
-            torch.empty(0),
-            torch.empty(0),
+            None,
+            None,
             [1.0, 0.0, 2.0],
             True,
             True,
         )
-    if case == "izh_f64_soft_detach":
+    elif case == "izh_f64_soft_detach":
         p = _program(defs.IZHIKEVICH, sg.ATan(), False, True)
-        x = torch.randn(2, 5, 3, generator=g, dtype=torch.float64, requires_grad=True)
-        v0 = (0.3 * torch.randn(5, 3, generator=g, dtype=torch.float64)).requires_grad_()
-        w0 = (0.2 * torch.randn(5, 3, generator=g, dtype=torch.float64)).requires_grad_()
-        return (
-            p.key,
-            "torch",
-            x,
-            v0,
-            w0,
-            torch.empty(0),
+        x = torch.randn(2, 5, 3, generator=g, dtype=f64, requires_grad=True)
+        v0 = (0.3 * torch.randn(5, 3, generator=g, dtype=f64)).requires_grad_()
+        w0 = (0.2 * torch.randn(5, 3, generator=g, dtype=f64)).requires_grad_()
+        lrn, consts, save, store = None, [1.0, 0.0, 2.0, 1.0, -0.1, 0.8, 1.0, 2.0, 0.3], True, False
+    elif case == "izh_constant_init":
+        p = _program(defs.IZHIKEVICH, sg.ATan(), True, False)
+        x = torch.randn(3, 4, generator=g, requires_grad=True)
+        v0, w0, lrn, consts, save, store = (
+            None,
+            None,
+            None,
             [1.0, 0.0, 2.0, 1.0, -0.1, 0.8, 1.0, 2.0, 0.3],
             True,
-            False,
+            True,
         )
-    if case == "plif_learnable":
+    elif case == "plif_learnable":
         p = _program(defs.PLIF, sg.PiecewiseQuadratic(), True, False, ("decay",))
         x = torch.randn(4, 3, generator=g, requires_grad=True)
-        return (
-            p.key,
-            "torch",
-            x,
+        v0, w0, lrn, consts, save, store = (
             torch.zeros(3),
-            torch.empty(0),
+            None,
             torch.tensor([0.4], requires_grad=True),
             [1.0, -0.1],
             True,
             True,
         )
-    if case == "eif_no_save_T1":
+    elif case == "eif_no_save_T1":
         p = _program(defs.EIF, sg.Erf(), True, False)
         x = torch.randn(1, 7, generator=g)
-        return (
-            p.key,
-            "torch",
-            x,
-            torch.zeros(7),
-            torch.empty(0),
-            torch.empty(0),
+        v0, w0, lrn, consts, save, store = (
+            None,
+            None,
+            None,
             [1.0, -0.1, 2.0, 0.0, 1.0, 0.8],
             False,
             False,
         )
-    if case == "qif_f16_store":
+    elif case == "qif_f16_store":
         p = _program(defs.QIF, sg.Rect(), True, False)
         x = torch.randn(3, 5, generator=g).half().requires_grad_()
-        return (
-            p.key,
-            "torch",
-            x,
+        v0, w0, lrn, consts, save, store = (
             torch.zeros(5),
-            x.new_empty(0),
-            torch.empty(0),
+            None,
+            None,
             [1.0, -0.1, 2.0, 1.0, 0.0, 0.8],
             True,
             True,
         )
-    if case == "tanh_needs_x":
+    elif case == "tanh_needs_x":
         p = _program(
             defs.NeuronDef("tanh_in_ops", charge="v + tanh(x)"), sg.SoftSign(), False, False
         )
         x = torch.randn(3, 4, generator=g, requires_grad=True)
-        return (
-            p.key,
-            "torch",
-            x,
-            torch.zeros(4),
-            torch.empty(0),
-            torch.empty(0),
-            [1.0, 0.0],
-            True,
-            False,
-        )
-    if case == "non_contiguous":
+        v0, w0, lrn, consts, save, store = None, None, None, [1.0, 0.0], True, False
+    elif case == "non_contiguous":
         p = _program(defs.LIF, sg.Sigmoid(), True, False)
         x = torch.randn(4, 3, 5, generator=g).transpose(1, 2).requires_grad_()
-        return (
-            p.key,
-            "torch",
-            x,
+        v0, w0, lrn, consts, save, store = (
             torch.zeros(5, 3),
-            torch.empty(0),
-            torch.empty(0),
+            None,
+            None,
             [1.0, 0.0, 2.0],
             True,
             True,
         )
-    if case == "bf16_no_store":
+    elif case == "bf16_no_store":
         p = _program(defs.LIF, sg.Sigmoid(), True, False)
         x = torch.randn(2, 3, generator=g).bfloat16().requires_grad_()
-        return (
-            p.key,
-            "torch",
-            x,
-            torch.zeros(3),
-            x.new_empty(0),
-            torch.empty(0),
-            [1.0, 0.0, 2.0],
-            True,
-            False,
-        )
-    raise AssertionError(case)
+        v0, w0, lrn, consts, save, store = None, None, None, [1.0, 0.0, 2.0], True, False
+    else:
+        raise AssertionError(case)
+    return (p.key, "torch", x, v0, w0, lrn, consts, [0.2, 0.1], save, store)  # fmt: skip
 
 
 # opcheck's default test_utils (test_schema, test_autograd_registration, test_faketensor,
@@ -247,6 +213,7 @@ def _fptt_args(case: str):
     [
         "lif_f32_save_store",
         "izh_f64_soft_detach",
+        "izh_constant_init",
         "plif_learnable",
         "eif_no_save_T1",
         "qif_f16_store",
@@ -264,7 +231,7 @@ def test_opcheck_fptt(case):
     [
         "lif_f32",
         "izh_f64",
-        "lif_f16_empty_w0",
+        "lif_f16_no_w0",
     ],
 )
 def test_opcheck_bptt(case):
@@ -272,35 +239,23 @@ def test_opcheck_bptt(case):
     T, N = 3, 4
     if case.startswith("lif"):
         p = _program(defs.LIF, sg.Sigmoid(), True, False)
-        dtype = torch.float16 if case == "lif_f16_empty_w0" else torch.float32
+        dtype = torch.float16 if case == "lif_f16_no_w0" else torch.float32
         consts = [1.0, 0.0, 2.0]
         x = (torch.randn(T, N, generator=g) + 0.8).to(dtype)
-        v0, w0 = torch.zeros(N), x.new_empty(0)
+        v0, w0 = torch.zeros(N), None
     else:
         p = _program(defs.IZHIKEVICH, sg.ATan(), True, False)
         dtype = torch.float64
         consts = [1.0, 0.0, 2.0, 1.0, -0.1, 0.8, 1.0, 2.0, 0.3]
         x = torch.randn(T, N, generator=g, dtype=dtype) + 0.8
         v0, w0 = torch.zeros(N, dtype=dtype), torch.full((N,), 0.1, dtype=dtype)
-    out = ref.fptt(p, x, v0, w0, torch.empty(0), consts, True, False)
+    init = [0.0, 0.0]
+    out = ref.fptt(p, x, v0, w0, None, consts, init, True, False)
     gs = torch.randn(T, N, generator=g).to(dtype)
     gvl = torch.randn(N, generator=g).to(v0.dtype)
-    gwl = torch.randn(N, generator=g).to(dtype) if w0.numel() else None
-    args = (
-        p.key,
-        "torch",
-        gs,
-        None,
-        gvl,
-        gwl,
-        out.h_seq,
-        out.w_seq,
-        x.new_empty(0),
-        v0,
-        w0,
-        torch.empty(0),
-        consts,
-    )
+    gwl = torch.randn(N, generator=g).to(dtype) if w0 is not None else None
+    args = (p.key, "torch", gs, None, gvl, gwl, out.saved_v, out.saved_w, None, v0, w0, None,
+            consts, init)  # fmt: skip
     torch.library.opcheck(BPTT, args)
 
 
@@ -333,9 +288,9 @@ def fptt_calls(monkeypatch):
     calls = []
     original = ref.fptt
 
-    def recording(program, x_seq, v0, w0, learnable, constants, save_for_backward, store_v_seq):
-        out = original(program, x_seq, v0, w0, learnable, constants, save_for_backward, store_v_seq)
-        calls.append((save_for_backward, out))
+    def recording(*args):
+        out = original(*args)
+        calls.append((args[-2], out))  # (save_for_backward, FPTTOut)
         return out
 
     monkeypatch.setattr(ref, "fptt", recording)
@@ -362,11 +317,11 @@ def test_forward_without_autograd_saves_nothing(fptt_calls, mode, name):
     assert not s.requires_grad
     [(save, out)] = fptt_calls
     assert save is False
-    assert out.h_seq.numel() == 0 and out.w_seq.numel() == 0
+    assert out.saved_v is None and out.saved_w is None
     assert node.v_seq.shape == x.shape  # store_v_seq still works
 
 
-def test_lif_forward_saves_only_h_and_initial_state(fptt_calls):
+def test_lif_forward_saves_only_h(fptt_calls):
     T, N, C = 6, 3, 5
     node = neuron.LIFNode(step_mode="m", backend="torch", store_v_seq=True)
     x = (torch.randn(T, N, C, generator=gen(6)) * 2).requires_grad_(True)
@@ -377,7 +332,7 @@ def test_lif_forward_saves_only_h_and_initial_state(fptt_calls):
     big = [t for t in rec.nonempty() if t.dim() == 3]
     small = [t for t in rec.nonempty() if t.dim() < 3]
     assert len(big) == 1 and big[0].shape == (T, N, C)  # one [T, *] tensor: H
-    assert big[0] is out.h_seq
+    assert big[0] is out.saved_v
     # H, not the spikes nor V: check against the LIF charge by hand (tau = 2, v_reset = 0)
     v, hs = torch.zeros(N, C), []
     for t in range(T):
@@ -386,9 +341,8 @@ def test_lif_forward_saves_only_h_and_initial_state(fptt_calls):
         v = torch.where(hh >= 1, torch.zeros_like(hh), hh)
     torch.testing.assert_close(big[0], torch.stack(hs))
     assert not torch.equal(big[0], s.detach()) and not torch.equal(big[0], node.v_seq.detach())
-    assert [tuple(t.shape) for t in small] == [(N, C)]  # V[0]; LIF has no learnable tensor
-    # every other saved tensor is an empty placeholder
-    assert all(t.numel() == 0 for t in rec.saved if t is not big[0] and t is not small[0])
+    assert small == []  # V[0] is the constant V_reset; LIF has no learnable tensor
+    assert rec.saved == big  # nothing else, not even placeholders
     (s.sum() + node.v_seq.sum()).backward()  # and backward works from what was saved
     assert x.grad is not None and x.grad.shape == x.shape
 
@@ -400,9 +354,9 @@ def test_plif_forward_saves_h_state_and_learnable():
     with SavedTensors() as rec:
         node(x).sum().backward()
     shapes = sorted(tuple(t.shape) for t in rec.nonempty())
-    # [T, N] H, [N] V[0], [1] learnable decay, and () the sigmoid's own output (autograd of
-    # w.sigmoid(), not the neuron)
-    assert shapes == sorted([(T, N), (N,), (1,), ()])
+    # [T, N] H, [1] learnable decay, and () the sigmoid's own output (autograd of
+    # w.sigmoid(), not the neuron); V[0] is the constant V_reset
+    assert shapes == sorted([(T, N), (1,), ()])
     assert node.w.grad is not None
 
 

@@ -246,12 +246,3 @@ def test_non_surrogate_rejected_by_neuron():
         SpikefuseError, match="surrogate_function must be a spikefuse.surrogate.Surrogate"
     ):
         neuron.LIFNode(surrogate_function=torch.nn.Sigmoid())
-
-
-def test_discontinuities():
-    """Only Rect's derivative jumps (at its window edges); the others are continuous."""
-    assert sg.Rect().discontinuities == (-0.5, 0.5)
-    assert sg.Rect(eta=2.0, th_l=-0.25, th_r=0.75).discontinuities == (-0.25, 0.75)
-    for cls in ALPHA_SURROGATES:
-        assert cls().discontinuities == (), cls.__name__
-    assert sg.PiecewiseQuadratic(alpha=2.0).discontinuities == ()  # kinks, not jumps

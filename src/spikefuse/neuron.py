@@ -51,13 +51,24 @@ class MemoryModule(nn.Module):
 
     def register_memory(self, name: str, value: Any) -> None:
         """Declare a state variable; ``value`` is restored by :meth:`reset`."""
+        if name in self._parameters or name in self._buffers or name in self._modules:
+            raise SpikefuseError(f"memory {name!r} clashes with a parameter, buffer or module")
         self._memory_defaults[name] = copy.deepcopy(value)
         setattr(self, name, value)
+
+    def set_memory(self, name: str, value: Any) -> None:
+        """Assign a memory. Memories are plain attributes, so outside ``torch.compile`` this
+        skips ``nn.Module.__setattr__``'s parameter/buffer/module checks (a per-call cost)."""
+        if torch.compiler.is_compiling():
+            setattr(self, name, value)
+        else:
+            self.__dict__[name] = value
 
     def reset(self) -> None:
         """Restore every memory to its default (call between independent sequences)."""
         for name, value in self._memory_defaults.items():
-            setattr(self, name, copy.deepcopy(value))
+            immutable = value is None or isinstance(value, (int, float))
+            self.set_memory(name, value if immutable else copy.deepcopy(value))
 
 
 class BaseNode(MemoryModule):
@@ -121,6 +132,7 @@ class BaseNode(MemoryModule):
         self.detach_reset = detach_reset
         self.backend = backend
         self.store_v_seq = store_v_seq
+        self._constants: list[float] | None = None
         self._programs: dict[tuple, NeuronProgram] = {}
         self._update_program()
         self.last_backend: str | None = None
@@ -145,10 +157,14 @@ class BaseNode(MemoryModule):
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
+        if "_programs" not in self.__dict__:
+            return
         # Rebuild the program eagerly when its configuration changes, so forward (and
-        # torch.compile tracing it) only reads an attribute.
-        if name in self._PROGRAM_FIELDS and "_programs" in self.__dict__:
+        # torch.compile tracing it) only reads an attribute; revalidate changed constants.
+        if name in self._PROGRAM_FIELDS:
             self._update_program()
+        if name in ("v_threshold", "v_reset") or name in self.definition.params:
+            self.__dict__["_constants"] = None
 
     def _update_program(self) -> None:
         key = (id(self.surrogate_function), self.v_reset is None, bool(self.detach_reset))
@@ -165,7 +181,9 @@ class BaseNode(MemoryModule):
         self.program: NeuronProgram = self._programs[key]
 
     def constants(self) -> list[float]:
-        """V_th, V_reset (0 for soft reset) and the non-learnable parameters, validated."""
+        """V_th, V_reset (0 for soft reset) and the non-learnable parameters, validated.
+
+        Cached until one of them is assigned again (forward then revalidates)."""
         names = [p for p in self.definition.params if p not in self.learnable_params]
         values = [self.v_threshold, 0.0 if self.v_reset is None else self.v_reset]
         values += [getattr(self, p) for p in names]
@@ -179,11 +197,12 @@ class BaseNode(MemoryModule):
                 raise SpikefuseError(
                     f"{type(self).__name__}: {name} must be > {bound}, got {value}"
                 )
-        return [float(v) for v in values]
+        self.__dict__["_constants"] = [float(v) for v in values]
+        return self._constants
 
-    def learnable_values(self, device: torch.device) -> Tensor:
-        """Learnable parameter values [P] (float32), in definition order; empty by default."""
-        return torch.empty(0, device=device)
+    def learnable_values(self, device: torch.device) -> Tensor | None:
+        """Learnable parameter values [P] (float32), in definition order; None by default."""
+        return None
 
     # ---- forward ---------------------------------------------------------------------------------
     def _check_input(self, x: Tensor) -> Tensor:
@@ -204,18 +223,19 @@ class BaseNode(MemoryModule):
             raise SpikefuseError(f"{name}: step_mode='s' needs input [N, *], got a scalar")
         return x.unsqueeze(0)
 
-    def _state(self, name: str, x_seq: Tensor) -> Tensor:
+    def _state(self, name: str, x_seq: Tensor) -> tuple[Tensor | None, float]:
+        """(state tensor, 0.0), or (None, value) while the state is still a float for all."""
         value = getattr(self, name)
-        shape, dtype = x_seq.shape[1:], compute_dtype(x_seq.dtype)
         if not isinstance(value, Tensor):
-            return torch.full(shape, float(value), dtype=dtype, device=x_seq.device)
+            return None, float(value)
+        shape, dtype = x_seq.shape[1:], compute_dtype(x_seq.dtype)
         if value.shape != shape or value.device != x_seq.device or value.dtype != dtype:
             raise SpikefuseError(
                 f"{type(self).__name__}: state {name} is {tuple(value.shape)} {value.dtype} on "
                 f"{value.device}, but this input needs {tuple(shape)} {dtype} on {x_seq.device}; "
                 "call spikefuse.functional.reset_net(net) after changing batch size, device or dtype"
             )
-        return value
+        return value, 0.0
 
     def resolve_backend(self, x_seq: Tensor) -> str:
         """The backend that runs for this input (raises if an explicit one cannot)."""
@@ -233,25 +253,25 @@ class BaseNode(MemoryModule):
 
     def forward(self, x: Tensor) -> Tensor:
         x_seq = self._check_input(x)
-        constants = self.constants()
+        constants = self._constants or self.constants()
         backend = self.resolve_backend(x_seq)
-        v0 = self._state("v", x_seq)
-        w0 = self._state("w", x_seq) if self.definition.adaptive else x_seq.new_empty(0)
+        v0, v_init = self._state("v", x_seq)
+        w0, w_init = self._state("w", x_seq) if self.definition.adaptive else (None, 0.0)
         learnable = self.learnable_values(x_seq.device)
-        if learnable.device != x_seq.device:
+        if learnable is not None and learnable.device != x_seq.device:
             raise SpikefuseError(
                 f"{type(self).__name__}: parameters are on {learnable.device} but the input is on "
                 f"{x_seq.device}; move the module with .to(device)"
             )
         spikes, v_seq, v_last, w_last = run_neuron(
-            self.program, backend, x_seq, v0, w0, learnable,
-            constants, self.store_v_seq and self.step_mode == "m",
+            self.program, backend, x_seq, v0, w0, learnable, constants, [v_init, w_init],
+            self.store_v_seq and self.step_mode == "m",
         )  # fmt: skip
-        self.v = v_last
+        self.set_memory("v", v_last)
         if self.definition.adaptive:
-            self.w = w_last
+            self.set_memory("w", w_last)
         if self.step_mode == "m":
-            self.v_seq = v_seq if self.store_v_seq else None
+            self.set_memory("v_seq", v_seq if self.store_v_seq else None)
             return spikes
         return spikes[0]
 

@@ -3,10 +3,16 @@
 Both backends run behind the same ops, so autograd wiring, fake (meta) implementations and
 ``torch.compile`` support are written once: ``torch.compile`` sees an opaque op with known output
 shapes and never graph-breaks around a neuron. The program is passed by its registry key.
+In eager mode an ``autograd.Function`` calls the backends directly, skipping the ops' dispatch.
+
+Optional inputs (``v0``, ``w0``, ``learnable``) are None when absent: an initial state that is
+the same constant for every neuron (``init``) or a neuron without learnable parameters. Op
+outputs that do not exist are empty tensors; the eager path returns None for them.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
@@ -17,8 +23,9 @@ from . import reference
 from .program import NeuronProgram, lookup
 
 
+@functools.cache
 def backend_module(backend: str) -> ModuleType:
-    """The module implementing ``fptt``/``bptt``/``saved_dtype`` for a backend name."""
+    """The module implementing ``fptt``/``bptt``/``saved_like``/``keeps_x`` for a backend."""
     if backend == "torch":
         return reference
     if backend == "cuda":
@@ -26,57 +33,43 @@ def backend_module(backend: str) -> ModuleType:
     raise ValueError(f"unknown backend {backend!r}")
 
 
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t  # distinct objects: op outputs must not alias
+
+
 @torch.library.custom_op("spikefuse::neuron_fptt", mutates_args=())
 def neuron_fptt(
     program: str,
     backend: str,
     x_seq: Tensor,
-    v0: Tensor,
-    w0: Tensor,
-    learnable: Tensor,
+    v0: Tensor | None,
+    w0: Tensor | None,
+    learnable: Tensor | None,
     constants: list[float],
+    init: list[float],
     save_for_backward: bool,
     store_v_seq: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(spikes, v_seq, v_last, w_last, h_seq, w_seq); see :class:`spikefuse.reference.FPTTOut`."""
-    return _fptt(program, backend, x_seq, v0, w0, learnable, constants, save_for_backward,
-                 store_v_seq)  # fmt: skip
-
-
-def _fptt(program, backend, x_seq, v0, w0, learnable, constants, save_for_backward, store_v_seq):
+    """(spikes, v_seq, v_last, w_last, saved_v, saved_w); see :class:`spikefuse.reference.FPTTOut`."""
     out = backend_module(backend).fptt(
-        lookup(program), x_seq, v0, w0, learnable, constants, save_for_backward, store_v_seq
+        lookup(program), x_seq, v0, w0, learnable, constants, init, save_for_backward, store_v_seq
     )
-    return tuple(out)
-
-
-def _bptt(program, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, h_seq, w_seq,
-          x_seq, v0, w0, learnable, constants):  # fmt: skip
-    out = backend_module(backend).bptt(
-        lookup(program), grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
-        h_seq, w_seq, x_seq, v0, w0, learnable, constants,
-    )  # fmt: skip
-    return out.grad_x, out.grad_v0, out.grad_w0, out.grad_learnable.to(learnable.dtype)
+    return tuple(_or_empty(t, x_seq) for t in out)
 
 
 @neuron_fptt.register_fake
-def _(program, backend, x_seq, v0, w0, learnable, constants, save_for_backward, store_v_seq):
+def _(program, backend, x_seq, v0, w0, learnable, constants, init, save_for_backward, store_v_seq):
     prog = lookup(program)
-    saved = backend_module(backend).saved_dtype(x_seq.dtype)
     cd = reference.compute_dtype(x_seq.dtype)
-    seq, state = x_seq.shape, x_seq.shape[1:]
-
-    def maybe(cond: bool, shape, dtype) -> Tensor:
-        return x_seq.new_empty(shape if cond else (0,), dtype=dtype)
-
-    return (
-        x_seq.new_empty(seq),  # backends return contiguous outputs whatever the input's strides
-        maybe(store_v_seq, seq, x_seq.dtype),
-        x_seq.new_empty(state, dtype=cd),
-        maybe(prog.definition.adaptive, state, cd),
-        maybe(save_for_backward, seq, saved),
-        maybe(save_for_backward and prog.definition.partials.needs_w, seq, saved),
+    state = x_seq.new_empty(x_seq.shape[1:], dtype=cd)
+    out = (
+        torch.empty_like(x_seq, memory_format=torch.contiguous_format),  # whatever x's strides
+        torch.empty_like(x_seq, memory_format=torch.contiguous_format) if store_v_seq else None,
+        state,
+        torch.empty_like(state) if prog.definition.adaptive else None,
+        *backend_module(backend).saved_like(prog, x_seq, save_for_backward),
     )
+    return tuple(_or_empty(t, x_seq) for t in out)
 
 
 @torch.library.custom_op("spikefuse::neuron_bptt", mutates_args=())
@@ -87,99 +80,141 @@ def neuron_bptt(
     grad_v_seq: Tensor | None,
     grad_v_last: Tensor | None,
     grad_w_last: Tensor | None,
-    h_seq: Tensor,
-    w_seq: Tensor,
-    x_seq: Tensor,
-    v0: Tensor,
-    w0: Tensor,
-    learnable: Tensor,
+    saved_v: Tensor,
+    saved_w: Tensor | None,
+    x_seq: Tensor | None,
+    v0: Tensor | None,
+    w0: Tensor | None,
+    learnable: Tensor | None,
     constants: list[float],
+    init: list[float],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_x, grad_v0, grad_w0, grad_learnable); see :class:`spikefuse.reference.BPTTOut`."""
-    return _bptt(program, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, h_seq,
-                 w_seq, x_seq, v0, w0, learnable, constants)  # fmt: skip
+    out = _bptt(lookup(program), backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
+                saved_v, saved_w, x_seq, v0, w0, learnable, constants, init)  # fmt: skip
+    return tuple(_or_empty(t, grad_spikes) for t in out)
 
 
 @neuron_bptt.register_fake
-def _(program, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, h_seq, w_seq, x_seq,
-      v0, w0, learnable, constants):  # fmt: skip
-    return (torch.empty_like(grad_spikes), torch.empty_like(v0), torch.empty_like(w0),
-            torch.empty_like(learnable))  # fmt: skip
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    program, backend, x_seq, v0, w0, learnable, constants, save_for_backward, store_v_seq = inputs
-    h_seq, w_seq = output[4], output[5]
-    ctx.program, ctx.backend, ctx.constants, ctx.saved = (
-        program,
-        backend,
-        constants,
-        save_for_backward,
+def _(program, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, saved_v, saved_w,
+      x_seq, v0, w0, learnable, constants, init):  # fmt: skip
+    adaptive = lookup(program).definition.adaptive
+    out = (
+        torch.empty_like(grad_spikes, memory_format=torch.contiguous_format),
+        None if v0 is None else torch.empty_like(v0),
+        None if w0 is None or not adaptive else torch.empty_like(w0),
+        None if learnable is None else torch.empty_like(learnable),
     )
-    ctx.store_v_seq = store_v_seq
-    keep_x = x_seq if lookup(program).definition.partials.needs_x else x_seq.new_empty(0)
-    ctx.save_for_backward(h_seq, w_seq, keep_x, v0, w0, learnable)
+    return tuple(_or_empty(t, grad_spikes) for t in out)
+
+
+def _bptt(program: NeuronProgram, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
+          saved_v, saved_w, x_seq, v0, w0, learnable, constants, init):  # fmt: skip
+    """The backend's bptt; empty placeholders (from the ops) count as absent."""
+
+    def present(t):
+        return t if t is not None and t.numel() else None
+
+    out = backend_module(backend).bptt(
+        program, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, saved_v, present(saved_w),
+        x_seq, v0, w0, learnable, constants, init,
+    )  # fmt: skip
+    grad_learnable = out.grad_learnable
+    if grad_learnable is not None:
+        grad_learnable = grad_learnable.to(learnable.dtype)
+    return out.grad_x, out.grad_v0, out.grad_w0, grad_learnable
+
+
+def _setup_context(ctx, program: NeuronProgram, backend, inputs, saved, save, store_v_seq):
+    x_seq, v0, w0, learnable, constants, init = inputs
+    ctx.program, ctx.backend, ctx.constants, ctx.init = program, backend, constants, init
+    ctx.saved, ctx.store_v_seq = save, store_v_seq
+    keep_x = x_seq if backend_module(backend).keeps_x(program) else None
+    ctx.save_for_backward(*saved, keep_x, v0, w0, learnable)
 
 
 def _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, bptt):
     """Gradients of (x_seq, v0, w0, learnable) from the saved context, via ``bptt``."""
     if not ctx.saved:
         raise RuntimeError("spikefuse: backward through a neuron whose forward saved nothing")
-    h_seq, w_seq, x_seq, v0, w0, learnable = ctx.saved_tensors
-    # Outputs that do not exist (empty placeholders) get no gradient.
-    grad_v_seq = grad_v_seq if ctx.store_v_seq else None
-    grad_w_last = grad_w_last if w0.numel() else None
+    saved_v, saved_w, x_seq, v0, w0, learnable = ctx.saved_tensors
+    grad_v_seq = grad_v_seq if ctx.store_v_seq else None  # outputs that do not exist: no grad
+    grad_w_last = grad_w_last if ctx.program.definition.adaptive else None
     if grad_spikes is None:
-        grad_spikes = torch.zeros(h_seq.shape, dtype=v0.dtype, device=h_seq.device)
+        like = x_seq if x_seq is not None else saved_v
+        grad_spikes = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
     return bptt(ctx.program, ctx.backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
-                h_seq, w_seq, x_seq, v0, w0, learnable, ctx.constants)  # fmt: skip
+                saved_v, saved_w, x_seq, v0, w0, learnable, ctx.constants, ctx.init)  # fmt: skip
 
 
-def _backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _grad_h, _grad_w):
-    grads = _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, neuron_bptt)
-    return None, None, *grads, None, None, None
+def _setup_op_context(ctx, inputs, output) -> None:
+    program, backend, x_seq, v0, w0, learnable, constants, init, save, store_v_seq = inputs
+    _setup_context(ctx, lookup(program), backend, (x_seq, v0, w0, learnable, constants, init),
+                   output[4:], save, store_v_seq)  # fmt: skip
 
 
-neuron_fptt.register_autograd(_backward, setup_context=_setup_context)
+def _op_backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _grad_sv, _grad_sw):
+    def op_bptt(program, backend, *args):
+        return neuron_bptt(program.key, backend, *args)
+
+    grads = _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, op_bptt)
+    _, v0, w0, learnable = ctx.saved_tensors[2:]
+    present = (True, v0 is not None, w0 is not None, learnable is not None)
+    grads = [g if keep else None for g, keep in zip(grads, present, strict=True)]
+    return None, None, *grads, None, None, None, None
+
+
+neuron_fptt.register_autograd(_op_backward, setup_context=_setup_op_context)
 
 
 class _EagerNeuron(torch.autograd.Function):
     """The same computation as the custom ops, without their Python dispatch cost (eager mode)."""
 
     @staticmethod
-    def forward(ctx, x_seq, v0, w0, learnable, program, backend, constants, save, store_v_seq):
-        out = _fptt(program, backend, x_seq, v0, w0, learnable, constants, save, store_v_seq)
-        _setup_context(ctx, (program, backend, x_seq, v0, w0, learnable, constants, save,
-                             store_v_seq), out)  # fmt: skip
+    def forward(ctx, x_seq, v0, w0, learnable, config):
+        program, backend, constants, init, store_v_seq = config  # one argument: apply is cheaper
+        ctx.set_materialize_grads(False)  # unused outputs get None, not a zero-filled tensor
+        out = backend_module(backend).fptt(
+            program, x_seq, v0, w0, learnable, constants, init, True, store_v_seq
+        )
+        _setup_context(ctx, program, backend, (x_seq, v0, w0, learnable, constants, init),
+                       out[4:], True, store_v_seq)  # fmt: skip
         return out[:4]
 
     @staticmethod
     def backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last):
         grads = _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _bptt)
-        return *grads, None, None, None, None, None
+        return *grads, None
 
 
 def run_neuron(
     program: NeuronProgram,
     backend: str,
     x_seq: Tensor,
-    v0: Tensor,
-    w0: Tensor,
-    learnable: Tensor,
+    v0: Tensor | None,
+    w0: Tensor | None,
+    learnable: Tensor | None,
     constants: list[float],
+    init: list[float],
     store_v_seq: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Run a neuron over ``x_seq`` [T, *]; returns (spikes, v_seq or empty, v_last, w_last).
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """Run a neuron over ``x_seq`` [T, *]; returns (spikes, v_seq, v_last, w_last).
 
-    Saves H (and W when needed) for backward only if autograd will need it.
+    ``v_seq`` is None unless ``store_v_seq``, ``w_last`` None for one-state neurons (empty
+    tensors instead while ``torch.compile`` traces). Saves state for backward only if autograd
+    will need it.
     """
-    save = torch.is_grad_enabled() and (
-        x_seq.requires_grad or v0.requires_grad or w0.requires_grad or learnable.requires_grad
+    save = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x_seq, v0, w0, learnable)
     )
-    args = (program.key, backend, x_seq, v0, w0, learnable, constants, save, store_v_seq)
     if torch.compiler.is_compiling():  # the custom op: opaque to the compiler, no graph break
-        out = torch.ops.spikefuse.neuron_fptt(*args)
+        out = torch.ops.spikefuse.neuron_fptt(program.key, backend, x_seq, v0, w0, learnable,
+                                              constants, init, save, store_v_seq)  # fmt: skip
         return out[0], out[1], out[2], out[3]
     if not save:
-        return _fptt(*args)[:4]
-    return _EagerNeuron.apply(x_seq, v0, w0, learnable, *args[:2], *args[6:])
+        out = backend_module(backend).fptt(
+            program, x_seq, v0, w0, learnable, constants, init, False, store_v_seq
+        )
+        return out[0], out[1], out[2], out[3]
+    return _EagerNeuron.apply(x_seq, v0, w0, learnable,
+                              (program, backend, constants, init, store_v_seq))  # fmt: skip

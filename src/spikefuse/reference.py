@@ -25,41 +25,68 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class FPTTOut(NamedTuple):
     spikes: torch.Tensor  # [T, *], x dtype
-    v_seq: torch.Tensor  # [T, *], x dtype; empty unless store_v_seq
+    v_seq: torch.Tensor | None  # [T, *], x dtype; None unless store_v_seq
     v_last: torch.Tensor  # [*], compute dtype
-    w_last: torch.Tensor  # [*], compute dtype; empty for one-state neurons
-    h_seq: torch.Tensor  # [T, *], saved for backward; empty unless save_for_backward
-    w_seq: torch.Tensor  # [T, *], saved when a derivative needs W; else empty
+    w_last: torch.Tensor | None  # [*], compute dtype; None for one-state neurons
+    # What the backend keeps for its backward (None when not saving): here H[t] and, when a
+    # derivative needs it, W[t]; the cuda backend keeps V and W at chunk ends.
+    saved_v: torch.Tensor | None
+    saved_w: torch.Tensor | None
 
 
 class BPTTOut(NamedTuple):
-    grad_x: torch.Tensor  # [T, *], x dtype
-    grad_v0: torch.Tensor  # [*]
-    grad_w0: torch.Tensor  # [*] or empty
-    grad_learnable: torch.Tensor  # [P], compute dtype
+    grad_x: torch.Tensor  # [T, *], dtype of the spikes' gradient
+    grad_v0: torch.Tensor | None  # [*]; None when V started from a constant
+    grad_w0: torch.Tensor | None  # [*]; None when W started from a constant or does not exist
+    grad_learnable: torch.Tensor | None  # [P] compute dtype; None without learnable parameters
+
+
+def keeps_x(program: NeuronProgram) -> bool:
+    """Whether backward needs X (only if a derivative could not be written without it)."""
+    return program.definition.partials.needs_x
+
+
+def saved_like(
+    program: NeuronProgram, x_seq: torch.Tensor, save: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Uninitialised tensors shaped like ``FPTTOut.saved_v`` / ``saved_w`` (for fake tensors)."""
+    if not save:
+        return None, None
+    h = x_seq.new_empty(x_seq.shape, dtype=compute_dtype(x_seq.dtype))
+    return h, (torch.empty_like(h) if program.definition.partials.needs_w else None)
 
 
 def _reset(program: NeuronProgram, h, s, vth, vreset):
     return h * (1 - s) + vreset * s if program.hard_reset else h - vth * s
 
 
+def _initial(state: torch.Tensor | None, value: float, like: torch.Tensor) -> torch.Tensor:
+    """The initial state in the compute dtype: the given tensor, or ``value`` everywhere."""
+    return like.new_full(like.shape[1:], value) if state is None else state.to(like.dtype)
+
+
 def fptt(
     program: NeuronProgram,
     x_seq: torch.Tensor,
-    v0: torch.Tensor,
-    w0: torch.Tensor,
-    learnable: torch.Tensor,
+    v0: torch.Tensor | None,
+    w0: torch.Tensor | None,
+    learnable: torch.Tensor | None,
     constants: list[float],
+    init: list[float],
     save_for_backward: bool,
     store_v_seq: bool,
 ) -> FPTTOut:
-    """Forward through time. S[t], V[t] from X[t] and V[0] (and W[0])."""
+    """Forward through time: S[t], V[t] from X[t] and V[-1] (and W[-1]).
+
+    ``v0``/``w0`` [*] are the initial states; where None, every neuron starts at ``init[0]`` /
+    ``init[1]``.
+    """
     f, d = program.torch_functions, program.definition
     cd = compute_dtype(x_seq.dtype)
     xs = x_seq.to(cd)
     params = program.param_values(learnable, constants, xs)
     vth, vreset = params[0], params[1]
-    v, w = v0.to(cd), w0.to(cd)
+    v, w = _initial(v0, init[0], xs), _initial(w0, init[1], xs)
     zero = xs.new_zeros(())
     spikes, hs, vs, ws = [], [], [], []
     for t in range(xs.shape[0]):
@@ -73,17 +100,14 @@ def fptt(
         spikes.append(s)
         hs.append(h)
         vs.append(v)
-
-    def empty():  # distinct objects: custom-op outputs must not alias each other
-        return xs.new_empty(0)
-
+    save_w = save_for_backward and d.partials.needs_w
     return FPTTOut(
         spikes=torch.stack(spikes).to(x_seq.dtype),
-        v_seq=torch.stack(vs).to(x_seq.dtype) if store_v_seq else x_seq.new_empty(0),
+        v_seq=torch.stack(vs).to(x_seq.dtype) if store_v_seq else None,
         v_last=v.clone(),
-        w_last=w.clone() if d.adaptive else empty(),
-        h_seq=torch.stack(hs) if save_for_backward else empty(),
-        w_seq=torch.stack(ws) if save_for_backward and d.partials.needs_w else empty(),
+        w_last=w.clone() if d.adaptive else None,
+        saved_v=torch.stack(hs) if save_for_backward else None,
+        saved_w=torch.stack(ws) if save_w else None,
     )
 
 
@@ -93,15 +117,16 @@ def bptt(
     grad_v_seq: torch.Tensor | None,
     grad_v_last: torch.Tensor | None,
     grad_w_last: torch.Tensor | None,
-    h_seq: torch.Tensor,
-    w_seq: torch.Tensor,
-    x_seq: torch.Tensor,
-    v0: torch.Tensor,
-    w0: torch.Tensor,
-    learnable: torch.Tensor,
+    saved_v: torch.Tensor,
+    saved_w: torch.Tensor | None,
+    x_seq: torch.Tensor | None,
+    v0: torch.Tensor | None,
+    w0: torch.Tensor | None,
+    learnable: torch.Tensor | None,
     constants: list[float],
+    init: list[float],
 ) -> BPTTOut:
-    """Backward through time (seed 003), walking t = T-1 .. 0.
+    """Backward through time (seed 003), walking t = T-1 .. 0, from the saved H (and W).
 
     dL/dV[t] = ∂L/∂V[t] + dL/dH[t+1] ∂H[t+1]/∂V[t]
     dL/dW[t] = dL/dH[t+1] ∂H[t+1]/∂W[t] + dL/dW[t+1] ∂Z[t+1]/∂W[t]
@@ -109,25 +134,25 @@ def bptt(
     dL/dX[t] = dL/dH[t] ∂H[t]/∂X[t]
     """
     f, d = program.torch_functions, program.definition
+    h_seq = saved_v
     cd = h_seq.dtype
     params = program.param_values(learnable, constants, h_seq)
     vth, vreset = params[0], params[1]
     not_detached = 0.0 if program.detach_reset else 1.0
     zero = h_seq.new_zeros(())
     T = h_seq.shape[0]
-    xs = x_seq.to(cd) if x_seq.numel() else None
-    w0_empty = w0.new_empty(0)  # one-state neurons: a placeholder of the input's dtype
-    v0, w0 = v0.to(cd), w0.to(cd)
+    xs = x_seq.to(cd) if x_seq is not None and x_seq.numel() else None
+    v_init, w_init = _initial(v0, init[0], h_seq), _initial(w0, init[1], h_seq)
 
     def x_at(t):
         return xs[t] if xs is not None else zero
 
     def w_at(t):  # W[t] (t = -1: initial state); only derivatives that need W read it
-        return (w_seq[t] if t >= 0 else w0) if w_seq.numel() else zero
+        return (saved_w[t] if t >= 0 else w_init) if saved_w is not None else zero
 
     def v_at(t):
         if t < 0:
-            return v0
+            return v_init
         h = h_seq[t]
         return _reset(program, h, (h >= vth).to(cd), vth, vreset)
 
@@ -159,9 +184,7 @@ def bptt(
                 grad_w = grad_w + grad_w_last.to(cd)
             if grad_h_next is not None:
                 grad_w = grad_w + grad_h_next * f["dh_dw"](*args_next)
-                grad_w = grad_w + grad_w_next * f["dz_dw"](
-                    v, x_at(t + 1), w_at(t), h_seq[t + 1], *params
-                )
+                grad_w = grad_w + grad_w_next * f["dz_dw"](*args_next)
             args = (v_prev, x_at(t), w_at(t - 1), h, *params)
             grad_h = grad_h + grad_w * (f["dz_dh"](*args) + f["jump"](*args) * sg)
             grad_w_next = grad_w
@@ -172,17 +195,19 @@ def bptt(
             grad_learn[i] = grad_learn[i] + (grad_h * f[f"dh_d{name}"](*args)).sum()
         grad_h_next = grad_h
 
-    args0 = (v0, x_at(0), w_at(-1), h_seq[0], *params)
-    grad_v0 = grad_h_next * f["dh_dv"](*args0)
-    if d.adaptive:
+    args0 = (v_init, x_at(0), w_at(-1), h_seq[0], *params)
+    grad_v0 = grad_w0 = None
+    if v0 is not None:
+        grad_v0 = torch.as_tensor(grad_h_next * f["dh_dv"](*args0), dtype=cd).expand_as(v_init)
+        grad_v0 = grad_v0.clone()
+    if w0 is not None and d.adaptive:
         grad_w0 = grad_h_next * f["dh_dw"](*args0) + grad_w_next * f["dz_dw"](*args0)
-    else:
-        grad_w0 = w0_empty
+        grad_w0 = torch.as_tensor(grad_w0, dtype=cd).expand_as(w_init).clone()
     return BPTTOut(
         grad_x=grad_x.to(grad_spikes.dtype),
-        grad_v0=torch.as_tensor(grad_v0, dtype=cd).expand_as(v0).clone(),
-        grad_w0=grad_w0.expand_as(w0).clone() if d.adaptive else grad_w0,
-        grad_learnable=torch.stack(grad_learn) if grad_learn else learnable.new_zeros(0),
+        grad_v0=grad_v0,
+        grad_w0=grad_w0,
+        grad_learnable=torch.stack(grad_learn) if grad_learn else None,
     )
 
 
@@ -218,8 +243,3 @@ def oracle(
         spikes.append(s)
         vs.append(v)
     return torch.stack(spikes), torch.stack(vs), v, w
-
-
-def saved_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of the H/W sequences this backend saves for backward."""
-    return compute_dtype(dtype)

@@ -62,28 +62,13 @@ class Surrogate(nn.Module):
         fn = sp.lambdify([x_sym], self.derivative_expr, modules="torch")
         return lambda x: torch.as_tensor(fn(x), dtype=x.dtype, device=x.device).expand_as(x)
 
-    @functools.cached_property
-    def discontinuities(self) -> tuple[float, ...]:
-        """Points x where the derivative jumps (e.g. Rect's window edges).
-
-        Kernels that store H in 16 bits keep H on the same side of these points (and of the
-        threshold) as the float32 value, so rounding never switches a surrogate window.
-        """
-        expr = self.derivative_expr
-        f = sp.lambdify([x_sym], expr, modules="math")
-        points: set[float] = set()
-        for piecewise in expr.atoms(sp.Piecewise):
-            for _, cond in piecewise.args:
-                for rel in cond.atoms(sp.core.relational.Relational):
-                    points.update(float(b) for b in sp.solve(sp.Eq(rel.lhs, rel.rhs), x_sym))
-        eps = 1e-7
-        return tuple(sorted(b for b in points if abs(f(b - eps) - f(b + eps)) > 1e-4))
-
     def cuda_code(self, x: str) -> str:
-        """A CUDA float expression for dΘ/dx, given the name of the float variable holding x."""
+        """A CUDA float expression for dΘ/dx, given the name of the float variable holding x.
+
+        Only backward kernels evaluate it, so it may use fast intrinsics (``__expf``)."""
         from .cuda.printer import cuda_expr  # the printer is only needed for code generation
 
-        return cuda_expr(self.derivative_expr, {x_sym: x})
+        return cuda_expr(self.derivative_expr, {x_sym: x}, fast=True)
 
     @property
     def key(self) -> str:

@@ -4,10 +4,12 @@
 
 Each step is ``spikes = f(x); spikes.backward(g)`` with a fixed random upstream gradient. Times are
 medians of CUDA-event intervals after warm-up. "GB/s" is the floor traffic of five passes over
-[T, N] in the storage dtype (read x, write spikes; read the saved state, read the gradient,
-write grad x) divided by the time, next to the device's measured copy bandwidth. "extra MiB" is
-the peak allocation above the inputs during the step. A second table compares every one-state
-neuron and Izhikevich with LIF on the cuda backend.
+[T, N] in the storage dtype (read x, write spikes; read x again, read the gradient, write grad x)
+divided by the time, next to the device's measured copy bandwidth. "extra MiB" is the peak
+allocation above the inputs during the step. "cuda kernels only" calls the backend's fptt and
+bptt directly (no module, no autograd): the difference to "cuda" is host-side overhead that the
+GPU waits for. A second table compares every one-state neuron and Izhikevich with LIF on the
+cuda backend.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .. import neuron
+from ..cuda import backend as cuda_backend
 from .common import MIB, BenchResult, format_table, time_ms, write_csv
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -62,9 +65,28 @@ def copy_bandwidth_gbs(device: torch.device) -> float:
 def _step(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: torch.Tensor):
     def step():
         x.grad = None
-        model(x).backward(g)
+        out = model(x)
+        if out.requires_grad:
+            out.backward(g)
 
     return step
+
+
+class _KernelsOnly:
+    """The backend's fptt + bptt on a node's program, outside autograd (returns a no-grad
+    tensor, so the step skips ``backward``)."""
+
+    def __init__(self, node: neuron.BaseNode, g: torch.Tensor) -> None:
+        self.program, self.constants, self.g = node.program, node.constants(), g
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        init = [0.0, 0.0]
+        x = x.detach()
+        out = cuda_backend.fptt(self.program, x, None, None, None, self.constants, init, True,
+                                False)  # fmt: skip
+        cuda_backend.bptt(self.program, self.g, None, None, None, out.saved_v, out.saved_w, x,
+                          None, None, None, self.constants, init)  # fmt: skip
+        return out.spikes
 
 
 def _measure(bench, variant, dtype, model, x, g, device, floor_bytes, warmup, iters) -> BenchResult:
@@ -120,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 node.reset()
                 return node(x)
 
-            variants = [("torch loop", lif_loop), ("cuda", cuda_lif)]
+            variants = [("torch loop", lif_loop), ("cuda", cuda_lif),
+                        ("cuda kernels only", _KernelsOnly(node, g))]  # fmt: skip
             if not args.no_compile:
                 variants.insert(1, ("torch.compile loop", compiled))
             for variant, model in variants:

@@ -2,31 +2,52 @@
 
 Kernels are compiled once per (program, dtype, vector width) and device: in memory here, and on
 disk by CuPy's kernel cache (keyed by source, compiler options and GPU architecture, under
-``CUPY_CACHE_DIR``). Launches go to PyTorch's current stream on the tensor's device; the device
-CuPy sees is switched only around a launch and restored, so PyTorch's current device is untouched.
-Hot path per call: a dict lookup, output allocation, one kernel launch; no host sync.
+``CUPY_CACHE_DIR``). Launches go to PyTorch's current stream on the tensor's device through the
+driver's ``cuLaunchKernel`` with one packed argument struct; the current device is switched only
+when the tensor lives elsewhere, and restored. Hot path per call: output allocation, a dict
+lookup, one ``struct.pack``, one launch; no host sync.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 
-import numpy as np
 import torch
 
 from ..errors import BackendUnavailableError
 from ..program import NeuronProgram
 from ..reference import BPTTOut, FPTTOut
 from . import unavailable_reason
-from .codegen import BLOCK_THREADS, DefinitionKernel, NeuronKernel, vector_width
+from .codegen import (
+    BLOCK_THREADS,
+    BPTT_VEC,
+    CHUNK,
+    NVRTC_OPTIONS,
+    VEC,
+    DefinitionKernel,
+    NeuronKernel,
+)
 
 _ALIGN = 16
 
 
-def saved_dtype(dtype: torch.dtype) -> torch.dtype:
-    """H (and W) are saved in the storage dtype (rounded consistently with the spikes)."""
-    return dtype
+def keeps_x(program: NeuronProgram) -> bool:
+    """Backward recomputes H from X, so X is always kept."""
+    return True
+
+
+def saved_like(
+    program: NeuronProgram, x_seq: torch.Tensor, save: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Uninitialised tensors shaped like what forward saves: V (and W) at the end of every chunk
+    but the last, float32 (None when not saving or T <= CHUNK: backward starts from V[-1])."""
+    if not save or x_seq.shape[0] <= CHUNK:
+        return None, None
+    shape = ((x_seq.shape[0] + CHUNK - 1) // CHUNK - 1, *x_seq.shape[1:])
+    v = x_seq.new_empty(shape, dtype=torch.float32)
+    return v, (x_seq.new_empty(shape, dtype=torch.float32) if program.definition.adaptive else None)
 
 
 @functools.cache
@@ -50,11 +71,23 @@ def kernel_for(program: NeuronProgram, dtype: torch.dtype, vec: int) -> NeuronKe
 @functools.cache
 def _module(source: str):
     cp = _cupy()
-    options = ("--std=c++17",)
+    options = NVRTC_OPTIONS
     include = cp.cuda.get_cuda_path()
     if include:  # fp16/bf16 headers, where NVRTC does not ship them built in
         options += (f"-I{include}/include",)
     return cp.RawModule(code=source, options=options, backend="nvrtc")
+
+
+def compiled(kernel: NeuronKernel, forward: bool, device_index: int):
+    """(CuPy ``RawKernel``, CUfunction handle) of one direction, loaded on a device.
+
+    The handle belongs to that device's context, so it is read with the device current.
+    """
+    with _cupy().cuda.Device(device_index):
+        raw = _module(kernel.full_codes).get_function(
+            kernel.fptt_name if forward else kernel.bptt_name
+        )
+        return raw, raw.kernel.ptr
 
 
 def precompile(kernels: list[NeuronKernel], threads: int = 8) -> None:
@@ -65,30 +98,42 @@ def precompile(kernels: list[NeuronKernel], threads: int = 8) -> None:
         list(pool.map(lambda k: _module(k.full_codes).compile(), kernels))
 
 
-_functions: dict[tuple, object] = {}
-_streams: dict[tuple[int, int], object] = {}
+_functions: dict[
+    tuple, tuple[object, int]
+] = {}  # (kernel, forward, device) -> (RawKernel, CUfunction)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_OnePointer = ctypes.c_void_p * 1
 
 
-def _launch(kernel: NeuronKernel, forward: bool, device: torch.device, blocks: int, args) -> None:
-    cp = _cupy()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (id(kernel), forward, index)
-    stream_ptr = torch.cuda.current_stream(index).cuda_stream
-    previous = cp.cuda.runtime.getDevice()
-    if previous != index:
-        cp.cuda.runtime.setDevice(index)
-    try:
-        fn = _functions.get(key)
-        if fn is None:
-            name = kernel.fptt_name if forward else kernel.bptt_name
-            fn = _functions[key] = _module(kernel.full_codes).get_function(name)
-        stream = _streams.get((index, stream_ptr))
-        if stream is None:
-            stream = _streams[(index, stream_ptr)] = cp.cuda.ExternalStream(stream_ptr, index)
-        fn((blocks,), (BLOCK_THREADS,), args, stream=stream)
-    finally:
-        if previous != index:
-            cp.cuda.runtime.setDevice(previous)
+@functools.cache
+def _driver_launch():
+    return _cupy().cuda.driver.launchKernel  # cuLaunchKernel
+
+
+def _current_stream(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _launch(kernel: NeuronKernel, forward: bool, device: torch.device, blocks: int,
+            args: bytes) -> None:  # fmt: skip
+    current = torch.cuda.current_device()
+    index = device.index if device.index is not None else current
+    key = (kernel, forward, index)
+    entry = _functions.get(key)
+    if entry is None:
+        entry = _functions[key] = compiled(kernel, forward, index)
+    buffer = ctypes.create_string_buffer(args, len(args))
+    params = _OnePointer(ctypes.addressof(buffer))  # kernelParams: one pointer, to the struct
+    launch = _driver_launch()
+    call = (entry[1], blocks, 1, 1, BLOCK_THREADS, 1, 1, 0, _current_stream(index),
+            ctypes.addressof(params), 0)  # fmt: skip
+    if current == index:
+        launch(*call)
+    else:  # the function belongs to that device's context
+        with torch.cuda.device(index):
+            launch(*call)
 
 
 def _check(x: torch.Tensor) -> None:
@@ -97,55 +142,67 @@ def _check(x: torch.Tensor) -> None:
         raise BackendUnavailableError(f"cuda backend: {reason}")
 
 
-def _vec(dtype: torch.dtype, n: int, *tensors: torch.Tensor | None) -> int:
-    """Widest vector access that N and every pointer's alignment allow."""
-    vec = vector_width(dtype)
+def _vec(n: int, *tensors: torch.Tensor | None, vec: int = VEC) -> int:
+    """``vec`` neurons per thread where N and every pointer's alignment allow, else 1."""
     if n % vec or any(t is not None and t.data_ptr() % _ALIGN for t in tensors):
         return 1
     return vec
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A float32 contiguous state tensor (or None): what the kernels read as ``float*``."""
+    return None if t is None else t.float().contiguous()
 
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
-def _scalars(constants: list[float], T: int, N: int) -> list:
-    return [np.float32(c) for c in constants] + [np.int64(T), np.int64(N)]
+def _blocks(n: int, vec: int) -> int:
+    return max(1, -(-n // (vec * BLOCK_THREADS)))
 
 
 def fptt(
     program: NeuronProgram,
     x_seq: torch.Tensor,
-    v0: torch.Tensor,
-    w0: torch.Tensor,
-    learnable: torch.Tensor,
+    v0: torch.Tensor | None,
+    w0: torch.Tensor | None,
+    learnable: torch.Tensor | None,
     constants: list[float],
+    init: list[float],
     save_for_backward: bool,
     store_v_seq: bool,
 ) -> FPTTOut:
-    """Forward through time with one fused kernel; same contract as the reference ``fptt``."""
+    """Forward through time with one fused kernel; same contract as the reference ``fptt``,
+    except what is saved: V (and W) at chunk ends (see :func:`saved_like`)."""
     _check(x_seq)
     adaptive = program.definition.adaptive
     x = x_seq.contiguous()
     T, N = x.shape[0], math.prod(x.shape[1:])
-    state = x.shape[1:]
     spikes = torch.empty_like(x)
-    h_seq = torch.empty_like(x) if save_for_backward else x.new_empty(0)
-    v_seq = torch.empty_like(x) if store_v_seq else x.new_empty(0)
-    keep_w = save_for_backward and adaptive and program.definition.partials.needs_w
-    w_seq = torch.empty_like(x) if keep_w else x.new_empty(0)
-    v_last = torch.empty(state, dtype=torch.float32, device=x.device)
-    w_last = torch.empty_like(v_last) if adaptive else v_last.new_empty(0)
+    v_seq = torch.empty_like(x) if store_v_seq else None
+    v_last = x.new_empty(x.shape[1:], dtype=torch.float32)
+    w_last = torch.empty_like(v_last) if adaptive else None
+    v_ckpt, w_ckpt = saved_like(program, x, save_for_backward)
     if N:
-        vec = _vec(x.dtype, N, x)
+        vec = _vec(N, x)
         kernel = kernel_for(program, x.dtype, vec)
-        v0c = v0.contiguous()
-        w_args = [_ptr(w0.contiguous()), _ptr(w_last), _ptr(w_seq)] if adaptive else []
-        args = [_ptr(x), _ptr(v0c), *w_args, _ptr(spikes), _ptr(h_seq), _ptr(v_seq), _ptr(v_last),
-                _ptr(learnable.contiguous())]  # fmt: skip
-        args += _scalars(constants, T, N)
-        _launch(kernel, True, x.device, -(-N // (vec * BLOCK_THREADS)), args)
-    return FPTTOut(spikes, v_seq, v_last, w_last, h_seq, w_seq)
+        v0, w0 = _contiguous(v0), _contiguous(w0)  # bound: alive until the launch
+        pointers = {
+            "x_seq": x.data_ptr(),
+            "v0": _ptr(v0),
+            "w0": _ptr(w0),
+            "spike_seq": spikes.data_ptr(),
+            "v_seq": _ptr(v_seq),
+            "v_last": v_last.data_ptr(),
+            "w_last": _ptr(w_last),
+            "v_ckpt": _ptr(v_ckpt),
+            "w_ckpt": _ptr(w_ckpt),
+            "learnable": _ptr(learnable),
+        }
+        args = kernel.pack_args(pointers, T, N, init[0], init[1], constants)
+        _launch(kernel, True, x.device, _blocks(N, vec), args)
+    return FPTTOut(spikes, v_seq, v_last, w_last, v_ckpt, w_ckpt)
 
 
 def bptt(
@@ -154,42 +211,59 @@ def bptt(
     grad_v_seq: torch.Tensor | None,
     grad_v_last: torch.Tensor | None,
     grad_w_last: torch.Tensor | None,
-    h_seq: torch.Tensor,
-    w_seq: torch.Tensor,
+    saved_v: torch.Tensor | None,
+    saved_w: torch.Tensor | None,
     x_seq: torch.Tensor,
-    v0: torch.Tensor,
-    w0: torch.Tensor,
-    learnable: torch.Tensor,
+    v0: torch.Tensor | None,
+    w0: torch.Tensor | None,
+    learnable: torch.Tensor | None,
     constants: list[float],
+    init: list[float],
 ) -> BPTTOut:
-    """Backward through time with one fused kernel; same contract as the reference ``bptt``."""
-    _check(h_seq)
-    d = program.definition
-    dtype = h_seq.dtype
-    T, N = h_seq.shape[0], math.prod(h_seq.shape[1:])
+    """Backward through time with one fused kernel (recomputing H from X chunk by chunk)."""
+    _check(x_seq)
+    adaptive = program.definition.adaptive
+    x = x_seq.contiguous()
+    dtype = x.dtype
+    T, N = x.shape[0], math.prod(x.shape[1:])
+    if T > CHUNK and (saved_v is None or saved_v.shape[0] != (T + CHUNK - 1) // CHUNK - 1):
+        raise RuntimeError("spikefuse cuda bptt: the forward's chunk checkpoints are missing")
     grad_spikes = grad_spikes.to(dtype).contiguous()
     grad_v_seq = None if grad_v_seq is None else grad_v_seq.to(dtype).contiguous()
-    grad_x = torch.empty_like(h_seq)
-    grad_v0 = torch.empty_like(v0)
-    grad_w0 = torch.empty_like(w0) if d.adaptive else w0.new_empty(0)
-    vec = _vec(dtype, N, grad_spikes, grad_v_seq, h_seq)
-    blocks = max(1, -(-N // (vec * BLOCK_THREADS)))
-    partial = torch.empty(
-        (len(program.learnable), blocks), dtype=torch.float32, device=h_seq.device
-    )
-    if N:
-        kernel = kernel_for(program, dtype, vec)
-        v_last_g = None if grad_v_last is None else grad_v_last.float().contiguous()
-        args = [_ptr(grad_spikes), _ptr(grad_v_seq), _ptr(v_last_g), _ptr(h_seq)]
-        if d.partials.needs_x:
-            args.append(_ptr(x_seq.contiguous()))
-        args.append(_ptr(v0.contiguous()))
-        if d.adaptive:
-            w_last_g = None if grad_w_last is None else grad_w_last.float().contiguous()
-            args += [_ptr(w0.contiguous()), _ptr(w_last_g), _ptr(w_seq), _ptr(grad_w0)]
-        args += [_ptr(grad_x), _ptr(grad_v0), _ptr(partial), _ptr(learnable.contiguous())]
-        args += _scalars(constants, T, N)
-        _launch(kernel, False, h_seq.device, blocks, args)
+    grad_x = torch.empty_like(x)
+    grad_v0 = None if v0 is None else torch.empty_like(v0)
+    grad_w0 = None if w0 is None or not adaptive else torch.empty_like(w0)
+    vec = _vec(N, x, grad_spikes, grad_v_seq, vec=BPTT_VEC[dtype])
+    blocks = _blocks(N, vec)
+    launch = N > 0 and T > 0
+    partial = None
+    if program.learnable:  # every block writes its column, so zeros only without a launch
+        shape = (len(program.learnable), blocks)
+        partial = x.new_empty(shape, dtype=torch.float32) if launch else x.new_zeros(shape)
+    if not launch:  # no step (T = 0): V[T-1] is V[-1] itself
+        for g, upstream in ((grad_v0, grad_v_last), (grad_w0, grad_w_last)):
+            if g is not None:
+                g.copy_(upstream) if upstream is not None and T == 0 else g.zero_()
     else:
-        partial.zero_()
-    return BPTTOut(grad_x, grad_v0, grad_w0, partial.sum(dim=1))
+        kernel = kernel_for(program, dtype, vec)
+        v0, w0 = _contiguous(v0), _contiguous(w0)
+        grad_v_last, grad_w_last = _contiguous(grad_v_last), _contiguous(grad_w_last)
+        pointers = {
+            "x_seq": x.data_ptr(),
+            "v0": _ptr(v0),
+            "w0": _ptr(w0),
+            "v_ckpt": _ptr(saved_v),
+            "w_ckpt": _ptr(saved_w),
+            "learnable": _ptr(learnable),
+            "grad_spike_seq": grad_spikes.data_ptr(),
+            "grad_v_seq": _ptr(grad_v_seq),
+            "grad_v_last": _ptr(grad_v_last),
+            "grad_w_last": _ptr(grad_w_last),
+            "grad_x_seq": grad_x.data_ptr(),
+            "grad_v0": _ptr(grad_v0),
+            "grad_w0": _ptr(grad_w0),
+            "grad_learnable_partial": _ptr(partial),
+        }
+        args = kernel.pack_args(pointers, T, N, init[0], init[1], constants)
+        _launch(kernel, False, x.device, blocks, args)
+    return BPTTOut(grad_x, grad_v0, grad_w0, None if partial is None else partial.sum(dim=1))

@@ -1,29 +1,43 @@
 """CUDA source generation: forward-through-time and BPTT kernels for one neuron program.
 
-One thread owns ``vec`` neighbouring neurons and walks all T steps for them; memory access is
-one aligned vector load/store per tensor and step. Storage is float32, float16 or bfloat16,
-arithmetic is always float32. Forward saves H[t] (rounded so that ``H >= V_th`` still gives the
-forward's spike); backward walks t = T-1..0 with seed 003's dL/dH recurrence and recomputes
-S[t], V[t] from H. Learnable-parameter gradients are reduced per block into a [P, blocks] buffer
-(summed afterwards in a fixed order: bit-identical across runs, no float atomics).
+One thread owns ``VEC`` neighbouring neurons and walks all T steps for them, with one vector load
+or store per tensor and step. Storage is float32, float16 or bfloat16; arithmetic is float32.
 
-Extension path (as in SpikingJelly's kernel templates): subclass :class:`NeuronKernel` and return
-CUDA expressions from :meth:`~NeuronKernel.charge`, :meth:`~NeuronKernel.dh_dx` and
-:meth:`~NeuronKernel.dh_dv` (and the two-state snippets for adaptive neurons). Expressions may use
-``v`` (V[t-1]), ``x`` (X[t]), ``w`` (W[t-1]), ``h`` (H[t], derivatives only) and ``p.<param>``.
-:class:`DefinitionKernel` fills every snippet from a :class:`~spikefuse.program.NeuronProgram`.
+Traffic is five passes over [T, N]: forward reads X and writes S; backward reads X and dL/dS and
+writes dL/dX. Forward saves nothing per step: only V (and W) at the end of every chunk of
+``CHUNK`` steps, in float32. Backward walks the chunks from last to first; for each it recomputes
+the chunk's H[t] from X with the forward's own ``step`` function (so in every storage dtype it
+sees exactly the forward's float32 H and spikes), keeps them in registers, and walks the chunk
+backwards with seed 003's dL/dH recurrence. Learnable-parameter gradients are reduced per block
+into a [P, blocks] buffer, summed afterwards in a fixed order (same bits on every run).
+
+Both kernels take one argument, an ``Args`` struct (layout in :data:`ARG_POINTERS`), so a launch
+packs a single buffer. Extension path (as in SpikingJelly's kernel templates): subclass
+:class:`NeuronKernel` and return CUDA expressions from :meth:`~NeuronKernel.charge`,
+:meth:`~NeuronKernel.dh_dx` and :meth:`~NeuronKernel.dh_dv` (and the two-state snippets for
+adaptive neurons). Expressions may use ``v`` (V[t-1]), ``x`` (X[t]), ``w`` (W[t-1]), ``h`` (H[t],
+derivatives only) and ``p.<param>``. :class:`DefinitionKernel` prints every snippet from a
+:class:`~spikefuse.program.NeuronProgram`.
 """
 
 from __future__ import annotations
+
+import struct
 
 import sympy as sp
 import torch
 
 from ..program import NeuronProgram
 from ..surrogate import Surrogate
-from .printer import cuda_expr
+from .printer import EXACT_DIV, cuda_expr
 
 BLOCK_THREADS = 256
+CHUNK = 8  # steps whose H stays in registers while backward walks them
+VEC = 4  # neurons per thread when N and the pointers allow (16-byte fp32 / 8-byte 16-bit access)
+# Backward with 16-bit storage is bound by instruction issue, not memory: one neuron per thread
+# and more resident blocks ran it fastest on an H200 (bf16, T=32: 157 us vs 200 us with VEC).
+BPTT_VEC = {torch.float32: VEC, torch.float16: 1, torch.bfloat16: 1}
+NVRTC_OPTIONS = ("--std=c++17", "--fmad=false")  # no FMA contraction: H matches torch's bitwise
 
 _STORAGE = {
     torch.float32: ("float", "", "x", "x"),
@@ -35,59 +49,38 @@ _STORAGE = {
         "__float2bfloat16_rn(x)",
     ),
 }
-_BITS = {torch.float16: "half", torch.bfloat16: "bfloat16"}
+
+# (C type, name, comment) of the pointer fields of ``Args``, in order; null where unused.
+ARG_POINTERS = (
+    ("const scalar_t*", "x_seq", "X [T, N]"),
+    ("const float*", "v0", "V[-1] [N], or null: every neuron starts at v_init"),
+    ("const float*", "w0", "W[-1] [N], or null: every neuron starts at w_init"),
+    ("scalar_t*", "spike_seq", "S [T, N]"),
+    ("scalar_t*", "v_seq", "V [T, N], or null"),
+    ("float*", "v_last", "V[T-1] [N]"),
+    ("float*", "w_last", "W[T-1] [N]"),
+    ("float*", "v_ckpt", "V at the end of each chunk but the last [ceil(T/CHUNK)-1, N], or null"),
+    ("float*", "w_ckpt", "W likewise"),
+    ("const float*", "learnable", "learnable parameter values [P]"),
+    ("const scalar_t*", "grad_spike_seq", "dL/dS [T, N]"),
+    ("const scalar_t*", "grad_v_seq", "dL/dV [T, N], or null"),
+    ("const float*", "grad_v_last", "dL/dV[T-1] [N], or null"),
+    ("const float*", "grad_w_last", "dL/dW[T-1] [N], or null"),
+    ("scalar_t*", "grad_x_seq", "dL/dX [T, N]"),
+    ("float*", "grad_v0", "dL/dV[-1] [N], or null"),
+    ("float*", "grad_w0", "dL/dW[-1] [N], or null"),
+    ("float*", "grad_learnable_partial", "per-block sums of dL/dp [P, blocks]"),
+)
+POINTER_NAMES = tuple(name for _, name, _ in ARG_POINTERS)
 
 
 def _storage_helpers(dtype: torch.dtype) -> str:
     ctype, include, to_f, from_f = _STORAGE[dtype]
-    code = f"""\
+    return f"""\
 {include}
 typedef {ctype} scalar_t;
 __device__ __forceinline__ float to_float(const scalar_t x) {{ return {to_f}; }}
-__device__ __forceinline__ scalar_t from_float(const float x) {{ return {from_f}; }}
-"""
-    if dtype == torch.float32:
-        return code
-    bits = _BITS[dtype]
-    return (
-        code
-        + f"""\
-// Round-to-storage keeps H on the float32 value's side of boundary b (above, on, or below: so
-// both `>=` and `>` tests agree): if rounding crossed or landed on it, step one ulp towards h
-// (the neighbour lies beyond the exact value, hence on its side).
-__device__ __forceinline__ scalar_t keep_side(scalar_t r, const float h, const float b) {{
-    const float rf = to_float(r);
-    if ((h > b) != (rf > b) || (h < b) != (rf < b)) {{
-        const bool up = rf < h;
-        unsigned short u = __{bits}_as_ushort(r);
-        if ((u & 0x7fff) == 0) u = up ? 0x0001 : 0x8001;  // +-0: the smallest magnitude
-        else u = (up != ((u & 0x8000) != 0)) ? u + 1 : u - 1;
-        r = __ushort_as_{bits}(u);
-    }}
-    return r;
-}}
-"""
-    )
-
-
-def _store_h(dtype: torch.dtype, surrogate: Surrogate) -> str:
-    """store_h(): H in the storage dtype such that backward recomputes the forward's spike and
-    the same surrogate branch (threshold and surrogate discontinuities are kept on their side)."""
-    if dtype == torch.float32:
-        return (
-            "__device__ __forceinline__ scalar_t store_h(const float h, const Params& p) "
-            "{ return h; }  // exact"
-        )
-    sides = "\n".join(
-        f"    r = keep_side(r, h, p.v_threshold + ({b!r}f));  // surrogate discontinuity"
-        for b in surrogate.discontinuities
-    )
-    return f"""\
-__device__ __forceinline__ scalar_t store_h(const float h, const Params& p) {{
-    scalar_t r = keep_side(from_float(h), h, p.v_threshold);
-{sides}
-    return r;
-}}"""
+__device__ __forceinline__ scalar_t from_float(const float x) {{ return {from_f}; }}"""
 
 
 class NeuronKernel:
@@ -103,7 +96,6 @@ class NeuronKernel:
         dtype: storage dtype (float32, float16 or bfloat16).
         vec: neurons per thread (vector width of loads and stores).
         adaptive: two-state neuron (W); then the adaptation snippets must be given too.
-        needs_x, needs_w: whether backward snippets read X[t] / W[t-1] (kept from forward).
     """
 
     def __init__(
@@ -117,17 +109,23 @@ class NeuronKernel:
         dtype: torch.dtype,
         vec: int = 1,
         adaptive: bool = False,
-        needs_x: bool = False,
-        needs_w: bool = False,
     ) -> None:
         if dtype not in _STORAGE:
             raise ValueError(f"unsupported storage dtype {dtype}")
         self.name, self.params, self.learnable = name, params, learnable
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
         self.dtype, self.vec, self.adaptive = dtype, vec, adaptive
-        self.needs_x, self.needs_w = needs_x, needs_w
         tag = f"{'hard' if hard_reset else 'soft'}{'_detach' if detach_reset else ''}"
         self.kernel_prefix = f"{name}_{tag}_{_STORAGE[dtype][0].strip('_')}_v{vec}"
+        self.constant_names = tuple(
+            n for n in ("v_threshold", "v_reset", *params) if n not in learnable
+        )
+        clash = set(params) & {*POINTER_NAMES, "T", "N", "v_init", "w_init"}
+        if clash:
+            raise ValueError(f"{name}: parameter names {sorted(clash)} are reserved by the kernels")
+        # Args as bytes: pointers, T and N (8 bytes each), then floats; padded to 8 bytes.
+        n_floats = 2 + len(self.constant_names)
+        self.arg_layout = struct.Struct(f"<{len(ARG_POINTERS)}Q2q{n_floats}f{4 * (n_floats % 2)}x")
 
     # ---- neuron snippets (CUDA float expressions) -------------------------------------------
     def charge(self) -> str:
@@ -151,7 +149,7 @@ class NeuronKernel:
         raise NotImplementedError
 
     def adaptation(self) -> str:
-        """Z[t] from h and w (two-state neurons)."""
+        """Z[t] from v, x, w and h (two-state neurons)."""
         raise NotImplementedError
 
     def adaptation_jump(self) -> str:
@@ -173,53 +171,82 @@ class NeuronKernel:
     def bptt_name(self) -> str:
         return f"{self.kernel_prefix}_bptt"
 
-    def _device_functions(self) -> str:
-        fields = " ".join(f"float {n};" for n in ("v_threshold", "v_reset", *self.params))
-        sig4 = "const float v, const float x, const float w, const float h, const Params& p"
-        funcs = [
-            f"struct Params {{ {fields} }};",
-            f"__device__ __forceinline__ float charge(const float v, const float x, const float w,"
-            f" const Params& p) {{ return {self.charge()}; }}",
-            f"__device__ __forceinline__ float dh_dx({sig4}) {{ return {self.dh_dx()}; }}",
-            f"__device__ __forceinline__ float dh_dv({sig4}) {{ return {self.dh_dv()}; }}",
-            f"__device__ __forceinline__ float surrogate_grad(const float x) {{"
-            f" return {self.surrogate.cuda_code('x')}; }}",
-        ]
-        funcs += [
-            f"__device__ __forceinline__ float dh_d{n}({sig4}) {{ return {self.dh_dparam(n)}; }}"
-            for n in self.learnable
-        ]
-        if self.adaptive:
-            funcs += [
-                f"__device__ __forceinline__ float dh_dw({sig4}) {{ return {self.dh_dw()}; }}",
-                f"__device__ __forceinline__ float adaptation({sig4}) {{ return {self.adaptation()}; }}",
-                f"__device__ __forceinline__ float adaptation_jump(const Params& p) {{"
-                f" return {self.adaptation_jump()}; }}",
-                f"__device__ __forceinline__ float dz_dh({sig4}) {{ return {self.dz_dh()}; }}",
-                f"__device__ __forceinline__ float dz_dw({sig4}) {{ return {self.dz_dw()}; }}",
-            ]
-        return "\n".join(funcs)
+    def pack_args(self, pointers: dict[str, int], T: int, N: int, v_init: float,
+                  w_init: float, constants: list[float]) -> bytes:  # fmt: skip
+        """The ``Args`` struct as bytes; absent pointers are null."""
+        ptrs = [pointers.get(name, 0) for name in POINTER_NAMES]
+        return self.arg_layout.pack(*ptrs, T, N, v_init, w_init, *constants)
 
-    def _param_args(self) -> str:
-        consts = [n for n in ("v_threshold", "v_reset", *self.params) if n not in self.learnable]
-        return ", ".join(
-            ["const float* __restrict__ learnable", *(f"const float {n}" for n in consts)]
+    def _args_struct(self) -> str:
+        lines = [f"    {ctype} {name};  // {doc}" for ctype, name, doc in ARG_POINTERS]
+        lines.append("    long long T, N;")
+        lines.append("    float v_init, w_init;  // initial V and W where v0 / w0 are null")
+        lines += [f"    float {n};" for n in self.constant_names]
+        return "struct Args {\n" + "\n".join(lines) + "\n};"
+
+    def _params(self) -> str:
+        names = ("v_threshold", "v_reset", *self.params)
+        fields = " ".join(f"float {n};" for n in names)
+        rcp_fields = " ".join(f"float rcp_{n};" for n in self.params)
+        loads = "".join(
+            f"\n    p.{n} = {f'a.learnable[{self.learnable.index(n)}]' if n in self.learnable else f'a.{n}'};"
+            for n in names
         )
-
-    def _load_params(self) -> str:
-        lines = ["Params p;"]
-        for n in ("v_threshold", "v_reset", *self.params):
-            src = f"learnable[{self.learnable.index(n)}]" if n in self.learnable else n
-            lines.append(f"p.{n} = {src};")
-        return " ".join(lines)
+        rcps = "".join(f"\n    p.rcp_{n} = __frcp_rn(p.{n});" for n in self.params)
+        return f"""\
+// Parameters, and the reciprocals of the neuron's own ones (for exact_div; unused ones vanish).
+struct Params {{ {fields} {rcp_fields} }};
+__device__ __forceinline__ Params load_params(const Args& a) {{
+    Params p;{loads}{rcps}
+    return p;
+}}
+{EXACT_DIV}"""
 
     def _reset(self, h: str, spike: str) -> str:
         if self.hard_reset:
             return f"({spike} ? p.v_reset : {h})"
         return f"({h} - ({spike} ? p.v_threshold : 0.0f))"
 
+    def _device_functions(self) -> str:
+        sig = "const float v, const float x, const float w, const float h, const Params& p"
+        fn = "__device__ __forceinline__ float"
+        funcs = [
+            f"{fn} charge(const float v, const float x, const float w, const Params& p) "
+            f"{{ return {self.charge()}; }}",
+            f"{fn} dh_dx({sig}) {{ return {self.dh_dx()}; }}",
+            f"{fn} dh_dv({sig}) {{ return {self.dh_dv()}; }}",
+            f"{fn} surrogate_grad(const float x) {{ return {self.surrogate.cuda_code('x')}; }}",
+            f"{fn} reset(const float h, const Params& p) "
+            f"{{ return {self._reset('h', '(h >= p.v_threshold)')}; }}",
+        ]
+        funcs += [f"{fn} dh_d{n}({sig}) {{ return {self.dh_dparam(n)}; }}" for n in self.learnable]
+        if self.adaptive:
+            funcs += [
+                f"{fn} dh_dw({sig}) {{ return {self.dh_dw()}; }}",
+                f"{fn} adaptation({sig}) {{ return {self.adaptation()}; }}",
+                f"{fn} adaptation_jump(const Params& p) {{ return {self.adaptation_jump()}; }}",
+                f"{fn} dz_dh({sig}) {{ return {self.dz_dh()}; }}",
+                f"{fn} dz_dw({sig}) {{ return {self.dz_dw()}; }}",
+            ]
+        adapt = (
+            "\n    w = adaptation(v, x, w, h, p) + (h >= p.v_threshold ? adaptation_jump(p) : 0.0f);"
+            if self.adaptive
+            else ""
+        )
+        funcs.append(
+            f"""\
+// One step of one neuron, shared by forward and backward's recompute (same float32 results):
+// returns H[t]; updates v = V[t-1] -> V[t] and w = W[t-1] -> W[t].
+__device__ __forceinline__ float step(float& v, float& w, const float x, const Params& p) {{
+    const float h = charge(v, x, w, p);{adapt}
+    v = reset(h, p);
+    return h;
+}}"""
+        )
+        return "\n".join(funcs)
+
     def header(self) -> str:
-        """Shared preamble: storage helpers, vector pack and the neuron's device functions."""
+        """Shared preamble: storage helpers, argument struct, vector pack, device functions."""
         return "\n".join(
             [
                 f"// spikefuse kernels: {self.name}, surrogate {type(self.surrogate).__name__}"
@@ -227,126 +254,97 @@ class NeuronKernel:
                 f"{'hard' if self.hard_reset else 'soft'} reset, detach_reset={self.detach_reset}",
                 _storage_helpers(self.dtype),
                 f"constexpr int VEC = {self.vec};  // neurons per thread",
+                f"constexpr int BLOCK_THREADS = {BLOCK_THREADS};",
+                # Resident blocks per SM the register budget must allow (measured on an H200:
+                # 2 with VEC = 4, whose registers hold CHUNK x VEC values of H; 4 with VEC = 1).
+                f"constexpr int MIN_BLOCKS = {2 if self.vec > 1 else 4};",
+                f"constexpr int CHUNK = {CHUNK};  // steps recomputed into registers by backward",
                 "struct alignas(sizeof(scalar_t) * VEC) pack_t { scalar_t e[VEC]; };",
                 "__device__ __forceinline__ pack_t load_pack(const scalar_t* p, long long i) "
                 "{ return *reinterpret_cast<const pack_t*>(p + i); }",
-                "__device__ __forceinline__ void store_pack(scalar_t* p, long long i, const pack_t& v)"
-                " { *reinterpret_cast<pack_t*>(p + i) = v; }",
+                "__device__ __forceinline__ void store_pack(scalar_t* p, long long i, "
+                "const pack_t& v) { *reinterpret_cast<pack_t*>(p + i) = v; }",
+                self._args_struct(),
+                self._params(),
                 self._device_functions(),
-                _store_h(self.dtype, self.surrogate),
             ]
         )
 
+    def _initial_state(self) -> str:
+        w = "w[k] = a.w0 ? a.w0[n + k] : a.w_init;" if self.adaptive else "w[k] = 0.0f;"
+        return f"for (int k = 0; k < VEC; ++k) {{ v[k] = a.v0 ? a.v0[n + k] : a.v_init; {w} }}"
+
     def fptt_source(self) -> str:
-        """The forward kernel: S[t], H[t] (if saving), V[t] (if storing), last V (and W)."""
-        w_args = (
-            "const float* __restrict__ w0, float* __restrict__ w_last, "
-            "scalar_t* __restrict__ w_seq, "
-            if self.adaptive
-            else ""
-        )
-        adapt = (
-            """
-                const float z = adaptation(v, x, w, h, p);
-                w = z + adaptation_jump(p) * (spike ? 1.0f : 0.0f);
-                w_reg[k] = w;
-                wp.e[k] = from_float(w);"""
-            if self.adaptive
-            else ""
-        )
-        w_init = (
-            "float w_reg[VEC]; for (int k = 0; k < VEC; ++k) w_reg[k] = w0[n + k];"
-            if self.adaptive
-            else ""
-        )
-        w_store = "if (w_seq) store_pack(w_seq, off, wp);" if self.adaptive else ""
-        w_last = "w_last[n + k] = w_reg[k];" if self.adaptive else ""
-        w_local = "float w = w_reg[k];" if self.adaptive else "const float w = 0.0f;"
+        """The forward kernel: S[t], V[t] (store_v_seq), chunk-end checkpoints, last V (and W)."""
+        w_ckpt = "if (a.w_ckpt) a.w_ckpt[c + k] = w[k];" if self.adaptive else ""
+        w_last = "a.w_last[n + k] = w[k];" if self.adaptive else ""
         body = f"""
-extern "C" __global__ void {self.fptt_name}(
-    const scalar_t* __restrict__ x_seq, const float* __restrict__ v0, {w_args}
-    scalar_t* __restrict__ spike_seq, scalar_t* __restrict__ h_seq, scalar_t* __restrict__ v_seq,
-    float* __restrict__ v_last, {self._param_args()}, const long long T, const long long N)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.fptt_name}(const Args a)
 {{
-    // h_seq (only when saving for backward) and v_seq (store_v_seq) may be null.
-    const long long n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    const int T = (int)a.T;
+    const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (n >= N) return;
-    {self._load_params()}
-    float v_reg[VEC];
-    for (int k = 0; k < VEC; ++k) v_reg[k] = v0[n + k];
-    {w_init}
-    for (long long t = 0; t < T; ++t) {{
-        const long long off = t * N + n;
-        const pack_t xp = load_pack(x_seq, off);
-        pack_t sp, hp, vp{", wp" if self.adaptive else ""};
+    const Params p = load_params(a);
+    float v[VEC], w[VEC];
+    {self._initial_state()}
+    for (int t0 = 0; t0 < T; t0 += CHUNK) {{
+        const long long base = t0 * N + n;  // element (t0, n); step j of the chunk is base + j*N
+        pack_t xp[CHUNK];  // the chunk's loads first: independent, so they overlap
         #pragma unroll
-        for (int k = 0; k < VEC; ++k) {{
-            const float x = to_float(xp.e[k]);
-            const float v = v_reg[k];
-            {w_local}
-            const float h = charge(v, x, w, p);
-            const bool spike = h >= p.v_threshold;{adapt}
-            sp.e[k] = from_float(spike ? 1.0f : 0.0f);
-            hp.e[k] = store_h(h, p);
-            v_reg[k] = {self._reset("h", "spike")};
-            vp.e[k] = from_float(v_reg[k]);
+        for (int j = 0; j < CHUNK; ++j)
+            if (t0 + j < T) xp[j] = load_pack(a.x_seq, base + j * N);
+        #pragma unroll
+        for (int j = 0; j < CHUNK; ++j) {{
+            if (t0 + j >= T) break;
+            pack_t sp, vp;
+            #pragma unroll
+            for (int k = 0; k < VEC; ++k) {{
+                const float h = step(v[k], w[k], to_float(xp[j].e[k]), p);
+                sp.e[k] = from_float(h >= p.v_threshold ? 1.0f : 0.0f);
+                vp.e[k] = from_float(v[k]);
+            }}
+            store_pack(a.spike_seq, base + j * N, sp);
+            if (a.v_seq) store_pack(a.v_seq, base + j * N, vp);
         }}
-        store_pack(spike_seq, off, sp);
-        if (h_seq) store_pack(h_seq, off, hp);
-        if (v_seq) store_pack(v_seq, off, vp);
-        {w_store}
+        if (a.v_ckpt && t0 + CHUNK < T) {{  // the state the next chunk starts from
+            const long long c = (t0 / CHUNK) * N + n;
+            for (int k = 0; k < VEC; ++k) {{ a.v_ckpt[c + k] = v[k]; {w_ckpt} }}
+        }}
     }}
-    for (int k = 0; k < VEC; ++k) {{ v_last[n + k] = v_reg[k]; {w_last} }}
+    for (int k = 0; k < VEC; ++k) {{ a.v_last[n + k] = v[k]; {w_last} }}
 }}
 """
         return self.header() + body
 
     def bptt_source(self) -> str:
-        """The backward kernel: dL/dX[t], dL/dV[0] (dL/dW[0]), per-block learnable gradients."""
+        """The backward kernel: dL/dX[t], dL/dV[-1] (dL/dW[-1]), per-block learnable gradients."""
         n_learn = len(self.learnable)
         # dV[t]/dH[t]; with detach_reset the reset's dependence on S is cut (seed 003's D_reset).
         if self.hard_reset:
             dv_dh = "1.0f - spike" if self.detach_reset else "1.0f - spike + (p.v_reset - h) * sg"
         else:
             dv_dh = "1.0f" if self.detach_reset else "1.0f - p.v_threshold * sg"
-        x_arg = "const scalar_t* __restrict__ x_seq, " if self.needs_x else ""
-        w_args = (
-            "const float* __restrict__ w0, const float* __restrict__ grad_w_last, "
-            "const scalar_t* __restrict__ w_seq, float* __restrict__ grad_w0, "
-            if self.adaptive
-            else ""
+        adaptive = self.adaptive
+        w_start = (
+            "w_start[k] = t0 ? a.w_ckpt[c + k] : (a.w0 ? a.w0[n + k] : a.w_init);"
+            if adaptive
+            else "w_start[k] = 0.0f;"
         )
-
-        def x_at(t: str, k: str = "k") -> str:
-            return f"to_float(x_seq[({t}) * N + n + {k}])" if self.needs_x else "0.0f"
-
-        def w_at(t: str, k: str = "k") -> str:  # W[t], t = -1 is the initial state
-            if not (self.adaptive and self.needs_w):
-                return "0.0f"
-            return f"(({t}) >= 0 ? to_float(w_seq[({t}) * N + n + {k}]) : w0[n + {k}])"
-
-        learn_acc = "\n".join(
-            f"            acc[{i}] += grad_h * dh_d{name}(v_prev, x, w_prev, h, p);"
+        learn_acc = "".join(
+            f"\n                acc[{i}] += grad_h * dh_d{name}(v_prev, x, w_prev, h, p);"
             for i, name in enumerate(self.learnable)
         )
         adaptive_grad = ""
-        if self.adaptive:
-            adaptive_grad = f"""
-            float grad_w = (t == T - 1 && grad_w_last) ? grad_w_last[n + k] : 0.0f;
-            if (t < T - 1) {{
-                const float hn = h_next[k], xn = {x_at("t + 1")}, wt = {w_at("t")};
-                grad_w += grad_h_next[k] * dh_dw(v, xn, wt, hn, p)
-                        + grad_w_next[k] * dz_dw(v, xn, wt, hn, p);
-            }}
-            grad_h += grad_w * (dz_dh(v_prev, x, w_prev, h, p) + adaptation_jump(p) * sg);
-            grad_w_next[k] = grad_w;"""
-        w0_grad = (
-            """
-        grad_w0[n + k] = grad_h_next[k] * dh_dw(v0[n + k], x, w, h, p)
-                       + grad_w_next[k] * dz_dw(v0[n + k], x, w, h, p);"""
-            if self.adaptive
-            else ""
+        if adaptive:
+            adaptive_grad = """
+                const float grad_w = grad_w_carry[k];  // dL/dW[t]
+                grad_h += grad_w * (dz_dh(v_prev, x, w_prev, h, p) + adaptation_jump(p) * sg);
+                grad_w_carry[k] = grad_h * dh_dw(v_prev, x, w_prev, h, p)
+                                + grad_w * dz_dw(v_prev, x, w_prev, h, p);"""
+        init_w = (
+            "grad_w_carry[k] = a.grad_w_last ? a.grad_w_last[n + k] : 0.0f;" if adaptive else ""
         )
+        w0_grad = "if (a.grad_w0) a.grad_w0[n + k] = grad_w_carry[k];" if adaptive else ""
         reduce = ""
         if n_learn:
             reduce = f"""
@@ -362,62 +360,77 @@ extern "C" __global__ void {self.fptt_name}(
     if (threadIdx.x < {n_learn}) {{
         float s = 0.0f;
         for (int i = 0; i < blockDim.x / 32; ++i) s += partial[threadIdx.x][i];
-        grad_learnable_partial[(long long)threadIdx.x * gridDim.x + blockIdx.x] = s;
+        a.grad_learnable_partial[(long long)threadIdx.x * gridDim.x + blockIdx.x] = s;
     }}"""
         body = f"""
-extern "C" __global__ void {self.bptt_name}(
-    const scalar_t* __restrict__ grad_spike_seq, const scalar_t* __restrict__ grad_v_seq,
-    const float* __restrict__ grad_v_last, const scalar_t* __restrict__ h_seq, {x_arg}
-    const float* __restrict__ v0, {w_args}scalar_t* __restrict__ grad_x_seq,
-    float* __restrict__ grad_v0, float* __restrict__ grad_learnable_partial,
-    {self._param_args()}, const long long T, const long long N)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.bptt_name}(const Args a)
 {{
-    // grad_v_seq and grad_v_last may be null (no gradient flows into them).
-    const long long n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    const bool active = n < N;  // inactive threads still join the block reduction
-    {self._load_params()}
+    const int T = (int)a.T;
+    const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    const Params p = load_params(a);
     {f"float acc[{n_learn}] = {{0.0f}};" if n_learn else ""}
-    float grad_h_next[VEC], h_next[VEC]{", grad_w_next[VEC]" if self.adaptive else ""};
-    pack_t hp_cur;
-    if (active) hp_cur = load_pack(h_seq, (T - 1) * N + n);
-    for (long long t = T - 1; active && t >= 0; --t) {{
-        const long long off = t * N + n;
-        pack_t hp_prev;
-        if (t > 0) hp_prev = load_pack(h_seq, off - N);
-        const pack_t gsp = load_pack(grad_spike_seq, off);
-        pack_t gvp;
-        if (grad_v_seq) gvp = load_pack(grad_v_seq, off);
-        pack_t gxp;
+    // Carried from step t+1 to step t: the gradient reaching V[t] (and W[t]) from later steps.
+    float grad_v_carry[VEC]{", grad_w_carry[VEC]" if adaptive else ""};
+    if (n < N) {{
+        for (int k = 0; k < VEC; ++k) {{
+            grad_v_carry[k] = a.grad_v_last ? a.grad_v_last[n + k] : 0.0f;
+            {init_w}
+        }}
+    }}
+    for (int t0 = (T - 1) / CHUNK * CHUNK; n < N && t0 >= 0; t0 -= CHUNK) {{
+        const long long base = t0 * N + n;  // element (t0, n); step j of the chunk is base + j*N
+        // State at the chunk's start (V[t0-1], W[t0-1]): the forward's checkpoint, or V[-1].
+        float v_start[VEC], w_start[VEC];
+        const long long c = (t0 / CHUNK - 1) * N + n;
+        for (int k = 0; k < VEC; ++k) {{
+            v_start[k] = t0 ? a.v_ckpt[c + k] : (a.v0 ? a.v0[n + k] : a.v_init);
+            {w_start}
+        }}
+        pack_t xp[CHUNK], gsp[CHUNK];  // the chunk's loads first: independent, so they overlap
+        #pragma unroll
+        for (int j = 0; j < CHUNK; ++j) {{
+            if (t0 + j >= T) break;
+            xp[j] = load_pack(a.x_seq, base + j * N);
+            gsp[j] = load_pack(a.grad_spike_seq, base + j * N);
+        }}
+        // Recompute the chunk as forward did: H[t] (and W[t]) into registers.
+        float hc[CHUNK][VEC], wc[CHUNK][VEC];
         #pragma unroll
         for (int k = 0; k < VEC; ++k) {{
-            const float h = to_float(hp_cur.e[k]);
-            float v_prev;
-            if (t > 0) {{
-                const float hp = to_float(hp_prev.e[k]);
-                v_prev = {self._reset("hp", "(hp >= p.v_threshold)")};
-            }} else {{
-                v_prev = v0[n + k];
+            float v = v_start[k], w = w_start[k];
+            #pragma unroll
+            for (int j = 0; j < CHUNK; ++j) {{
+                if (t0 + j >= T) break;
+                hc[j][k] = step(v, w, to_float(xp[j].e[k]), p);
+                wc[j][k] = w;
             }}
-            const float x = {x_at("t")}, w_prev = {w_at("t - 1")};
-            const float spike = h >= p.v_threshold ? 1.0f : 0.0f;
-            const float sg = surrogate_grad(h - p.v_threshold);
-            const float v = {self._reset("h", "spike > 0.0f")};
-            float grad_v = grad_v_seq ? to_float(gvp.e[k]) : 0.0f;
-            if (t == T - 1 && grad_v_last) grad_v += grad_v_last[n + k];
-            if (t < T - 1) grad_v += grad_h_next[k] * dh_dv(v, {x_at("t + 1")}, {w_at("t")}, h_next[k], p);
-            float grad_h = to_float(gsp.e[k]) * sg + grad_v * ({dv_dh});{adaptive_grad}
-            gxp.e[k] = from_float(grad_h * dh_dx(v_prev, x, w_prev, h, p));
-{learn_acc}
-            grad_h_next[k] = grad_h;
-            h_next[k] = h;
         }}
-        store_pack(grad_x_seq, off, gxp);
-        hp_cur = hp_prev;
+        // Walk the chunk backwards (seed 003):
+        //   dL/dH[t] = dL/dS[t] Θ' + dL/dV[t] dV[t]/dH[t] (+ dL/dW[t] (∂Z[t]/∂H[t] + jump Θ'))
+        #pragma unroll
+        for (int j = CHUNK - 1; j >= 0; --j) {{
+            if (t0 + j >= T) continue;
+            pack_t gxp, gvp;
+            if (a.grad_v_seq) gvp = load_pack(a.grad_v_seq, base + j * N);
+            #pragma unroll
+            for (int k = 0; k < VEC; ++k) {{
+                const float h = hc[j][k], x = to_float(xp[j].e[k]);
+                const float v_prev = j ? reset(hc[j ? j - 1 : 0][k], p) : v_start[k];
+                const float w_prev = j ? wc[j ? j - 1 : 0][k] : w_start[k];
+                const float spike = h >= p.v_threshold ? 1.0f : 0.0f;
+                const float sg = surrogate_grad(h - p.v_threshold);
+                const float grad_v = grad_v_carry[k] + (a.grad_v_seq ? to_float(gvp.e[k]) : 0.0f);
+                float grad_h = to_float(gsp[j].e[k]) * sg + grad_v * ({dv_dh});{adaptive_grad}
+                gxp.e[k] = from_float(grad_h * dh_dx(v_prev, x, w_prev, h, p));
+                grad_v_carry[k] = grad_h * dh_dv(v_prev, x, w_prev, h, p);  // to V[t-1]{learn_acc}
+            }}
+            store_pack(a.grad_x_seq, base + j * N, gxp);
+        }}
     }}
-    if (active) {{
+    if (n < N) {{
         for (int k = 0; k < VEC; ++k) {{
-            const float x = {x_at("0")}, w = {w_at("-1")}, h = h_next[k];
-            grad_v0[n + k] = grad_h_next[k] * dh_dv(v0[n + k], x, w, h, p);{w0_grad}
+            if (a.grad_v0) a.grad_v0[n + k] = grad_v_carry[k];
+            {w0_grad}
         }}
     }}{reduce}
 }}
@@ -446,17 +459,17 @@ class DefinitionKernel(NeuronKernel):
             dtype=dtype,
             vec=vec,
             adaptive=d.adaptive,
-            needs_x=d.partials.needs_x,
-            needs_w=d.partials.needs_w,
         )
         self.definition = d
         self._names = {d.symbols[n]: f"p.{n}" for n in d.all_params}
 
-    def _c(self, expr: sp.Expr) -> str:
-        return cuda_expr(expr, self._names)
+    def _c(self, expr: sp.Expr, fast: bool = True) -> str:
+        """Derivatives (backward only) print with fast division and exp; the forward's
+        equations print exactly, so that H matches PyTorch bit for bit."""
+        return cuda_expr(expr, self._names, fast)
 
     def charge(self) -> str:
-        return self._c(self.definition.charge_expr)
+        return self._c(self.definition.charge_expr, fast=False)
 
     def dh_dx(self) -> str:
         return self._c(self.definition.partials.dh_dx)
@@ -471,18 +484,13 @@ class DefinitionKernel(NeuronKernel):
         return self._c(self.definition.partials.dh_dw)
 
     def adaptation(self) -> str:
-        return self._c(self.definition.adaptation_expr)
+        return self._c(self.definition.adaptation_expr, fast=False)
 
     def adaptation_jump(self) -> str:
-        return self._c(self.definition.jump_expr)
+        return self._c(self.definition.jump_expr, fast=False)
 
     def dz_dh(self) -> str:
         return self._c(self.definition.partials.dz_dh)
 
     def dz_dw(self) -> str:
         return self._c(self.definition.partials.dz_dw)
-
-
-def vector_width(dtype: torch.dtype) -> int:
-    """Neurons per thread for 16-byte vector access."""
-    return 16 // torch.empty(0, dtype=dtype).element_size()

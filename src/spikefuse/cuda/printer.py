@@ -9,11 +9,19 @@ from sympy.printing.c import C99CodePrinter
 
 class CudaFloatPrinter(C99CodePrinter):
     """C99 printer with float literals and functions (expf, fabsf, ...) and no slow powf for
-    small integer powers, so generated arithmetic stays in fp32 registers."""
+    small integer powers, so generated arithmetic stays in fp32 registers.
 
-    def __init__(self, symbol_names: dict[sp.Symbol, str]) -> None:
+    ``fast=True`` prints divisions as ``__fdividef`` and ``exp`` as ``__expf`` (a few ulp; for
+    gradients). The default keeps correctly rounded division and ``expf``: what the forward's
+    charge needs to match PyTorch bit for bit. There, a division by a parameter ``p.b`` prints
+    as ``exact_div(a, p.b, p.rcp_b)`` with the reciprocal computed once per thread (see
+    :data:`EXACT_DIV`), instead of a full IEEE division per step.
+    """
+
+    def __init__(self, symbol_names: dict[sp.Symbol, str], fast: bool = False) -> None:
         super().__init__({"type_aliases": {real: float32}})
         self._names = symbol_names
+        self._fast = fast
 
     def _print_Symbol(self, expr: sp.Symbol) -> str:
         return self._names.get(expr, expr.name)
@@ -28,13 +36,44 @@ class CudaFloatPrinter(C99CodePrinter):
         base, exp = expr.as_base_exp()
         if exp.is_Integer and 0 < abs(int(exp)) <= 4:
             product = "*".join([f"({self._print(base)})"] * abs(int(exp)))
-            return f"({product})" if exp > 0 else f"(1.0f/({product}))"
+            if exp > 0:
+                return f"({product})"
+            return f"__fdividef(1.0f, {product})" if self._fast else f"(1.0f/({product}))"
+        if self._fast and exp == -1:
+            return f"__fdividef(1.0f, {self._print(base)})"
         return super()._print_Pow(expr)
+
+    def _print_Mul(self, expr: sp.Mul) -> str:
+        num, den = sp.fraction(expr, exact=True)
+        if den != 1 and self._fast:
+            return f"__fdividef({self._print(num)}, {self._print(den)})"
+        name = self._names.get(den)
+        if name is not None and name.startswith("p."):
+            return f"exact_div({self._print(num)}, {name}, p.rcp_{name[2:]})"
+        return super()._print_Mul(expr)
+
+    def _print_exp(self, expr) -> str:
+        if self._fast:
+            return f"__expf({self._print(expr.args[0])})"
+        return f"expf({self._print(expr.args[0])})"
 
     def _print_Integer(self, expr) -> str:
         return f"{int(expr)}.0f"
 
 
-def cuda_expr(expr: sp.Expr, symbol_names: dict[sp.Symbol, str] | None = None) -> str:
-    """A CUDA float expression for ``expr``; ``symbol_names`` renames symbols."""
-    return CudaFloatPrinter(symbol_names or {}).doprint(sp.sympify(expr))
+# a / b, correctly rounded (as IEEE division), from rb = __frcp_rn(b): q = RN(a rb) is within an
+# ulp of a/b and one FMA correction rounds it correctly (Markstein), barring over/underflow;
+# an infinite or NaN q is already IEEE's answer (the correction would turn inf into NaN).
+EXACT_DIV = """\
+__device__ __forceinline__ float exact_div(const float a, const float b, const float rb) {
+    const float q = a * rb;
+    return isfinite(q) ? fmaf(rb, fmaf(-q, b, a), q) : q;
+}"""
+
+
+def cuda_expr(
+    expr: sp.Expr, symbol_names: dict[sp.Symbol, str] | None = None, fast: bool = False
+) -> str:
+    """A CUDA float expression for ``expr``; ``symbol_names`` renames symbols; ``fast`` uses
+    ``__fdividef``/``__expf`` (see :class:`CudaFloatPrinter`)."""
+    return CudaFloatPrinter(symbol_names or {}, fast).doprint(sp.sympify(expr))

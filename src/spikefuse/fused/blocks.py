@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -175,7 +176,9 @@ class FusedBlock(nn.Module):
         learnable = self.node.learnable_values(y.device)
         weight = bn.weight if bn is not None else None
         bias = bn.bias if bn is not None else None
-        spikes = BNNeuronFunction.apply(y, weight, bias, learnable, bn, neuron)
+        grads = (y, weight, bias, learnable)
+        save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
+        spikes = BNNeuronFunction.apply(y, weight, bias, learnable, bn, neuron, save)
         return mark_binary(spikes)
 
 

@@ -62,39 +62,39 @@ class NeuronCall:
         backend = node.resolve_backend(x)
         return cls(node.program, backend, tuple(node.constants()), v_init)
 
-    def _v0(self, x: Tensor) -> Tensor:
-        return torch.full(x.shape[1:], self.v_init, dtype=compute_dtype(x.dtype), device=x.device)
+    def forward(self, x: Tensor, learnable: Tensor | None, save: bool) -> tuple[Tensor, tuple]:
+        """Spikes [T, *] in x's dtype, and what backward can reuse (empty tuple: nothing).
 
-    def _fptt(self, x: Tensor, v0: Tensor, learnable: Tensor, save_h: bool):
-        backend = backend_module(self.backend)
-        empty = x.new_empty(0)  # no second state, no V sequence
-        return backend.fptt(
-            self.program, x, v0, empty, learnable, list(self.constants), save_h, False
-        )
-
-    def forward(self, x: Tensor, learnable: Tensor) -> Tensor:
-        """Spikes [T, *] in x's dtype."""
-        return self._fptt(x, self._v0(x), learnable, save_h=False).spikes
+        With ``save`` the cuda backend's chunk checkpoints (V at every CHUNK-th step, float32,
+        1/CHUNK of x's elements) are kept; the reference backend's saved H would be as large
+        as x, so it is recomputed in backward instead.
+        """
+        out = backend_module(self.backend).fptt(
+            self.program, x, None, None, learnable, list(self.constants), [self.v_init, 0.0],
+            save and self.backend == "cuda", False,
+        )  # fmt: skip
+        return out.spikes, (() if out.saved_v is None else (out.saved_v,))
 
     def input_grad(
-        self, x: Tensor, learnable: Tensor, grad_spikes: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Recompute H from x, then BPTT: dL/dx [T, *] (H's dtype) and dL/d(learnable) [P].
+        self, x: Tensor, learnable: Tensor | None, grad_spikes: Tensor, saved: tuple
+    ) -> tuple[Tensor, Tensor | None]:
+        """BPTT from x: dL/dx [T, *] and dL/d(learnable) [P] (None without learnable params).
 
-        Pass x as a temporary: it is released before BPTT unless the neuron's derivatives
-        need it, so recompute and backward never hold x, H and dL/dx at once.
+        ``saved`` is what :meth:`forward` kept; when empty, the neuron's forward is recomputed
+        first to get what the backend's BPTT needs.
         """
-        v0 = self._v0(x)
-        h_seq = self._fptt(x, v0, learnable, save_h=True).h_seq
-        empty = h_seq.new_empty(0)
-        if not self.program.definition.partials.needs_x:
-            x = empty
-        grad_spikes = grad_spikes.to(h_seq.dtype)
-        out = backend_module(self.backend).bptt(
-            self.program, grad_spikes, None, None, None, h_seq, empty, x, v0, empty, learnable,
-            list(self.constants),
+        backend = backend_module(self.backend)
+        init = [self.v_init, 0.0]
+        constants = list(self.constants)
+        if not saved:
+            out = backend.fptt(self.program, x, None, None, learnable, constants, init, True, False)
+            saved = (out.saved_v,)
+        out = backend.bptt(
+            self.program, grad_spikes.to(x.dtype), None, None, None, saved[0], None,
+            x if backend.keeps_x(self.program) else None, None, None, learnable, constants, init,
         )  # fmt: skip
-        return out.grad_x, out.grad_learnable.to(learnable.dtype)
+        grad_learnable = out.grad_learnable
+        return out.grad_x, None if grad_learnable is None else grad_learnable.to(learnable.dtype)
 
 
 def _per_channel(v: Tensor, ndim: int) -> Tensor:
@@ -115,10 +115,17 @@ def _neuron_input(y: Tensor, scale: Tensor | None, shift: Tensor | None) -> Tens
 
 
 def bn_neuron_forward(
-    y: Tensor, scale: Tensor | None, shift: Tensor | None, neuron: NeuronCall, learnable: Tensor
-) -> Tensor:
-    """Spikes [T, B, C, *] in y's dtype from the synapse output y; no BN when scale is None."""
-    return neuron.forward(_neuron_input(y, scale, shift), learnable).to(y.dtype)
+    y: Tensor,
+    scale: Tensor | None,
+    shift: Tensor | None,
+    neuron: NeuronCall,
+    learnable: Tensor | None,
+    save: bool,
+) -> tuple[Tensor, tuple]:
+    """Spikes [T, B, C, *] in y's dtype from the synapse output y (no BN when scale is None),
+    and the neuron state backward may reuse (see :meth:`NeuronCall.forward`)."""
+    spikes, saved = neuron.forward(_neuron_input(y, scale, shift), learnable, save)
+    return spikes.to(y.dtype), saved
 
 
 def bn_neuron_backward(
@@ -128,9 +135,10 @@ def bn_neuron_backward(
     mean: Tensor | None,
     invstd: Tensor | None,
     neuron: NeuronCall,
-    learnable: Tensor,
+    learnable: Tensor | None,
     grad_spikes: Tensor,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    saved: tuple,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """Backward pass 1 (the paper's Alg. 2): recompute the neuron from y, BPTT, per-channel sums.
 
     Returns ``(g, sum_g, sum_gxhat, grad_learnable)``: the two local per-channel sums [C]
@@ -139,7 +147,8 @@ def bn_neuron_backward(
     return g = None (pass 2 then recomputes it) to avoid holding a float32 buffer next to
     half-precision activations; without BN it must return g.
     """
-    g, grad_learnable = neuron.input_grad(_neuron_input(y, scale, shift), learnable, grad_spikes)
+    x = _neuron_input(y, scale, shift)
+    g, grad_learnable = neuron.input_grad(x, learnable, grad_spikes, saved)
     if scale is None:
         return g, None, None, grad_learnable
     dims = _reduce_dims(y.dim())
@@ -157,8 +166,9 @@ def bn_input_grad(
     coef_y: Tensor | None,
     coef_0: Tensor | None,
     neuron: NeuronCall,
-    learnable: Tensor,
+    learnable: Tensor | None,
     grad_spikes: Tensor,
+    saved: tuple,
 ) -> Tensor:
     """Backward pass 2 (the paper's Alg. 3): dL/dy in y's dtype.
 
@@ -167,7 +177,7 @@ def bn_input_grad(
     else recomputes g from y.
     """
     if g is None:
-        g, _ = neuron.input_grad(_neuron_input(y, scale, shift), learnable, grad_spikes)
+        g, _ = neuron.input_grad(_neuron_input(y, scale, shift), learnable, grad_spikes, saved)
     ndim = y.dim()
     grad_y = g.mul_(_per_channel(scale, ndim))
     if coef_y is not None:
@@ -240,12 +250,14 @@ class BNSpec:
 class BNNeuronFunction(torch.autograd.Function):
     """spikes = neuron(BN(y)); saves y and per-channel vectors only (see the module docstring).
 
-    ``apply(y, weight, bias, learnable, bn, neuron)``: ``weight``/``bias`` are BN's gamma/beta
-    (or None), passed separately from ``bn`` so autograd tracks them; ``bn`` None means no BN.
+    ``apply(y, weight, bias, learnable, bn, neuron, save)``: ``weight``/``bias`` are BN's
+    gamma/beta (or None), passed separately from ``bn`` so autograd tracks them; ``bn`` None
+    means no BN; ``save`` whether a backward will follow (keep the neuron's checkpoints).
     """
 
     @staticmethod
-    def forward(ctx, y, weight, bias, learnable, bn: BNSpec | None, neuron: NeuronCall):
+    def forward(ctx, y, weight, bias, learnable, bn: BNSpec | None, neuron: NeuronCall,
+                save: bool = True):  # fmt: skip
         scale = shift = mean = invstd = None
         count = 0
         if bn is not None:
@@ -254,8 +266,8 @@ class BNNeuronFunction(torch.autograd.Function):
             shift = -mean * scale
             if bias is not None:
                 shift = shift + bias.to(scale.dtype)
-        spikes = bn_neuron_forward(y, scale, shift, neuron, learnable)
-        ctx.save_for_backward(y, scale, shift, mean, invstd, learnable)
+        spikes, saved = bn_neuron_forward(y, scale, shift, neuron, learnable, save)
+        ctx.save_for_backward(y, scale, shift, mean, invstd, learnable, *saved)
         ctx.neuron, ctx.bn, ctx.count = neuron, bn, count
         ctx.param_dtypes = (
             None if weight is None else weight.dtype,
@@ -265,14 +277,15 @@ class BNNeuronFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_spikes):
-        y, scale, shift, mean, invstd, learnable = ctx.saved_tensors
+        y, scale, shift, mean, invstd, learnable, *saved = ctx.saved_tensors
+        saved = tuple(saved)
         bn: BNSpec | None = ctx.bn
         g, sum_g, sum_gxhat, grad_learnable = bn_neuron_backward(
-            y, scale, shift, mean, invstd, ctx.neuron, learnable, grad_spikes
+            y, scale, shift, mean, invstd, ctx.neuron, learnable, grad_spikes, saved
         )
         grad_learnable = grad_learnable if ctx.needs_input_grad[3] else None
         if bn is None:
-            return g.to(y.dtype), None, None, grad_learnable, None, None
+            return g.to(y.dtype), None, None, grad_learnable, None, None, None
         weight_dtype, bias_dtype = ctx.param_dtypes
         grad_weight = sum_gxhat.to(weight_dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_g.to(bias_dtype) if ctx.needs_input_grad[2] else None
@@ -287,9 +300,9 @@ class BNNeuronFunction(torch.autograd.Function):
             coef_y = -scale * invstd * mean_gxhat
             coef_0 = -scale * mean_g - mean * coef_y
         grad_y = bn_input_grad(
-            g, y, scale, shift, coef_y, coef_0, ctx.neuron, learnable, grad_spikes
+            g, y, scale, shift, coef_y, coef_0, ctx.neuron, learnable, grad_spikes, saved
         )
-        return grad_y, grad_weight, grad_bias, grad_learnable, None, None
+        return grad_y, grad_weight, grad_bias, grad_learnable, None, None, None
 
 
 def _bn_affine_stats(y: Tensor, bn: BNSpec) -> tuple[Tensor, Tensor, int | Tensor]:
