@@ -62,8 +62,10 @@ class NeuronCall:
         backend = node.resolve_backend(x)
         return cls(node.program, backend, tuple(node.constants()), v_init)
 
-    def forward(self, x: Tensor, learnable: Tensor | None, save: bool) -> tuple[Tensor, tuple]:
-        """Spikes [T, *] in x's dtype, and what backward can reuse (empty tuple: nothing).
+    def forward(
+        self, x: Tensor, learnable: Tensor | None, save: bool
+    ) -> tuple[Tensor, tuple | None]:
+        """Spikes [T, *] in x's dtype, and what backward can reuse (None: nothing was kept).
 
         With ``save`` the cuda backend's chunk checkpoints (V at every CHUNK-th step, float32,
         1/CHUNK of x's elements) are kept; the reference backend's saved H would be as large
@@ -73,20 +75,21 @@ class NeuronCall:
             self.program, x, None, None, learnable, list(self.constants), [self.v_init, 0.0],
             save and self.backend == "cuda", False,
         )  # fmt: skip
-        return out.spikes, (() if out.saved_v is None else (out.saved_v,))
+        return out.spikes, ((out.saved_v,) if save and self.backend == "cuda" else None)
 
     def input_grad(
-        self, x: Tensor, learnable: Tensor | None, grad_spikes: Tensor, saved: tuple
+        self, x: Tensor, learnable: Tensor | None, grad_spikes: Tensor, saved: tuple | None
     ) -> tuple[Tensor, Tensor | None]:
         """BPTT from x: dL/dx [T, *] and dL/d(learnable) [P] (None without learnable params).
 
-        ``saved`` is what :meth:`forward` kept; when empty, the neuron's forward is recomputed
-        first to get what the backend's BPTT needs.
+        ``saved`` is what :meth:`forward` kept (its tensor may be None: for T <= CHUNK the cuda
+        backend needs nothing); when None, the neuron's forward is recomputed first to get what
+        the backend's BPTT needs.
         """
         backend = backend_module(self.backend)
         init = [self.v_init, 0.0]
         constants = list(self.constants)
-        if not saved:
+        if saved is None:
             out = backend.fptt(self.program, x, None, None, learnable, constants, init, True, False)
             saved = (out.saved_v,)
         out = backend.bptt(
@@ -121,7 +124,7 @@ def bn_neuron_forward(
     neuron: NeuronCall,
     learnable: Tensor | None,
     save: bool,
-) -> tuple[Tensor, tuple]:
+) -> tuple[Tensor, tuple | None]:
     """Spikes [T, B, C, *] in y's dtype from the synapse output y (no BN when scale is None),
     and the neuron state backward may reuse (see :meth:`NeuronCall.forward`)."""
     spikes, saved = neuron.forward(_neuron_input(y, scale, shift), learnable, save)
@@ -137,7 +140,7 @@ def bn_neuron_backward(
     neuron: NeuronCall,
     learnable: Tensor | None,
     grad_spikes: Tensor,
-    saved: tuple,
+    saved: tuple | None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """Backward pass 1 (the paper's Alg. 2): recompute the neuron from y, BPTT, per-channel sums.
 
@@ -168,7 +171,7 @@ def bn_input_grad(
     neuron: NeuronCall,
     learnable: Tensor | None,
     grad_spikes: Tensor,
-    saved: tuple,
+    saved: tuple | None,
 ) -> Tensor:
     """Backward pass 2 (the paper's Alg. 3): dL/dy in y's dtype.
 
@@ -267,7 +270,8 @@ class BNNeuronFunction(torch.autograd.Function):
             if bias is not None:
                 shift = shift + bias.to(scale.dtype)
         spikes, saved = bn_neuron_forward(y, scale, shift, neuron, learnable, save)
-        ctx.save_for_backward(y, scale, shift, mean, invstd, learnable, *saved)
+        ctx.save_for_backward(y, scale, shift, mean, invstd, learnable, *(saved or ()))
+        ctx.kept = saved is not None
         ctx.neuron, ctx.bn, ctx.count = neuron, bn, count
         ctx.param_dtypes = (
             None if weight is None else weight.dtype,
@@ -278,7 +282,7 @@ class BNNeuronFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_spikes):
         y, scale, shift, mean, invstd, learnable, *saved = ctx.saved_tensors
-        saved = tuple(saved)
+        saved = tuple(saved) if ctx.kept else None
         bn: BNSpec | None = ctx.bn
         g, sum_g, sum_gxhat, grad_learnable = bn_neuron_backward(
             y, scale, shift, mean, invstd, ctx.neuron, learnable, grad_spikes, saved
