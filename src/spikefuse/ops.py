@@ -110,7 +110,8 @@ def _(program, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, saved
 
 def _bptt(program: NeuronProgram, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
           saved_v, saved_w, x_seq, v0, w0, learnable, constants, init):  # fmt: skip
-    """The backend's bptt; empty placeholders (from the ops) count as absent."""
+    """The backend's bptt; empty placeholders (from the ops) count as absent; the learnable
+    gradient comes back in the learnable tensor's dtype."""
 
     def present(t):
         return t if t is not None and t.numel() else None

@@ -41,6 +41,9 @@ class BPTTOut(NamedTuple):
     grad_learnable: torch.Tensor | None  # [P] compute dtype; None without learnable parameters
 
 
+SAVES_SEQUENCE = True  # forward keeps H[t] (and W[t]) for every step
+
+
 def keeps_x(program: NeuronProgram) -> bool:
     """Whether backward needs X (only if a derivative could not be written without it)."""
     return program.definition.partials.needs_x
@@ -196,13 +199,16 @@ def bptt(
         grad_h_next = grad_h
 
     args0 = (v_init, x_at(0), w_at(-1), h_seq[0], *params)
+
+    def state_grad(grad, like):  # partials may be constants: a full [*] tensor of cd
+        return torch.as_tensor(grad, dtype=cd).expand_as(like).clone()
+
     grad_v0 = grad_w0 = None
     if v0 is not None:
-        grad_v0 = torch.as_tensor(grad_h_next * f["dh_dv"](*args0), dtype=cd).expand_as(v_init)
-        grad_v0 = grad_v0.clone()
+        grad_v0 = state_grad(grad_h_next * f["dh_dv"](*args0), v_init)
     if w0 is not None and d.adaptive:
         grad_w0 = grad_h_next * f["dh_dw"](*args0) + grad_w_next * f["dz_dw"](*args0)
-        grad_w0 = torch.as_tensor(grad_w0, dtype=cd).expand_as(w_init).clone()
+        grad_w0 = state_grad(grad_w0, w_init)
     return BPTTOut(
         grad_x=grad_x.to(grad_spikes.dtype),
         grad_v0=grad_v0,

@@ -33,6 +33,9 @@ from .codegen import (
 _ALIGN = 16
 
 
+SAVES_SEQUENCE = False  # forward keeps only chunk-end states, not a [T, N] sequence
+
+
 def keeps_x(program: NeuronProgram) -> bool:
     """Backward recomputes H from X, so X is always kept."""
     return True
@@ -98,9 +101,8 @@ def precompile(kernels: list[NeuronKernel], threads: int = 8) -> None:
         list(pool.map(lambda k: _module(k.full_codes).compile(), kernels))
 
 
-_functions: dict[
-    tuple, tuple[object, int]
-] = {}  # (kernel, forward, device) -> (RawKernel, CUfunction)
+# (kernel, forward, device index) -> (RawKernel, CUfunction handle)
+_functions: dict[tuple, tuple[object, int]] = {}
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _OnePointer = ctypes.c_void_p * 1
 
@@ -117,7 +119,10 @@ def _current_stream(index: int) -> int:
 
 
 def _launch(kernel: NeuronKernel, forward: bool, device: torch.device, blocks: int,
-            args: bytes) -> None:  # fmt: skip
+            pointers: dict[str, int], T: int, N: int, init: list[float],
+            constants: list[float]) -> None:  # fmt: skip
+    """Launch one direction's kernel with its ``Args`` struct on the current stream."""
+    args = kernel.pack_args(pointers, T, N, init[0], init[1], constants)
     current = torch.cuda.current_device()
     index = device.index if device.index is not None else current
     key = (kernel, forward, index)
@@ -200,8 +205,7 @@ def fptt(
             "w_ckpt": _ptr(w_ckpt),
             "learnable": _ptr(learnable),
         }
-        args = kernel.pack_args(pointers, T, N, init[0], init[1], constants)
-        _launch(kernel, True, x.device, _blocks(N, vec), args)
+        _launch(kernel, True, x.device, _blocks(N, vec), pointers, T, N, init, constants)
     return FPTTOut(spikes, v_seq, v_last, w_last, v_ckpt, w_ckpt)
 
 
@@ -220,7 +224,9 @@ def bptt(
     constants: list[float],
     init: list[float],
 ) -> BPTTOut:
-    """Backward through time with one fused kernel (recomputing H from X chunk by chunk)."""
+    """Backward through time with one fused kernel (recomputing H from X chunk by chunk).
+
+    T >= 1, as for the reference backend (the modules reject T = 0 before any kernel runs)."""
     _check(x_seq)
     adaptive = program.definition.adaptive
     x = x_seq.contiguous()
@@ -235,16 +241,11 @@ def bptt(
     grad_w0 = None if w0 is None or not adaptive else torch.empty_like(w0)
     vec = _vec(N, x, grad_spikes, grad_v_seq, vec=BPTT_VEC[dtype])
     blocks = _blocks(N, vec)
-    launch = N > 0 and T > 0
     partial = None
-    if program.learnable:  # every block writes its column, so zeros only without a launch
+    if program.learnable:  # every block writes its column; without a launch (N = 0) it sums to 0
         shape = (len(program.learnable), blocks)
-        partial = x.new_empty(shape, dtype=torch.float32) if launch else x.new_zeros(shape)
-    if not launch:  # no step (T = 0): V[T-1] is V[-1] itself
-        for g, upstream in ((grad_v0, grad_v_last), (grad_w0, grad_w_last)):
-            if g is not None:
-                g.copy_(upstream) if upstream is not None and T == 0 else g.zero_()
-    else:
+        partial = x.new_empty(shape, dtype=torch.float32) if N else x.new_zeros(shape)
+    if N:
         kernel = kernel_for(program, dtype, vec)
         v0, w0 = _contiguous(v0), _contiguous(w0)
         grad_v_last, grad_w_last = _contiguous(grad_v_last), _contiguous(grad_w_last)
@@ -264,6 +265,5 @@ def bptt(
             "grad_w0": _ptr(grad_w0),
             "grad_learnable_partial": _ptr(partial),
         }
-        args = kernel.pack_args(pointers, T, N, init[0], init[1], constants)
-        _launch(kernel, False, x.device, blocks, args)
+        _launch(kernel, False, x.device, blocks, pointers, T, N, init, constants)
     return BPTTOut(grad_x, grad_v0, grad_w0, None if partial is None else partial.sum(dim=1))

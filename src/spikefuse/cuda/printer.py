@@ -39,8 +39,6 @@ class CudaFloatPrinter(C99CodePrinter):
             if exp > 0:
                 return f"({product})"
             return f"__fdividef(1.0f, {product})" if self._fast else f"(1.0f/({product}))"
-        if self._fast and exp == -1:
-            return f"__fdividef(1.0f, {self._print(base)})"
         return super()._print_Pow(expr)
 
     def _print_Mul(self, expr: sp.Mul) -> str:

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
-from ..ops import backend_module
+from ..ops import _bptt, backend_module
 from ..program import NeuronProgram
 from ..reference import compute_dtype
 
@@ -67,15 +67,15 @@ class NeuronCall:
     ) -> tuple[Tensor, tuple | None]:
         """Spikes [T, *] in x's dtype, and what backward can reuse (None: nothing was kept).
 
-        With ``save`` the cuda backend's chunk checkpoints (V at every CHUNK-th step, float32,
-        1/CHUNK of x's elements) are kept; the reference backend's saved H would be as large
-        as x, so it is recomputed in backward instead.
+        With ``save``, what the backend's forward saves is kept if it is small (the cuda
+        backend's chunk checkpoints: 1/CHUNK of x's elements); a saved [T, N] sequence (the
+        reference backend's H) would be as large as x, so it is recomputed in backward instead.
         """
-        out = backend_module(self.backend).fptt(
-            self.program, x, None, None, learnable, list(self.constants), [self.v_init, 0.0],
-            save and self.backend == "cuda", False,
-        )  # fmt: skip
-        return out.spikes, ((out.saved_v,) if save and self.backend == "cuda" else None)
+        backend = backend_module(self.backend)
+        keep = save and not backend.SAVES_SEQUENCE
+        out = backend.fptt(self.program, x, None, None, learnable, list(self.constants),
+                           [self.v_init, 0.0], keep, False)  # fmt: skip
+        return out.spikes, ((out.saved_v,) if keep else None)
 
     def input_grad(
         self, x: Tensor, learnable: Tensor | None, grad_spikes: Tensor, saved: tuple | None
@@ -92,12 +92,12 @@ class NeuronCall:
         if saved is None:
             out = backend.fptt(self.program, x, None, None, learnable, constants, init, True, False)
             saved = (out.saved_v,)
-        out = backend.bptt(
-            self.program, grad_spikes.to(x.dtype), None, None, None, saved[0], None,
-            x if backend.keeps_x(self.program) else None, None, None, learnable, constants, init,
+        keep_x = x if backend.keeps_x(self.program) else None
+        grad_x, _, _, grad_learnable = _bptt(
+            self.program, self.backend, grad_spikes.to(x.dtype), None, None, None, saved[0], None,
+            keep_x, None, None, learnable, constants, init,
         )  # fmt: skip
-        grad_learnable = out.grad_learnable
-        return out.grad_x, None if grad_learnable is None else grad_learnable.to(learnable.dtype)
+        return grad_x, grad_learnable
 
 
 def _per_channel(v: Tensor, ndim: int) -> Tensor:
