@@ -8,7 +8,9 @@ float32; mismatch fraction reported for 16-bit), v_seq, final states and the gra
 initial states and PLIF's tau, by normalised error max|cuda - ref| / max|ref|, against a float32
 reference run on the same (16-bit-rounded) input and upstream gradients. Also: a tensor on cuda:1
 runs on cuda:1 (if present), gradients of PLIF's tau are bit-identical across runs, register use
-of the LIF kernels, and fused Conv/Linear-BN-LIF blocks against the unfused modules on the GPU.
+of the LIF kernels, the channel-affine (BatchNorm-folded) kernels of every one-state neuron
+against BatchNorm + the reference neuron (NCHW, channels-last and Linear layouts), and fused
+Conv/Linear-BN-LIF blocks against the unfused modules on the GPU.
 
 Usage: python scripts/gpu_check.py [--quick] [--out DIR]. Exit code 1 if anything fails.
 """
@@ -26,8 +28,9 @@ from torch import nn
 
 from spikefuse import functional, fuse, layer, neuron, surrogate
 from spikefuse.cuda import backend as cuda_backend
-from spikefuse.cuda.codegen import BPTT_VEC, CHUNK, VEC
+from spikefuse.cuda.codegen import AFFINE_BPTT_VEC, BPTT_VEC, CHUNK, VEC
 from spikefuse.fused import paper_lif
+from spikefuse.fused.bn_neuron import BNNeuronFunction, BNSpec, NeuronCall, bn_statistics
 
 # Normalised error bounds per storage dtype (value outputs / gradients).
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 2e-2), torch.bfloat16: (1e-2, 6e-2)}
@@ -157,12 +160,103 @@ def check_determinism(log) -> bool:
 
 def report_registers(log) -> None:
     """Registers and local-memory spills of the LIF kernels that run on aligned input."""
-    for dtype in (torch.float32, torch.bfloat16):
-        for forward, vec in ((True, VEC), (False, BPTT_VEC[dtype])):
-            kernel = cuda_backend.kernel_for(neuron.LIFNode().program, dtype, vec)
+    for dtype, affine in itertools.product((torch.float32, torch.bfloat16), (False, True)):
+        bptt_vec = AFFINE_BPTT_VEC if affine else BPTT_VEC[dtype]
+        for forward, vec in ((True, VEC), (False, bptt_vec)):
+            kernel = cuda_backend.kernel_for(neuron.LIFNode().program, dtype, vec, affine)
             raw, _ = cuda_backend.compiled(kernel, forward, torch.cuda.current_device())
-            log(f"LIF {str(dtype)[6:]} {'fptt' if forward else 'bptt'} (VEC={vec}): "
-                f"{raw.num_regs} registers, {raw.local_size_bytes} bytes local memory per thread")  # fmt: skip
+            log(f"LIF{' affine' if affine else ''} {str(dtype)[6:]} "
+                f"{'fptt' if forward else 'bptt'} (VEC={vec}): {raw.num_regs} registers, "
+                f"{raw.local_size_bytes} bytes local memory per thread")  # fmt: skip
+
+
+# (T, y shape [T, B, C, *S], channels-last memory): NCHW with odd sizes and a partial chunk,
+# channels innermost (a channels-last conv output), Linear-shaped at T=1, and a larger map.
+AFFINE_SHAPES = [
+    (CHUNK + 5, (3, 5, 3, 3), False),
+    (4, (2, 7, 6, 6), True),
+    (1, (5, 33), False),
+    (10, (4, 16, 8, 8), True),
+]
+
+
+def run_bn_neuron(make, backend, y, gamma, beta, upstream, batch_stats):
+    """Spikes and gradients of BNNeuronFunction (BatchNorm folded into the neuron)."""
+    node = make(step_mode="m", backend=backend).cuda()
+    neuron_call = NeuronCall.from_node(node, y)
+    assert neuron_call.backend == backend
+    c = y.shape[2]
+    spec = BNSpec(gamma, beta, torch.zeros(c, device="cuda"), torch.ones(c, device="cuda") * 1.5,
+                  batch_stats, None, 1e-5)  # fmt: skip
+    y = y.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    gamma = spec.weight = gamma.detach().clone().requires_grad_()
+    beta = spec.bias = beta.detach().clone().requires_grad_()
+    learnable = node.learnable_values(y.device)
+    stats = bn_statistics(y, spec)
+    s = BNNeuronFunction.apply(y, gamma, beta, learnable, stats, spec, neuron_call, True)
+    (s.float() * upstream).sum().backward()
+    res = {"spikes": s.detach(), "grad_y": y.grad, "grad_gamma": gamma.grad, "grad_beta": beta.grad}
+    if isinstance(node, neuron.ParametricLIFNode):
+        res["grad_w_param"] = node.w.grad.reshape(1)
+    return res
+
+
+def check_affine_kernels(log, nodes) -> bool:
+    """The channel-affine (BatchNorm-folded) kernels against BatchNorm + the reference neuron.
+
+    Both sides use the same statistics and float32 BN output x, so spikes must be identical in
+    every dtype; gradients are compared by normalised error with the variant tolerances.
+    """
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    failures, worst = [], {}
+    one_state = {k: v for k, v in nodes.items() if k != "Izhikevich"}
+    for (name, make), dtype, hard in itertools.product(
+        one_state.items(), (torch.float32, torch.float16, torch.bfloat16), (True, False)
+    ):
+        mk = lambda make=make, hard=hard, **k: make(  # noqa: E731
+            surrogate_function=surrogate.Rect(), v_reset=0.0 if hard else None, **k
+        )
+        for (T, shape, channels_last), batch_stats in itertools.product(
+            AFFINE_SHAPES, (True, False)
+        ):
+            y = torch.randn((T, *shape), generator=gen, device="cuda") * 0.8 + 0.3
+            if channels_last:
+                y = (
+                    y.flatten(0, 1)
+                    .contiguous(memory_format=torch.channels_last)
+                    .unflatten(0, (T, shape[0]))
+                )
+            y = y.to(dtype)
+            c = shape[1]
+            gamma = torch.rand(c, generator=gen, device="cuda") + 0.5
+            beta = torch.rand(c, generator=gen, device="cuda") * 0.6 - 0.2
+            upstream = torch.randn((T, *shape), generator=gen, device="cuda").to(dtype).float()
+            got = run_bn_neuron(mk, "cuda", y, gamma, beta, upstream, batch_stats)
+            ref = run_bn_neuron(mk, "torch", y, gamma, beta, upstream, batch_stats)
+            label = (
+                f"{name} {str(dtype)[6:]} {'hard' if hard else 'soft'} T={T} {shape}"
+                + (" channels-last" if channels_last else "")
+                + (" batch-stats" if batch_stats else " running-stats")
+            )
+            if got["spikes"].stride() != y.stride():
+                failures.append(f"{label}: spikes strides {got['spikes'].stride()} != y's")
+            if not torch.equal(got["spikes"].float(), ref["spikes"].float()):
+                n = (got["spikes"].float() != ref["spikes"].float()).sum().item()
+                failures.append(f"{label}: {n} spikes differ")
+                continue
+            for key in ref:
+                if key == "spikes":
+                    continue
+                e = rel_err(got[key], ref[key])
+                worst[str(dtype)[6:]] = max(worst.get(str(dtype)[6:], 0.0), e)
+                if e > TOLERANCE[dtype][1]:
+                    failures.append(f"{label}: {key} rel err {e:.2e}")
+    for f in failures[:20]:
+        log(f"FAIL affine {f}")
+    log("channel-affine (BN-folded) kernels vs BN + reference neuron: spikes identical, worst "
+        "gradient error " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+        + f": {'PASS' if not failures else f'FAIL ({len(failures)})'}")  # fmt: skip
+    return not failures
 
 
 def check_fused_blocks(log) -> bool:
@@ -186,6 +280,9 @@ def _check_fused_blocks(log, T: int) -> bool:
         layer.BatchNorm1d(64, step_mode="m"), paper_lif(backend="cuda"),
         layer.Linear(64, 10, step_mode="m"),
     ).cuda()  # fmt: skip
+    # The fused convolutions run channels-last: the reference too (its weights), so that both
+    # get the same cuDNN algorithm; no TF32, whose rounding flips spikes by itself.
+    model = model.to(memory_format=torch.channels_last)
     fused = fuse(model)
     x = torch.randn(T, B, 3, 16, 16, device="cuda")
 
@@ -201,7 +298,10 @@ def _check_fused_blocks(log, T: int) -> bool:
         net.zero_grad(set_to_none=True)
         return {"out": out.detach(), "grad_x": xs.grad, **grads}
 
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
     want, got = step(model, False), step(fused, False)
+    torch.backends.cudnn.allow_tf32 = tf32
     worst = max(rel_err(got[k], w) for k, w in want.items())
     ok = worst < 1e-4
     log(f"fused blocks vs unfused, T={T}, fp32: worst normalised error {worst:.2e} over the output, "
@@ -241,6 +341,12 @@ def main() -> int:
         program = make(surrogate_function=sur(), v_reset=0.0 if hard else None,
                        detach_reset=detach).program  # fmt: skip
         kernels += [cuda_backend.kernel_for(program, dtype, vec) for vec in (1, VEC)]
+    for (name, make), dtype, hard in itertools.product(nodes.items(), dtypes, (True, False)):
+        if name != "Izhikevich":  # the channel-affine kernels of check_affine_kernels
+            program = make(
+                surrogate_function=surrogate.Rect(), v_reset=0.0 if hard else None
+            ).program
+            kernels += [cuda_backend.kernel_for(program, dtype, v, affine=True) for v in (1, VEC)]
     cuda_backend.precompile(kernels, threads=16)
     log(f"compiled {len(kernels)} kernel modules in {time.perf_counter() - t0:.1f} s")
 
@@ -269,7 +375,8 @@ def main() -> int:
             f"gradients {w['grad']:.2e}, spike mismatch fraction {w['spike_mismatch']:.2e}"
         )
     report_registers(log)
-    extra_ok = check_device_placement(log) & check_determinism(log) & check_fused_blocks(log)
+    extra_ok = (check_device_placement(log) & check_determinism(log)
+                & check_affine_kernels(log, nodes) & check_fused_blocks(log))  # fmt: skip
     log(f"GPU check on {torch.cuda.get_device_name(0)}: {passed} variants passed, {failed} failed "
         f"({len(SHAPES)} shapes each), extra checks {'PASS' if extra_ok else 'FAIL'}, "
         f"{time.perf_counter() - t0:.0f} s")  # fmt: skip

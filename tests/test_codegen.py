@@ -31,12 +31,16 @@ NODES = (
 
 
 def all_variants() -> list[NeuronKernel]:
+    """Every neuron, surrogate, dtype and reset at both vector widths; and the channel-affine
+    (BatchNorm-folded) kernels of every one-state neuron, dtype and reset."""
     kernels = []
     for make, sur, dtype, hard, detach in itertools.product(
         NODES, surrogate.ALL, DTYPES, (True, False), (True, False)
     ):
         node = make(surrogate_function=sur(), v_reset=0.0 if hard else None, detach_reset=detach)
         kernels += [DefinitionKernel(node.program, dtype, vec) for vec in (1, VEC)]
+        if sur is surrogate.Rect and not node.definition.adaptive:
+            kernels += [DefinitionKernel(node.program, dtype, vec, affine=True) for vec in (1, VEC)]
     return kernels
 
 
@@ -54,8 +58,9 @@ def translation_unit(kernels: list[NeuronKernel]) -> str:
 @needs_nvcc
 def test_every_variant_compiles_with_nvcc(tmp_path):
     kernels = all_variants()
-    # 8 neurons x 8 surrogates x 3 dtypes x 2 resets x 2 detach, scalar and vector width
-    assert len(kernels) == 8 * 8 * 3 * 2 * 2 * 2
+    # 8 neurons x 8 surrogates x 3 dtypes x 2 resets x 2 detach, scalar and vector width;
+    # affine: 7 one-state neurons x 3 dtypes x 2 resets x 2 detach x 2 widths
+    assert len(kernels) == 8 * 8 * 3 * 2 * 2 * 2 + 7 * 3 * 2 * 2 * 2
     source = tmp_path / "variants.cu"
     source.write_text(translation_unit(kernels))
 
@@ -97,11 +102,17 @@ def test_argument_struct_matches_the_packed_bytes():
     fields = [line.split("//")[0].strip().rstrip(";") for line in struct_src.strip().splitlines()]
     pointers = [f for f in fields if "*" in f]
     floats = [n.strip() for f in fields if f.startswith("float ") for n in f[6:].split(",")]
-    assert len(pointers) == 18 and fields[len(pointers)] == "long long T, N"
+    assert len(pointers) == 25 and fields[len(pointers)] == "long long T, N, channels, inner"
     assert floats == ["v_init", "w_init", *kernel.constant_names]
-    packed = kernel.pack_args({"x_seq": 7, "grad_w0": 9}, 3, 5, 0.5, 0.25, [1.0] * 9)
-    assert len(packed) == 18 * 8 + 16 + 4 * 12  # 12 floats: an even count, no padding
+    packed = kernel.pack_args({"x_seq": 7, "grad_w0": 9}, 3, 5, 0.5, 0.25, [1.0] * 9, (6, 8))
+    assert len(packed) == 25 * 8 + 32 + 4 * 12  # 12 floats: an even count, no padding
     assert int.from_bytes(packed[:8], "little") == 7 and packed[8:16] == bytes(8)
+    assert [int.from_bytes(packed[200 + 8 * i : 208 + 8 * i], "little") for i in range(4)] == [
+        3,
+        5,
+        6,
+        8,
+    ]
 
 
 def test_reserved_parameter_names_are_refused():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import csv
+import gc
+import weakref
 
 import pytest
 import torch
@@ -19,12 +21,11 @@ from spikefuse.fused import (
     FusedConvBNNeuron,
     FusedLinearBNNeuron,
     SpikePool,
+    WindowAvgPool,
     bn_neuron,
     fuse,
-    pack_bits,
-    packing,
     paper_lif,
-    unpack_bits,
+    recompute,
 )
 
 T, B = 3, 4
@@ -273,25 +274,44 @@ def test_bad_input_raises():
     assert issubclass(SpikefuseError, ValueError)
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 1001])
-def test_pack_bits_roundtrip(n):
-    s = (torch.rand(n) > 0.5).float()
-    bits = pack_bits(s)
-    assert bits.dtype == torch.uint8 and bits.numel() == -(-n // 8)
-    assert torch.equal(unpack_bits(bits, s.shape, torch.float32), s)
-
-
-def test_binary_tag_is_dropped_by_inplace_edit():
+def test_recipe_is_dropped_by_inplace_edit_and_follows_views():
     s = FusedLinearBNNeuron(3, 4, node=lif())(torch.randn(T, B, 3))
-    assert packing.is_marked_binary(s)
-    assert not packing.is_marked_binary(s * 1)
-    s = packing.mark_binary(s.detach().clone())
+    recipe = recompute.recipe_of(s)
+    assert recipe is not None and torch.equal(recipe(), s)
+    flat = s.flatten(0, 1)  # a same-memory view uses its base's recipe
+    assert torch.equal(recompute.recipe_of(flat)(), flat)
+    assert recompute.recipe_of(s * 1) is None
+    assert recompute.recipe_of(s[:, :2]) is None  # a view of part of the memory
     s.mul_(0.5)
-    assert not packing.is_marked_binary(s)
+    assert recompute.recipe_of(s) is None
+    with torch.no_grad():  # nothing will be saved: no recipe, no reference to y
+        assert (
+            recompute.recipe_of(FusedLinearBNNeuron(3, 4, node=lif())(torch.randn(T, B, 3))) is None
+        )
+
+
+def test_recomputed_input_restores_a_strided_view():
+    """A saved channels-last view of tagged memory comes back with the same strides."""
+    x = torch.rand(2, 3, 4, 5).gt(0.5).float().contiguous(memory_format=torch.channels_last)
+    calls = []
+
+    def recipe() -> torch.Tensor:
+        calls.append(1)
+        return x.clone(memory_format=torch.preserve_format)
+
+    recompute.mark_recomputable(x, recipe)
+    w = torch.randn(6, 3, 3, 3, requires_grad=True)
+    with recompute.saving_recomputed(x):
+        out = F.conv2d(x, w, padding=1)
+    upstream = torch.randn_like(out)
+    out.backward(upstream)
+    assert calls == [1]  # the input was recomputed, not kept
+    (want,) = torch.autograd.grad(F.conv2d(x, w, padding=1), w, upstream)
+    torch.testing.assert_close(w.grad, want)
 
 
 # ---- what stays alive for backward ----------------------------------------------------------
-def saved_bytes(model: nn.Module, x: torch.Tensor, monkeypatch) -> int:
+def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes of distinct tensors autograd keeps for backward, beyond parameters/buffers/input."""
     resident = [*model.parameters(), *model.buffers()]
     skip = {t.untyped_storage().data_ptr() for t in resident}
@@ -304,12 +324,6 @@ def saved_bytes(model: nn.Module, x: torch.Tensor, monkeypatch) -> int:
             storages[ptr] = t.untyped_storage().nbytes()
         return t
 
-    real_pack = packing.pack_bits
-
-    def counting_pack(t: torch.Tensor) -> torch.Tensor:
-        return count(real_pack(t))
-
-    monkeypatch.setattr(packing, "pack_bits", counting_pack)
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         out = model(x)
     functional.reset_net(model)
@@ -317,8 +331,8 @@ def saved_bytes(model: nn.Module, x: torch.Tensor, monkeypatch) -> int:
     return sum(storages.values())
 
 
-def test_saved_memory_per_block(monkeypatch):
-    """Fused: the conv outputs y (fp32) + 4 per-channel vectors each + the spikes at 1 bit.
+def test_saved_memory_per_block():
+    """Fused: the conv outputs y (fp32) + 4 per-channel vectors each; spikes are recomputed.
 
     Unfused: conv1 saves nothing new (its input is the model input), BN1 saves y1, the neuron
     saves H1 (its initial state is the constant V_reset: nothing); conv2 saves the fp32 spikes
@@ -334,19 +348,50 @@ def test_saved_memory_per_block(monkeypatch):
     x = torch.randn(t, b, 3, h, w)
     n = t * b * c * h * w  # elements of one conv output
     vectors = 4 * c * 4  # scale, shift, mean, invstd
-    fused_bytes = saved_bytes(fuse(model), x, monkeypatch)
-    assert fused_bytes == 2 * (4 * n + vectors) + n // 8
-    unfused_bytes = saved_bytes(model, x, monkeypatch)
+    fused_bytes = saved_bytes(fuse(model), x)
+    assert fused_bytes == 2 * (4 * n + vectors)
+    unfused_bytes = saved_bytes(model, x)
     stats = 2 * 4 * c  # BN's saved mean and invstd
     assert unfused_bytes == 2 * (4 * n + stats + 4 * n) + 4 * n
-    assert fused_bytes / unfused_bytes < 0.45
+    assert fused_bytes / unfused_bytes < 0.42
 
 
-def test_saved_memory_with_pooling(monkeypatch):
-    """Pooling of fused spikes saves the same bits that the next synapse reuses for its input.
+def test_no_spike_map_outlives_the_forward():
+    """Nothing (saved tensors, recipes, tags, hooks) keeps a fused block's spikes or pooled maps
+    alive after the next fused layer consumed them: only synapse outputs stay for backward.
+    (The last block's spikes feed a plain nn.Linear, which saves them as they are.)"""
+    model = fuse(conv_stack(torch.float32))
+    maps = []
+    for m in model:
+        if isinstance(m, (FusedBlock, SpikePool)):
+            m.register_forward_hook(lambda mod, args, out: maps.append(weakref.ref(out)))
+    out = model(torch.randn(T, B, 3, 8, 8))
+    gc.collect()
+    assert len(maps) == 5 and all(r() is None for r in maps[:-1]) and maps[-1]() is not None
+    out.sum().backward()  # and backward recomputes them
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize(("size", "window"), [((8, 8), (2, 2)), ((7, 9), (2, 3)), ((5, 6), (3, 2))])
+def test_window_avg_pool_matches_avg_pool2d(layout, size, window):
+    x = torch.randn(3, 4, *size, dtype=torch.float64).contiguous(memory_format=layout)
+    x.requires_grad_()
+    out = WindowAvgPool.apply(x, *window)
+    want = F.avg_pool2d(x, window)
+    torch.testing.assert_close(out, want, **FP64_TOL)
+    upstream = torch.randn_like(want)
+    (grad,) = torch.autograd.grad(out, x, upstream)
+    (grad_want,) = torch.autograd.grad(want, x, upstream)
+    torch.testing.assert_close(grad, grad_want, **FP64_TOL)
+    assert grad.stride() == x.stride() and out.is_contiguous(memory_format=layout)
+
+
+def test_saved_memory_with_pooling():
+    """Pooled fused spikes are recomputed (spikes, then the pooling) wherever they are saved.
 
     Conv-BN-LIF, AvgPool, Conv-BN-LIF, AvgPool, Flatten, Linear-BN-LIF: the saved state is the
-    three synapse outputs, their per-channel vectors and the bits of the two pooled spike maps.
+    three synapse outputs and their per-channel vectors. (The flatten of the last pooled map
+    is a view here; on CUDA channels-last maps it is a copy, saved by the Linear as it is.)
     """
     t, b, c, f = 2, 4, 8, 6
     model = nn.Sequential(
@@ -365,16 +410,16 @@ def test_saved_memory_with_pooling(monkeypatch):
     vectors = 4 * 4 * (c + c + f)
     fused = fuse(model)
     assert sum(isinstance(m, SpikePool) for m in fused.modules()) == 2
-    assert saved_bytes(fused, x, monkeypatch) == 4 * (n1 + n2 + n3) + vectors + (n1 + n2) // 8
+    assert saved_bytes(fused, x) == 4 * (n1 + n2 + n3) + vectors
 
 
-def test_bf16_autocast_keeps_bf16_output_and_halves_saved_y(monkeypatch):
+def test_bf16_autocast_keeps_bf16_output_and_halves_saved_y():
     torch.manual_seed(0)
     block = FusedConvBNNeuron(3, 8, 3, padding=1, node=lif())
     x = torch.randn(T, B, 3, 8, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         s = block(x)
-        saved = saved_bytes(block, x, monkeypatch)
+        saved = saved_bytes(block, x)
     assert s.dtype == torch.bfloat16
     assert set(s.unique().tolist()) <= {0.0, 1.0}
     y_bf16, vectors = 2 * T * B * 8 * 8 * 8, 4 * 8 * 4

@@ -21,6 +21,7 @@ from ..program import NeuronProgram
 from ..reference import BPTTOut, FPTTOut
 from . import unavailable_reason
 from .codegen import (
+    AFFINE_BPTT_VEC,
     BLOCK_THREADS,
     BPTT_VEC,
     CHUNK,
@@ -66,9 +67,11 @@ def _cupy():
 
 
 @functools.cache
-def kernel_for(program: NeuronProgram, dtype: torch.dtype, vec: int) -> NeuronKernel:
+def kernel_for(
+    program: NeuronProgram, dtype: torch.dtype, vec: int, affine: bool = False
+) -> NeuronKernel:
     """The generated kernel template of a program (cached; print ``.full_codes`` to read it)."""
-    return DefinitionKernel(program, dtype, vec)
+    return DefinitionKernel(program, dtype, vec, affine)
 
 
 @functools.cache
@@ -120,9 +123,9 @@ def _current_stream(index: int) -> int:
 
 def _launch(kernel: NeuronKernel, forward: bool, device: torch.device, blocks: int,
             pointers: dict[str, int], T: int, N: int, init: list[float],
-            constants: list[float]) -> None:  # fmt: skip
+            constants: list[float], channels: tuple[int, int] = (1, 1)) -> None:  # fmt: skip
     """Launch one direction's kernel with its ``Args`` struct on the current stream."""
-    args = kernel.pack_args(pointers, T, N, init[0], init[1], constants)
+    args = kernel.pack_args(pointers, T, N, init[0], init[1], constants, channels)
     current = torch.cuda.current_device()
     index = device.index if device.index is not None else current
     key = (kernel, forward, index)
@@ -267,3 +270,130 @@ def bptt(
         }
         _launch(kernel, False, x.device, blocks, pointers, T, N, init, constants)
     return BPTTOut(grad_x, grad_v0, grad_w0, None if partial is None else partial.sum(dim=1))
+
+
+# ---- BatchNorm folded in: channel-affine kernels --------------------------------------------
+def channel_layout(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """y [T, B, C, *S] as dense memory with T outermost, and (channels, inner) such that the
+    channel of element n of a step is (n // inner) % channels.
+
+    Contiguous y has inner = prod(S); y with channels innermost (the [T, B, C, H, W] view of a
+    channels-last convolution output) has inner = 1 and is used as it is; anything else is
+    made contiguous.
+    """
+    channels, spatial = y.shape[2], math.prod(y.shape[3:])
+    if y.is_contiguous():
+        return y, (channels, spatial)
+    if y.permute(0, 1, *range(3, y.dim()), 2).is_contiguous():
+        return y, (channels, 1)
+    return y.contiguous(), (channels, spatial)
+
+
+def _laid_out_like(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """t (same shape as y) with y's strides and dtype, copied only if they differ."""
+    if t.stride() == y.stride() and t.dtype == y.dtype:
+        return t
+    return torch.empty_like(y).copy_(t)
+
+
+def _per_channel_sum(per_neuron: torch.Tensor, channels: tuple[int, int]) -> torch.Tensor:
+    c, inner = channels
+    return per_neuron.view(-1, c, inner).sum(dim=(0, 2))
+
+
+def affine_fptt(
+    program: NeuronProgram,
+    y: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    learnable: torch.Tensor | None,
+    constants: list[float],
+    v_init: float,
+    save_for_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """spikes = neuron(y * scale[c] + shift[c]) for y [T, B, C, *] in one launch.
+
+    The neuron starts from the constant ``v_init``. Returns the spikes (y's dtype and
+    layout) and, with ``save_for_backward``, the chunk checkpoints (see :func:`saved_like`).
+    """
+    _check(y)
+    y, channels = channel_layout(y)
+    T, N = y.shape[0], y.numel() // y.shape[0]
+    spikes = torch.empty_like(y)
+    v_ckpt, _ = saved_like(program, y, save_for_backward)
+    if N:
+        vec = _vec(N, y)
+        pointers = {
+            "x_seq": y.data_ptr(),
+            "spike_seq": spikes.data_ptr(),
+            "v_ckpt": _ptr(v_ckpt),
+            "learnable": _ptr(learnable),
+            "in_scale": scale.data_ptr(),
+            "in_shift": shift.data_ptr(),
+        }
+        kernel = kernel_for(program, y.dtype, vec, affine=True)
+        _launch(kernel, True, y.device, _blocks(N, vec), pointers, T, N, [v_init, 0.0],
+                constants, channels)  # fmt: skip
+    return spikes, v_ckpt
+
+
+def affine_bptt(
+    program: NeuronProgram,
+    y: torch.Tensor,
+    grad_spikes: torch.Tensor,
+    saved_v: torch.Tensor | None,
+    learnable: torch.Tensor | None,
+    constants: list[float],
+    v_init: float,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    mean: torch.Tensor | None = None,
+    coef: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    grad_y: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """BPTT of :func:`affine_fptt` in one launch, recomputing the neuron from y chunk by chunk.
+
+    With g = dL/dX (X = y * scale + shift), returns ``(dL/dy, sum_g, sum_g_yc, grad_learnable)``:
+
+    * ``grad_y=True``: dL/dy = scale[c] g + coef_y[c] y + coef_0[c] (``coef`` None: 0), in y's
+      dtype and layout; the other three are None.
+    * ``grad_y=False``: the per-channel sums [C] (float32) sum_g = Σ g and
+      sum_g_yc = Σ g (y - mean[c]) over (T, B, *S), and dL/d(learnable) [P] (or None).
+    """
+    _check(y)
+    y, channels = channel_layout(y)
+    T, N = y.shape[0], y.numel() // y.shape[0]
+    if T > CHUNK and (saved_v is None or saved_v.shape[0] != (T + CHUNK - 1) // CHUNK - 1):
+        raise RuntimeError("spikefuse cuda bptt: the forward's chunk checkpoints are missing")
+    grad_spikes = _laid_out_like(grad_spikes, y)
+    out = torch.empty_like(y) if grad_y else None
+    sums = None if grad_y else y.new_empty((2, N), dtype=torch.float32)
+    vec = _vec(N, y, grad_spikes, vec=AFFINE_BPTT_VEC)
+    blocks = _blocks(N, vec)
+    partial = None
+    if program.learnable and not grad_y:
+        partial = y.new_zeros((len(program.learnable), blocks), dtype=torch.float32)
+    if N:
+        pointers = {
+            "x_seq": y.data_ptr(),
+            "v_ckpt": _ptr(saved_v),
+            "learnable": _ptr(learnable),
+            "grad_spike_seq": grad_spikes.data_ptr(),
+            "grad_x_seq": _ptr(out),
+            "grad_learnable_partial": _ptr(partial),
+            "in_scale": scale.data_ptr(),
+            "in_shift": shift.data_ptr(),
+            "in_mean": _ptr(mean),
+            "grad_sum": 0 if sums is None else sums[0].data_ptr(),
+            "grad_dot": 0 if sums is None else sums[1].data_ptr(),
+            "grad_coef_y": 0 if coef is None else coef[0].data_ptr(),
+            "grad_coef_0": 0 if coef is None else coef[1].data_ptr(),
+        }
+        kernel = kernel_for(program, y.dtype, vec, affine=True)
+        _launch(kernel, False, y.device, blocks, pointers, T, N, [v_init, 0.0], constants,
+                channels)  # fmt: skip
+    if grad_y:
+        return out, None, None, None
+    sum_g, sum_g_yc = (_per_channel_sum(s, channels) for s in sums)
+    return None, sum_g, sum_g_yc, None if partial is None else partial.sum(dim=1)

@@ -37,6 +37,9 @@ VEC = 4  # neurons per thread when N and the pointers allow (16-byte fp32 / 8-by
 # Backward with 16-bit storage is bound by instruction issue, not memory: one neuron per thread
 # and more resident blocks ran it fastest on an H200 (bf16, T=32: 157 us vs 200 us with VEC).
 BPTT_VEC = {torch.float32: VEC, torch.float16: 1, torch.bfloat16: 1}
+# The channel-affine backward holds 7 more values per neuron (its channel's vectors and sums):
+# with VEC = 4 it spills registers, with one neuron per thread it fits in 64.
+AFFINE_BPTT_VEC = 1
 NVRTC_OPTIONS = ("--std=c++17", "--fmad=false")  # no FMA contraction: H matches torch's bitwise
 
 _STORAGE = {
@@ -57,8 +60,8 @@ ARG_POINTERS = (
     ("const float*", "w0", "W[-1] [N], or null: every neuron starts at w_init"),
     ("scalar_t*", "spike_seq", "S [T, N]"),
     ("scalar_t*", "v_seq", "V [T, N], or null"),
-    ("float*", "v_last", "V[T-1] [N]"),
-    ("float*", "w_last", "W[T-1] [N]"),
+    ("float*", "v_last", "V[T-1] [N], or null"),
+    ("float*", "w_last", "W[T-1] [N], or null"),
     ("float*", "v_ckpt", "V at the end of each chunk but the last [ceil(T/CHUNK)-1, N], or null"),
     ("float*", "w_ckpt", "W likewise"),
     ("const float*", "learnable", "learnable parameter values [P]"),
@@ -69,7 +72,16 @@ ARG_POINTERS = (
     ("scalar_t*", "grad_x_seq", "dL/dX [T, N]"),
     ("float*", "grad_v0", "dL/dV[-1] [N], or null"),
     ("float*", "grad_w0", "dL/dW[-1] [N], or null"),
-    ("float*", "grad_learnable_partial", "per-block sums of dL/dp [P, blocks]"),
+    ("float*", "grad_learnable_partial", "per-block sums of dL/dp [P, blocks], or null"),
+    # Channel-affine kernels only (BatchNorm folded in): x_seq holds Y and the neuron's input is
+    # X = Y * in_scale[c] + in_shift[c], with c = (n / inner) % channels.
+    ("const float*", "in_scale", "[C]"),
+    ("const float*", "in_shift", "[C]"),
+    ("const float*", "in_mean", "[C] centre of Y in grad_dot, or null (0)"),
+    ("float*", "grad_sum", "sum over t of dL/dX [N], or null"),
+    ("float*", "grad_dot", "sum over t of dL/dX (Y - in_mean[c]) [N], or null"),
+    ("const float*", "grad_coef_y", "[C], or null (0): grad_x_seq gets dL/dY ="),
+    ("const float*", "grad_coef_0", "[C], or null (0):   in_scale dL/dX + coef_y Y + coef_0"),
 )
 POINTER_NAMES = tuple(name for _, name, _ in ARG_POINTERS)
 
@@ -96,6 +108,10 @@ class NeuronKernel:
         dtype: storage dtype (float32, float16 or bfloat16).
         vec: neurons per thread (vector width of loads and stores).
         adaptive: two-state neuron (W); then the adaptation snippets must be given too.
+        affine: fold a per-channel affine map into the kernels (BatchNorm; one-state neurons):
+            forward reads Y and feeds X = Y * scale[c] + shift[c] to the neuron; backward
+            recomputes X the same way and writes dL/dY (an affine map of dL/dX per channel)
+            and/or the per-neuron sums over t that BatchNorm's backward reduces per channel.
     """
 
     def __init__(
@@ -109,23 +125,27 @@ class NeuronKernel:
         dtype: torch.dtype,
         vec: int = 1,
         adaptive: bool = False,
+        affine: bool = False,
     ) -> None:
         if dtype not in _STORAGE:
             raise ValueError(f"unsupported storage dtype {dtype}")
+        if affine and adaptive:
+            raise ValueError(f"{name}: channel-affine kernels are for one-state neurons")
         self.name, self.params, self.learnable = name, params, learnable
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
-        self.dtype, self.vec, self.adaptive = dtype, vec, adaptive
+        self.dtype, self.vec, self.adaptive, self.affine = dtype, vec, adaptive, affine
         tag = f"{'hard' if hard_reset else 'soft'}{'_detach' if detach_reset else ''}"
+        tag += "_affine" if affine else ""
         self.kernel_prefix = f"{name}_{tag}_{_STORAGE[dtype][0].strip('_')}_v{vec}"
         self.constant_names = tuple(
             n for n in ("v_threshold", "v_reset", *params) if n not in learnable
         )
-        clash = set(params) & {*POINTER_NAMES, "T", "N", "v_init", "w_init"}
+        clash = set(params) & {*POINTER_NAMES, "T", "N", "channels", "inner", "v_init", "w_init"}
         if clash:
             raise ValueError(f"{name}: parameter names {sorted(clash)} are reserved by the kernels")
-        # Args as bytes: pointers, T and N (8 bytes each), then floats; padded to 8 bytes.
+        # Args as bytes: pointers, T, N, channels, inner (8 bytes each), then floats; padded to 8.
         n_floats = 2 + len(self.constant_names)
-        self.arg_layout = struct.Struct(f"<{len(ARG_POINTERS)}Q2q{n_floats}f{4 * (n_floats % 2)}x")
+        self.arg_layout = struct.Struct(f"<{len(ARG_POINTERS)}Q4q{n_floats}f{4 * (n_floats % 2)}x")
 
     # ---- neuron snippets (CUDA float expressions) -------------------------------------------
     def charge(self) -> str:
@@ -172,14 +192,16 @@ class NeuronKernel:
         return f"{self.kernel_prefix}_bptt"
 
     def pack_args(self, pointers: dict[str, int], T: int, N: int, v_init: float,
-                  w_init: float, constants: list[float]) -> bytes:  # fmt: skip
-        """The ``Args`` struct as bytes; absent pointers are null."""
+                  w_init: float, constants: list[float],
+                  channels: tuple[int, int] = (1, 1)) -> bytes:  # fmt: skip
+        """The ``Args`` struct as bytes; absent pointers are null. ``channels`` is
+        (channels, inner) of the channel-affine kernels: c = (n / inner) % channels."""
         ptrs = [pointers.get(name, 0) for name in POINTER_NAMES]
-        return self.arg_layout.pack(*ptrs, T, N, v_init, w_init, *constants)
+        return self.arg_layout.pack(*ptrs, T, N, *channels, v_init, w_init, *constants)
 
     def _args_struct(self) -> str:
         lines = [f"    {ctype} {name};  // {doc}" for ctype, name, doc in ARG_POINTERS]
-        lines.append("    long long T, N;")
+        lines.append("    long long T, N, channels, inner;")
         lines.append("    float v_init, w_init;  // initial V and W where v0 / w0 are null")
         lines += [f"    float {n};" for n in self.constant_names]
         return "struct Args {\n" + "\n".join(lines) + "\n};"
@@ -274,17 +296,46 @@ __device__ __forceinline__ float step(float& v, float& w, const float x, const P
         w = "w[k] = a.w0 ? a.w0[n + k] : a.w_init;" if self.adaptive else "w[k] = 0.0f;"
         return f"for (int k = 0; k < VEC; ++k) {{ v[k] = a.v0 ? a.v0[n + k] : a.v_init; {w} }}"
 
+    def _channel_loads(self, backward: bool) -> str:
+        """Per-thread channel vectors of the affine kernels (loaded once, used for all T)."""
+        if not self.affine:
+            return ""
+        names = ["in_a[VEC]", "in_b[VEC]"]
+        loads = ["in_a[k] = a.in_scale[c];", "in_b[k] = a.in_shift[c];"]
+        if backward:
+            names += ["in_m[VEC]", "coef_y[VEC]", "coef_0[VEC]", "sum_g[VEC]", "sum_gy[VEC]"]
+            loads += [
+                "in_m[k] = a.in_mean ? a.in_mean[c] : 0.0f;",
+                "coef_y[k] = a.grad_coef_y ? a.grad_coef_y[c] : 0.0f;",
+                "coef_0[k] = a.grad_coef_0 ? a.grad_coef_0[c] : 0.0f;",
+                "sum_g[k] = sum_gy[k] = 0.0f;",
+            ]
+        body = "\n".join(f"        {line}" for line in loads)
+        return f"""
+    // This thread's neurons' channels: X = Y * in_a + in_b (BatchNorm folded into the input).
+    float {", ".join(names)};
+    for (int k = 0; k < VEC && n < N; ++k) {{
+        const long long c = (n + k) / a.inner % a.channels;
+{body}
+    }}"""
+
+    def _input(self, loaded: str) -> str:
+        """The neuron's input X (float) from a loaded storage value."""
+        if self.affine:
+            return f"__fmaf_rn(to_float({loaded}), in_a[k], in_b[k])"
+        return f"to_float({loaded})"
+
     def fptt_source(self) -> str:
         """The forward kernel: S[t], V[t] (store_v_seq), chunk-end checkpoints, last V (and W)."""
         w_ckpt = "if (a.w_ckpt) a.w_ckpt[c + k] = w[k];" if self.adaptive else ""
-        w_last = "a.w_last[n + k] = w[k];" if self.adaptive else ""
+        w_last = "if (a.w_last) a.w_last[n + k] = w[k];" if self.adaptive else ""
         body = f"""
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.fptt_name}(const Args a)
 {{
     const int T = (int)a.T;
     const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     if (n >= N) return;
-    const Params p = load_params(a);
+    const Params p = load_params(a);{self._channel_loads(backward=False)}
     float v[VEC], w[VEC];
     {self._initial_state()}
     for (int t0 = 0; t0 < T; t0 += CHUNK) {{
@@ -299,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.fp
             pack_t sp, vp;
             #pragma unroll
             for (int k = 0; k < VEC; ++k) {{
-                const float h = step(v[k], w[k], to_float(xp[j].e[k]), p);
+                const float h = step(v[k], w[k], {self._input("xp[j].e[k]")}, p);
                 sp.e[k] = from_float(h >= p.v_threshold ? 1.0f : 0.0f);
                 vp.e[k] = from_float(v[k]);
             }}
@@ -311,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.fp
             for (int k = 0; k < VEC; ++k) {{ a.v_ckpt[c + k] = v[k]; {w_ckpt} }}
         }}
     }}
-    for (int k = 0; k < VEC; ++k) {{ a.v_last[n + k] = v[k]; {w_last} }}
+    for (int k = 0; k < VEC; ++k) {{ if (a.v_last) a.v_last[n + k] = v[k]; {w_last} }}
 }}
 """
         return self.header() + body
@@ -345,6 +396,19 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.fp
             "grad_w_carry[k] = a.grad_w_last ? a.grad_w_last[n + k] : 0.0f;" if adaptive else ""
         )
         w0_grad = "if (a.grad_w0) a.grad_w0[n + k] = grad_w_carry[k];" if adaptive else ""
+        load_x = ", x = to_float(xp[j].e[k])"
+        store_grad = (
+            "                gxp.e[k] = from_float(grad_h * dh_dx(v_prev, x, w_prev, h, p));"
+        )
+        sums = ""
+        if self.affine:
+            load_x = ";\n                const float y = to_float(xp[j].e[k]), x = __fmaf_rn(y, in_a[k], in_b[k])"
+            store_grad = """\
+                const float grad_x = grad_h * dh_dx(v_prev, x, w_prev, h, p);
+                sum_g[k] += grad_x;
+                sum_gy[k] += grad_x * (y - in_m[k]);
+                gxp.e[k] = from_float(in_a[k] * grad_x + coef_y[k] * y + coef_0[k]);  // dL/dY"""
+            sums = "\n            if (a.grad_sum) { a.grad_sum[n + k] = sum_g[k]; a.grad_dot[n + k] = sum_gy[k]; }"
         reduce = ""
         if n_learn:
             reduce = f"""
@@ -357,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.fp
         if (lane == 0) partial[i][warp] = s;
     }}
     __syncthreads();
-    if (threadIdx.x < {n_learn}) {{
+    if (a.grad_learnable_partial && threadIdx.x < {n_learn}) {{
         float s = 0.0f;
         for (int i = 0; i < blockDim.x / 32; ++i) s += partial[threadIdx.x][i];
         a.grad_learnable_partial[(long long)threadIdx.x * gridDim.x + blockIdx.x] = s;
@@ -367,7 +431,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.bp
 {{
     const int T = (int)a.T;
     const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    const Params p = load_params(a);
+    const Params p = load_params(a);{self._channel_loads(backward=True)}
     {f"float acc[{n_learn}] = {{0.0f}};" if n_learn else ""}
     // Carried from step t+1 to step t: the gradient reaching V[t] (and W[t]) from later steps.
     float grad_v_carry[VEC]{", grad_w_carry[VEC]" if adaptive else ""};
@@ -401,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.bp
             #pragma unroll
             for (int j = 0; j < CHUNK; ++j) {{
                 if (t0 + j >= T) break;
-                hc[j][k] = step(v, w, to_float(xp[j].e[k]), p);
+                hc[j][k] = step(v, w, {self._input("xp[j].e[k]")}, p);
                 wc[j][k] = w;
             }}
         }}
@@ -414,23 +478,23 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.bp
             if (a.grad_v_seq) gvp = load_pack(a.grad_v_seq, base + j * N);
             #pragma unroll
             for (int k = 0; k < VEC; ++k) {{
-                const float h = hc[j][k], x = to_float(xp[j].e[k]);
+                const float h = hc[j][k]{load_x};
                 const float v_prev = j ? reset(hc[j ? j - 1 : 0][k], p) : v_start[k];
                 const float w_prev = j ? wc[j ? j - 1 : 0][k] : w_start[k];
                 const float spike = h >= p.v_threshold ? 1.0f : 0.0f;
                 const float sg = surrogate_grad(h - p.v_threshold);
                 const float grad_v = grad_v_carry[k] + (a.grad_v_seq ? to_float(gvp.e[k]) : 0.0f);
                 float grad_h = to_float(gsp[j].e[k]) * sg + grad_v * ({dv_dh});{adaptive_grad}
-                gxp.e[k] = from_float(grad_h * dh_dx(v_prev, x, w_prev, h, p));
+{store_grad}
                 grad_v_carry[k] = grad_h * dh_dv(v_prev, x, w_prev, h, p);  // to V[t-1]{learn_acc}
             }}
-            store_pack(a.grad_x_seq, base + j * N, gxp);
+            {"if (a.grad_x_seq) " if self.affine else ""}store_pack(a.grad_x_seq, base + j * N, gxp);
         }}
     }}
     if (n < N) {{
         for (int k = 0; k < VEC; ++k) {{
             if (a.grad_v0) a.grad_v0[n + k] = grad_v_carry[k];
-            {w0_grad}
+            {w0_grad}{sums}
         }}
     }}{reduce}
 }}
@@ -447,7 +511,9 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.bp
 class DefinitionKernel(NeuronKernel):
     """Kernels whose snippets are printed from a program's sympy equations and partials."""
 
-    def __init__(self, program: NeuronProgram, dtype: torch.dtype, vec: int = 1) -> None:
+    def __init__(
+        self, program: NeuronProgram, dtype: torch.dtype, vec: int = 1, affine: bool = False
+    ) -> None:
         d = program.definition
         super().__init__(
             name=d.name,
@@ -459,6 +525,7 @@ class DefinitionKernel(NeuronKernel):
             dtype=dtype,
             vec=vec,
             adaptive=d.adaptive,
+            affine=affine,
         )
         self.definition = d
         self._names = {d.symbols[n]: f"p.{n}" for n in d.all_params}

@@ -7,12 +7,13 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.utils import _pair
 
 from .. import layer, surrogate
 from ..errors import SpikefuseError
 from ..neuron import BaseNode, LIFNode
-from .bn_neuron import BNNeuronFunction, BNSpec, NeuronCall
-from .packing import PackedSpikes, is_marked_binary, mark_binary, mark_derived, saving_packed
+from .bn_neuron import BNNeuronFunction, BNSpec, NeuronCall, bn_neuron_forward, bn_statistics
+from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
 
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
 POOLS = (nn.AvgPool2d, nn.MaxPool2d)
@@ -68,8 +69,12 @@ class FusedBlock(nn.Module):
 
     Memory: backward keeps the synapse output and per-channel vectors; BN output, membrane
     potentials and spikes are recomputed. A synapse input that is the spike output of another
-    fused block (directly, flattened, or through a :class:`SpikePool`) is saved at 1 bit per
-    spike.
+    fused block (directly, or through a :class:`SpikePool`) is not stored either: backward
+    recomputes it from that block's synapse output with one forward kernel launch.
+
+    On CUDA a Conv2d runs channels-last (cuDNN's native layout: no transposes around each
+    convolution); the output spikes keep that memory layout, which the next fused block,
+    :class:`SpikePool` and ``flatten`` all accept.
 
     Args:
         synapse: ``nn.Conv1d``/``nn.Conv2d``/``nn.Linear`` (or spikefuse ``layer`` versions).
@@ -141,8 +146,13 @@ class FusedBlock(nn.Module):
 
     def _synapse_forward(self, x: Tensor) -> Tensor:
         merged = x.flatten(0, 1)
+        recipe = recipe_of(merged)
+        if self._kind is nn.Conv2d and merged.is_cuda:
+            merged = merged.contiguous(memory_format=torch.channels_last)
+            if recipe is not None:  # recompute in the layout the convolution saw
+                recipe = _channels_last(recipe)
         # The torch base class's forward: spikefuse layers would otherwise re-split T and B.
-        with saving_packed(merged):
+        with saving_recomputed(merged, recipe):
             y = self._kind.forward(self.synapse, merged)
         return y.unflatten(0, x.shape[:2])
 
@@ -178,17 +188,79 @@ class FusedBlock(nn.Module):
         bias = bn.bias if bn is not None else None
         grads = (y, weight, bias, learnable)
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
-        spikes = BNNeuronFunction.apply(y, weight, bias, learnable, bn, neuron, save)
-        return mark_binary(spikes)
+        stats = None if bn is None else bn_statistics(y, bn)
+        spikes = BNNeuronFunction.apply(y, weight, bias, learnable, stats, bn, neuron, save)
+        if not save:
+            return spikes
+        y, learnable = y.detach(), None if learnable is None else learnable.detach()
+        return mark_recomputable(
+            spikes, lambda: bn_neuron_forward(y, stats, neuron, learnable, False)[0]
+        )
+
+
+def _channels_last(recipe: Recipe) -> Recipe:
+    return lambda: recipe().contiguous(memory_format=torch.channels_last)
+
+
+class WindowAvgPool(torch.autograd.Function):
+    """Average pooling over non-overlapping k_h × k_w windows of [N, C, H, W] (kernel = stride,
+    no padding; a remainder of rows/columns is dropped, as ``avg_pool2d`` does).
+
+    Forward is one mean reduction, backward one broadcast write, both in the input's memory
+    layout (NCHW or channels-last): on an H200 torch's ``avg_pool2d`` kernels ran 3-7× slower
+    than memory bandwidth on these maps, both directions, both layouts.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kh: int, kw: int) -> Tensor:
+        n, c, h, w = x.shape
+        ho, wo = h // kh, w // kw
+        layout = _memory_format(x)
+        out = torch.empty((n, c, ho, wo), dtype=x.dtype, device=x.device, memory_format=layout)
+        torch.mean(_windows(x, kh, kw), dim=(3, 5), out=out)
+        ctx.geometry = (x.shape, layout, kh, kw)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        shape, layout, kh, kw = ctx.geometry
+        grad_x = torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=layout)
+        if shape[2] % kh or shape[3] % kw:  # the dropped rows/columns get no gradient
+            grad_x.zero_()
+        windows = _windows(grad_x, kh, kw)
+        torch.mul(grad[:, :, :, None, :, None].expand(windows.shape), 1.0 / (kh * kw), out=windows)
+        return grad_x, None, None
+
+
+def _memory_format(x: Tensor) -> torch.memory_format:
+    cl = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if cl else torch.contiguous_format
+
+
+def _windows(x: Tensor, kh: int, kw: int) -> Tensor:
+    """[N, C, H, W] → the view [N, C, H/kh, kh, W/kw, kw] of its whole windows."""
+    ho, wo = x.shape[2] // kh, x.shape[3] // kw
+    return x[:, :, : ho * kh, : wo * kw].unflatten(3, (wo, kw)).unflatten(2, (ho, kh))
+
+
+def _window_size(pool: nn.Module) -> tuple[int, int] | None:
+    """(k_h, k_w) if ``pool`` averages non-overlapping windows exactly like :class:`WindowAvgPool`."""
+    if not isinstance(pool, nn.AvgPool2d):
+        return None
+    size, stride = _pair(pool.kernel_size), _pair(pool.stride or pool.kernel_size)
+    plain = _pair(pool.padding) == (0, 0) and not pool.ceil_mode and pool.divisor_override is None
+    return size if plain and size == stride else None
 
 
 class SpikePool(nn.Module):
-    """Average or max pooling of multi-step spikes ``[T, B, C, H, W]`` that saves 1 bit a spike.
+    """Average or max pooling of multi-step spikes ``[T, B, C, H, W]`` that stores no spikes.
 
-    On the spike output of a fused block, the pooling's saved input is bit-packed; the output
-    of max pooling is again binary, the output of average pooling is tagged so that the next
-    fused block saves it as a recomputation from the same bits. Any other input is pooled
-    plainly. ``pool``: an ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse ``layer`` version).
+    On the spike output of a fused block, what the pooling saves (max pooling: its input) is
+    recomputed in backward, and its output is tagged so that the next fused block recomputes
+    it too (the pooling applied to the recomputed spikes) instead of saving it. Any other
+    input is pooled plainly. ``pool``: an ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse
+    ``layer`` version); average pooling with kernel = stride and no padding runs as
+    :class:`WindowAvgPool`.
     """
 
     def __init__(self, pool: nn.Module) -> None:
@@ -202,8 +274,11 @@ class SpikePool(nn.Module):
             raise SpikefuseError("SpikePool: return_indices=True is not supported")
         self.pool = pool
         self._kind = kind
+        self._window = _window_size(pool)
 
     def _pool(self, merged: Tensor) -> Tensor:
+        if self._window is not None:
+            return WindowAvgPool.apply(merged, *self._window)
         return self._kind.forward(self.pool, merged)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -211,16 +286,12 @@ class SpikePool(nn.Module):
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise SpikefuseError(f"SpikePool: expected input [T, B, C, H, W], got {shape}")
         merged = x.flatten(0, 1)
-        if not is_marked_binary(merged):
+        recipe = recipe_of(merged)
+        if recipe is None:
             return self._pool(merged).unflatten(0, x.shape[:2])
-        if self._kind is nn.MaxPool2d:  # the maximum of spikes is a spike
-            with saving_packed(merged):
-                out = mark_binary(self._pool(merged))
-        else:  # the average is recomputed from the same bits wherever it is saved
-            packed = PackedSpikes(merged)
-            with saving_packed(merged, packed):
-                out = mark_derived(self._pool(merged), packed, self._pool)
-        return out.unflatten(0, x.shape[:2])
+        with saving_recomputed(merged, recipe):
+            out = self._pool(merged)
+        return mark_recomputable(out, lambda: self._pool(recipe())).unflatten(0, x.shape[:2])
 
 
 class FusedConvBNNeuron(FusedBlock):

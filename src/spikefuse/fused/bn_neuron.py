@@ -19,10 +19,11 @@ with two per-channel sums (all-reduced across processes when torch.distributed i
     dL/dy       = scale * g                                              (running statistics)
 
 with n the number of elements per channel over all processes. All element-wise work sits in
-three functions, the places where kernels plug in: :func:`bn_neuron_forward` (affine + neuron
-forward), :func:`bn_neuron_backward` (pass 1: affine + neuron recompute + BPTT + the two
-per-channel sums; the affine belongs in a kernel's prologue, the sums in its epilogue) and
-:func:`bn_input_grad` (pass 2: dL/dy from g, which it may recompute).
+three functions: :func:`bn_neuron_forward` (affine + neuron forward), :func:`bn_neuron_backward`
+(pass 1, the paper's Alg. 2: affine + neuron recompute + BPTT + the two per-channel sums) and
+:func:`bn_input_grad` (pass 2, Alg. 3: dL/dy). With the cuda backend each is one launch of a
+channel-affine kernel (the affine in its prologue, the sums or dL/dy in its epilogue); with the
+torch backend they are composed from the reference neuron and torch ops.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..cuda import backend as cuda_backend
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
 from ..ops import _bptt, backend_module
@@ -61,6 +63,11 @@ class NeuronCall:
         v_init = 0.0 if node.v_reset is None else float(node.v_reset)
         backend = node.resolve_backend(x)
         return cls(node.program, backend, tuple(node.constants()), v_init)
+
+    @property
+    def fused_affine(self) -> bool:
+        """Whether BatchNorm's affine runs inside the neuron kernels (cuda backend)."""
+        return self.backend == "cuda"
 
     def forward(
         self, x: Tensor, learnable: Tensor | None, save: bool
@@ -100,6 +107,21 @@ class NeuronCall:
         return grad_x, grad_learnable
 
 
+@dataclass(frozen=True)
+class BNStats:
+    """Per-channel vectors [C] (compute dtype) of one BatchNorm call: x = y * scale + shift.
+
+    ``count`` is the number of elements per channel the statistics were taken over (all
+    processes; a 0-dim tensor when distributed), 0 for running statistics.
+    """
+
+    mean: Tensor
+    invstd: Tensor
+    scale: Tensor
+    shift: Tensor
+    count: int | Tensor
+
+
 def _per_channel(v: Tensor, ndim: int) -> Tensor:
     """[C] → [1, 1, C, 1, ...] broadcastable against a [T, B, C, *spatial] tensor."""
     return v.view(1, 1, -1, *([1] * (ndim - 3)))
@@ -109,34 +131,46 @@ def _reduce_dims(ndim: int) -> list[int]:
     return [0, 1, *range(3, ndim)]
 
 
-def _neuron_input(y: Tensor, scale: Tensor | None, shift: Tensor | None) -> Tensor:
+def _neuron_input(y: Tensor, stats: BNStats | None) -> Tensor:
     """x = y * scale + shift in float32 (float64 stays); y itself when there is no BN."""
-    if scale is None:
+    if stats is None:
         return y
     cd = compute_dtype(y.dtype)
-    return torch.addcmul(_per_channel(shift, y.dim()), y.to(cd), _per_channel(scale, y.dim()))
+    nd = y.dim()
+    return torch.addcmul(_per_channel(stats.shift, nd), y.to(cd), _per_channel(stats.scale, nd))
 
 
 def bn_neuron_forward(
     y: Tensor,
-    scale: Tensor | None,
-    shift: Tensor | None,
+    stats: BNStats | None,
     neuron: NeuronCall,
     learnable: Tensor | None,
     save: bool,
 ) -> tuple[Tensor, tuple | None]:
-    """Spikes [T, B, C, *] in y's dtype from the synapse output y (no BN when scale is None),
-    and the neuron state backward may reuse (see :meth:`NeuronCall.forward`)."""
-    spikes, saved = neuron.forward(_neuron_input(y, scale, shift), learnable, save)
+    """Spikes [T, B, C, *] in y's dtype (and layout, with the cuda backend) from the synapse
+    output y (no BN when stats is None), and the neuron state backward may reuse (see
+    :meth:`NeuronCall.forward`)."""
+    if stats is not None and neuron.fused_affine:
+        spikes, ckpt = cuda_backend.affine_fptt(
+            neuron.program, y, stats.scale, stats.shift, learnable, list(neuron.constants),
+            neuron.v_init, save,
+        )  # fmt: skip
+        return spikes, ((ckpt,) if save else None)
+    spikes, saved = neuron.forward(_neuron_input(y, stats), learnable, save)
     return spikes.to(y.dtype), saved
+
+
+def _affine_saved(y: Tensor, stats: BNStats, neuron: NeuronCall, learnable: Tensor | None,
+                  saved: tuple | None) -> Tensor | None:  # fmt: skip
+    """The cuda chunk checkpoints, recomputed by a forward launch if they were not kept."""
+    if saved is None:
+        saved = bn_neuron_forward(y, stats, neuron, learnable, True)[1]
+    return saved[0]
 
 
 def bn_neuron_backward(
     y: Tensor,
-    scale: Tensor | None,
-    shift: Tensor | None,
-    mean: Tensor | None,
-    invstd: Tensor | None,
+    stats: BNStats | None,
     neuron: NeuronCall,
     learnable: Tensor | None,
     grad_spikes: Tensor,
@@ -146,26 +180,31 @@ def bn_neuron_backward(
 
     Returns ``(g, sum_g, sum_gxhat, grad_learnable)``: the two local per-channel sums [C]
     (None without BN), the gradient of the neuron's learnable parameters [P] and, optionally,
-    g = dL/dx [T, B, C, *] in the compute dtype for pass 2 to reuse. An implementation may
-    return g = None (pass 2 then recomputes it) to avoid holding a float32 buffer next to
-    half-precision activations; without BN it must return g.
+    g = dL/dx [T, B, C, *] in the compute dtype for pass 2 to reuse. The cuda backend returns
+    g = None (pass 2 recomputes it: no [T, N] buffer is written); without BN g is always given.
     """
-    x = _neuron_input(y, scale, shift)
+    if stats is not None and neuron.fused_affine:
+        ckpt = _affine_saved(y, stats, neuron, learnable, saved)
+        _, sum_g, sum_g_yc, grad_learnable = cuda_backend.affine_bptt(
+            neuron.program, y, grad_spikes, ckpt, learnable, list(neuron.constants),
+            neuron.v_init, stats.scale, stats.shift, stats.mean, grad_y=False,
+        )  # fmt: skip
+        return None, sum_g, sum_g_yc * stats.invstd, grad_learnable
+    x = _neuron_input(y, stats)
     g, grad_learnable = neuron.input_grad(x, learnable, grad_spikes, saved)
-    if scale is None:
+    if stats is None:
         return g, None, None, grad_learnable
     dims = _reduce_dims(y.dim())
     sum_g = g.sum(dims)
-    xc = y.to(g.dtype) - _per_channel(mean, y.dim())
-    sum_gxhat = xc.mul_(g).sum(dims) * invstd
+    xc = y.to(g.dtype) - _per_channel(stats.mean, y.dim())
+    sum_gxhat = xc.mul_(g).sum(dims) * stats.invstd
     return g, sum_g, sum_gxhat, grad_learnable
 
 
 def bn_input_grad(
     g: Tensor | None,
     y: Tensor,
-    scale: Tensor,
-    shift: Tensor,
+    stats: BNStats,
     coef_y: Tensor | None,
     coef_0: Tensor | None,
     neuron: NeuronCall,
@@ -179,10 +218,18 @@ def bn_input_grad(
     statistics). Uses pass 1's g when given, overwriting it (so float32 needs no new buffer),
     else recomputes g from y.
     """
+    if neuron.fused_affine:
+        coef = None if coef_y is None else (coef_y, coef_0)
+        ckpt = _affine_saved(y, stats, neuron, learnable, saved)
+        grad_y, *_ = cuda_backend.affine_bptt(
+            neuron.program, y, grad_spikes, ckpt, learnable, list(neuron.constants),
+            neuron.v_init, stats.scale, stats.shift, None, coef, grad_y=True,
+        )  # fmt: skip
+        return grad_y
     if g is None:
-        g, _ = neuron.input_grad(_neuron_input(y, scale, shift), learnable, grad_spikes, saved)
+        g, _ = neuron.input_grad(_neuron_input(y, stats), learnable, grad_spikes, saved)
     ndim = y.dim()
-    grad_y = g.mul_(_per_channel(scale, ndim))
+    grad_y = g.mul_(_per_channel(stats.scale, ndim))
     if coef_y is not None:
         grad_y.addcmul_(y, _per_channel(coef_y, ndim)).add_(_per_channel(coef_0, ndim))
     return grad_y.to(y.dtype)
@@ -191,6 +238,19 @@ def bn_input_grad(
 # ---- statistics, synchronised across processes ------------------------------------------------
 def _distributed(group: dist.ProcessGroup | None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _local_mean_var(y: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance of y [T, B, C, *] in the compute dtype, one pass."""
+    if y.is_cuda:
+        # Welford in float32 over the [T*B, C, *] view, any storage dtype, NCHW or channels-last,
+        # without a float32 copy of y. It returns 1/sqrt(var) (0 where var is 0).
+        mean, invstd = torch.batch_norm_stats(y.flatten(0, 1), 0.0)
+        return mean, torch.where(invstd > 0, invstd.reciprocal().square(), 0.0)
+    var, mean = torch.var_mean(
+        y.to(compute_dtype(y.dtype)), dim=_reduce_dims(y.dim()), correction=0
+    )
+    return mean, var
 
 
 def batch_stats(
@@ -202,9 +262,7 @@ def batch_stats(
     (n·mean, n·(var + mean²), n) in float64 so recombining the moments loses nothing. Across
     processes n stays a 0-dim tensor: reading it on the host would stall the GPU stream.
     """
-    cd = compute_dtype(y.dtype)
-    dims = _reduce_dims(y.dim())
-    var, mean = torch.var_mean(y.to(cd), dim=dims, correction=0)
+    mean, var = _local_mean_var(y)
     count = y.numel() // y.shape[2]
     if not _distributed(group):
         return mean, var, count
@@ -221,7 +279,7 @@ def batch_stats(
     total = packed[-1]
     g_mean = packed[:c] / total
     g_var = (packed[c : 2 * c] / total - g_mean**2).clamp_(min=0)
-    return g_mean.to(cd), g_var.to(cd), total
+    return g_mean.to(mean.dtype), g_var.to(mean.dtype), total
 
 
 def all_reduce_sums(sums: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
@@ -250,29 +308,52 @@ class BNSpec:
     group: dist.ProcessGroup | None = None
 
 
+@torch.no_grad()
+def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
+    """The per-channel vectors to normalise y with; updates the running statistics in training.
+
+    No autograd here: BNNeuronFunction's backward carries the gradient through the statistics.
+    """
+    cd = compute_dtype(y.dtype)
+    if bn.batch_stats:
+        mean, var, count = batch_stats(y, bn.group)
+        if isinstance(count, int) and count <= 1:
+            raise SpikefuseError(
+                f"BatchNorm in training needs more than 1 value per channel, got {count} "
+                f"(input shape {tuple(y.shape)})"
+            )
+        if bn.momentum is not None and bn.running_mean is not None:
+            unbiased = var * (count / (count - 1))
+            bn.running_mean.lerp_(mean.to(bn.running_mean.dtype), bn.momentum)
+            bn.running_var.lerp_(unbiased.to(bn.running_var.dtype), bn.momentum)
+    else:
+        mean, var, count = bn.running_mean.to(cd), bn.running_var.to(cd), 0
+    invstd = torch.rsqrt(var + bn.eps)
+    scale = invstd * bn.weight.to(cd) if bn.weight is not None else invstd
+    shift = -mean * scale
+    if bn.bias is not None:
+        shift += bn.bias.to(cd)
+    return BNStats(mean, invstd, scale, shift, count)
+
+
 class BNNeuronFunction(torch.autograd.Function):
     """spikes = neuron(BN(y)); saves y and per-channel vectors only (see the module docstring).
 
-    ``apply(y, weight, bias, learnable, bn, neuron, save)``: ``weight``/``bias`` are BN's
-    gamma/beta (or None), passed separately from ``bn`` so autograd tracks them; ``bn`` None
-    means no BN; ``save`` whether a backward will follow (keep the neuron's checkpoints).
+    ``apply(y, weight, bias, learnable, stats, bn, neuron, save)``: ``stats`` from
+    :func:`bn_statistics` (None: no BN); ``weight``/``bias`` are BN's gamma/beta (or None),
+    inputs so that autograd tracks them (``stats`` already holds their values); ``save`` whether
+    a backward will follow (keep the neuron's checkpoints).
     """
 
     @staticmethod
-    def forward(ctx, y, weight, bias, learnable, bn: BNSpec | None, neuron: NeuronCall,
-                save: bool = True):  # fmt: skip
-        scale = shift = mean = invstd = None
-        count = 0
-        if bn is not None:
-            mean, invstd, count = _bn_affine_stats(y, bn)
-            scale = invstd * weight.to(invstd.dtype) if weight is not None else invstd
-            shift = -mean * scale
-            if bias is not None:
-                shift = shift + bias.to(scale.dtype)
-        spikes, saved = bn_neuron_forward(y, scale, shift, neuron, learnable, save)
-        ctx.save_for_backward(y, scale, shift, mean, invstd, learnable, *(saved or ()))
+    def forward(ctx, y, weight, bias, learnable, stats: BNStats | None, bn: BNSpec | None,
+                neuron: NeuronCall, save: bool = True):  # fmt: skip
+        spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, save)
+        vectors = () if stats is None else (stats.mean, stats.invstd, stats.scale, stats.shift)
+        ctx.save_for_backward(y, learnable, *vectors, *(saved or ()))
         ctx.kept = saved is not None
-        ctx.neuron, ctx.bn, ctx.count = neuron, bn, count
+        ctx.count = None if stats is None else stats.count
+        ctx.neuron, ctx.bn = neuron, bn
         ctx.param_dtypes = (
             None if weight is None else weight.dtype,
             None if bias is None else bias.dtype,
@@ -281,15 +362,19 @@ class BNNeuronFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_spikes):
-        y, scale, shift, mean, invstd, learnable, *saved = ctx.saved_tensors
-        saved = tuple(saved) if ctx.kept else None
+        y, learnable, *rest = ctx.saved_tensors
+        stats = None
+        if ctx.count is not None:
+            stats, rest = BNStats(*rest[:4], ctx.count), rest[4:]
+        saved = tuple(rest) if ctx.kept else None
         bn: BNSpec | None = ctx.bn
+        nones = (None,) * 4  # stats, bn, neuron, save
         g, sum_g, sum_gxhat, grad_learnable = bn_neuron_backward(
-            y, scale, shift, mean, invstd, ctx.neuron, learnable, grad_spikes, saved
+            y, stats, ctx.neuron, learnable, grad_spikes, saved
         )
         grad_learnable = grad_learnable if ctx.needs_input_grad[3] else None
-        if bn is None:
-            return g.to(y.dtype), None, None, grad_learnable, None, None, None
+        if stats is None:
+            return g.to(y.dtype), None, None, grad_learnable, *nones
         weight_dtype, bias_dtype = ctx.param_dtypes
         grad_weight = sum_gxhat.to(weight_dtype) if ctx.needs_input_grad[1] else None
         grad_bias = sum_g.to(bias_dtype) if ctx.needs_input_grad[2] else None
@@ -298,30 +383,12 @@ class BNNeuronFunction(torch.autograd.Function):
             # The mean and variance terms of BN's backward, from the sums over all processes:
             # dL/dy = scale*g - scale*mean(g) - xhat*scale*mean(g*xhat)
             #       = scale*g + coef_y*y + coef_0
-            c = scale.numel()
+            c = stats.scale.numel()
             totals = all_reduce_sums(torch.cat([sum_g, sum_gxhat]), bn.group)
-            mean_g, mean_gxhat = totals[:c] / ctx.count, totals[c:] / ctx.count
-            coef_y = -scale * invstd * mean_gxhat
-            coef_0 = -scale * mean_g - mean * coef_y
+            mean_g, mean_gxhat = totals[:c] / stats.count, totals[c:] / stats.count
+            coef_y = -stats.scale * stats.invstd * mean_gxhat
+            coef_0 = -stats.scale * mean_g - stats.mean * coef_y
         grad_y = bn_input_grad(
-            g, y, scale, shift, coef_y, coef_0, ctx.neuron, learnable, grad_spikes, saved
+            g, y, stats, coef_y, coef_0, ctx.neuron, learnable, grad_spikes, saved
         )
-        return grad_y, grad_weight, grad_bias, grad_learnable, None, None, None
-
-
-def _bn_affine_stats(y: Tensor, bn: BNSpec) -> tuple[Tensor, Tensor, int | Tensor]:
-    """(mean, invstd, n) to normalise with; updates the running statistics in training."""
-    cd = compute_dtype(y.dtype)
-    if not bn.batch_stats:
-        return bn.running_mean.to(cd), torch.rsqrt(bn.running_var.to(cd) + bn.eps), 0
-    mean, var, count = batch_stats(y, bn.group)
-    if isinstance(count, int) and count <= 1:
-        raise SpikefuseError(
-            f"BatchNorm in training needs more than 1 value per channel, got {count} "
-            f"(input shape {tuple(y.shape)})"
-        )
-    if bn.momentum is not None and bn.running_mean is not None:
-        unbiased = var * (count / (count - 1))
-        bn.running_mean.lerp_(mean.to(bn.running_mean.dtype), bn.momentum)
-        bn.running_var.lerp_(unbiased.to(bn.running_var.dtype), bn.momentum)
-    return mean, torch.rsqrt(var + bn.eps), count
+        return grad_y, grad_weight, grad_bias, grad_learnable, *nones

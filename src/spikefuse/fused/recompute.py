@@ -1,0 +1,120 @@
+"""Save the spikes that layers keep for backward as a way to recompute them, not as tensors.
+
+A Conv/Linear saves its input for ``dL/dW``; a pooling layer may save its input too. When that
+input is the spike output of a fused block, it is a function of what the block keeps anyway
+(its synapse output and per-channel vectors), so, as in the DATE'22 paper, it is recomputed in
+backward (one forward kernel launch) instead of being stored. :func:`saving_recomputed`
+intercepts the save; the tensor's *recipe* (a function returning a tensor equal to it, element
+for element and with the same strides) is set by :func:`mark_recomputable`.
+
+Fused blocks tag their spikes; :class:`~spikefuse.fused.SpikePool` tags its output with the
+pooling applied to the recipe. Views that cover the same memory (flatten, unflatten) use the
+recipe of their base; anything else derived from a tagged tensor (arithmetic, a copy, an
+in-place edit) has no valid recipe and is saved as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Recipe = Callable[[], Tensor]
+_TAG = "_spikefuse_recipe"
+
+
+@dataclass(frozen=True)
+class _Tag:
+    version: int  # the tensor's _version when tagged: an in-place edit invalidates the tag
+    recipe: Recipe
+
+
+def mark_recomputable(t: Tensor, recipe: Recipe) -> Tensor:
+    """Tag ``t`` with a function that recomputes it (same values and strides); returns t."""
+    setattr(t, _TAG, _Tag(t._version, recipe))
+    return t
+
+
+def _valid_recipe(t: Tensor) -> Recipe | None:
+    tag = getattr(t, _TAG, None)
+    return tag.recipe if tag is not None and tag.version == t._version else None
+
+
+def recipe_of(t: Tensor) -> Recipe | None:
+    """The recipe of ``t``, or of the tagged tensor it is a same-memory view of, or None."""
+    recipe = _valid_recipe(t)
+    if recipe is not None:
+        return recipe
+    base = t._base
+    if base is None or not _same_memory(t, base):
+        return None
+    base_recipe = _valid_recipe(base)
+    if base_recipe is None:
+        return None
+    shape, stride = t.shape, t.stride()  # not t itself: that would keep its memory alive
+    return lambda: _strided(base_recipe(), shape, stride)
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether t's elements fill its memory span exactly once, in any dimension order."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda p: p[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _memory_key(t: Tensor) -> tuple:
+    return t.data_ptr(), t.numel(), t.dtype
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether a and b are dense views of exactly the same elements (any shape or order)."""
+    return _memory_key(a) == _memory_key(b) and _dense(a) and _dense(b)
+
+
+def _strided(source: Tensor, shape: torch.Size, stride: tuple[int, ...]) -> Tensor:
+    """A view of ``source``'s memory with another geometry over the same elements."""
+    return source.as_strided(shape, stride, source.storage_offset())
+
+
+@contextlib.contextmanager
+def saving_recomputed(x: Tensor, recipe: Recipe | None = None) -> Iterator[None]:
+    """While active, autograd saves ``x`` (or a same-memory view of it) as ``recipe``.
+
+    ``recipe`` defaults to x's own (see :func:`recipe_of`); without one the context does
+    nothing. Other saved tensors (weights) and copies made by an op (e.g. an autocast cast)
+    are saved as they are.
+    """
+    recipe = recipe or recipe_of(x)
+    if recipe is None or not _dense(x):
+        yield
+        return
+    # Autograd keeps the pack hook as long as what it saved: it must not hold x itself.
+    memory = _memory_key(x)
+
+    def pack(t: Tensor) -> object:
+        return _Restore(recipe, t) if _dense(t) and _memory_key(t) == memory else t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        yield
+
+
+class _Restore:
+    """A saved tensor replaced by its recipe; keeps only the view's geometry."""
+
+    __slots__ = ("recipe", "shape", "stride")
+
+    def __init__(self, recipe: Recipe, t: Tensor) -> None:
+        self.recipe, self.shape, self.stride = recipe, t.shape, t.stride()
+
+    def unpack(self) -> Tensor:
+        return _strided(self.recipe(), self.shape, self.stride)
+
+
+def _unpack(saved: object) -> Tensor:
+    return saved.unpack() if isinstance(saved, _Restore) else saved
