@@ -28,7 +28,7 @@ from torch import nn
 
 from spikefuse import functional, fuse, layer, neuron, surrogate
 from spikefuse.cuda import backend as cuda_backend
-from spikefuse.cuda.codegen import AFFINE_BPTT_VEC, BPTT_VEC, CHUNK, VEC
+from spikefuse.cuda.codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, BPTT_VEC, CHUNK, VEC
 from spikefuse.fused import paper_lif
 from spikefuse.fused.bn_neuron import BNNeuronFunction, BNSpec, NeuronCall, bn_statistics
 
@@ -173,7 +173,7 @@ def report_registers(log) -> None:
 # (T, y shape [T, B, C, *S], channels-last memory): NCHW with odd sizes and a partial chunk,
 # channels innermost (a channels-last conv output), Linear-shaped at T=1, and a larger map.
 AFFINE_SHAPES = [
-    (CHUNK + 5, (3, 5, 3, 3), False),
+    (max(AFFINE_CHUNK.values()) + 5, (3, 5, 3, 3), False),
     (4, (2, 7, 6, 6), True),
     (1, (5, 33), False),
     (10, (4, 16, 8, 8), True),
@@ -262,11 +262,11 @@ def check_affine_kernels(log, nodes) -> bool:
 def check_fused_blocks(log) -> bool:
     """Fused Conv/Linear-BN-LIF vs the unfused modules (cuda neurons): fp32 within 1e-4, and
     bf16 autocast reported against fp32."""
-    return all([_check_fused_blocks(log, T) for T in (CHUNK // 2, CHUNK + 2)])
+    return all([_check_fused_blocks(log, T) for T in (CHUNK // 2, max(AFFINE_CHUNK.values()) + 3)])
 
 
 def _check_fused_blocks(log, T: int) -> bool:
-    """One fused-vs-unfused comparison at T steps (T > CHUNK: checkpoints are kept)."""
+    """One fused-vs-unfused comparison at T steps (T > 16: checkpoints are kept)."""
     torch.manual_seed(0)
     B = 8
     model = nn.Sequential(

@@ -15,8 +15,54 @@ p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
 p.add_argument("--rows", type=int, default=25)
 p.add_argument("--channels-last", action="store_true")
 p.add_argument("--cudnn-benchmark", action="store_true")
+p.add_argument("--affine-bptt-vec", type=int, default=None)
+p.add_argument("--memory", action="store_true", help="largest live allocations at the peak")
 a = p.parse_args()
 torch.backends.cudnn.benchmark = a.cudnn_benchmark
+if a.affine_bptt_vec:
+    from spikefuse.cuda import backend
+
+    backend.AFFINE_BPTT_VEC = a.affine_bptt_vec
+
+
+def peak_allocations(step, top=14):
+    """Replay the allocator trace of one step; print the live blocks at the peak."""
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    step()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, at_peak = {}, 0, 0, {}
+    base = sum(
+        b["size"]
+        for seg in snap["segments"]
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated"
+    )  # after the step; approximate start
+    for e in snap["device_traces"][0]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+        if total > peak:
+            peak, at_peak = total, dict(live)
+    print(
+        f"  traced peak above the resident set: {peak / 2**20:.0f} MiB "
+        f"(resident after the step: {base / 2**20:.0f} MiB)"
+    )
+    for e in sorted(at_peak.values(), key=lambda e: -e["size"])[:top]:
+        frames = [
+            f
+            for f in e.get("frames", [])
+            if ".py" in f["filename"] and "torch/" not in f["filename"]
+        ][:2]
+        where = " <- ".join(
+            f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in frames
+        )
+        print(f"  {e['size'] / 2**20:8.1f} MiB  {where}")
+
+
 dev = torch.device("cuda")
 for dtype in a.dtypes:
     for v in a.variants:
@@ -30,6 +76,9 @@ for dtype in a.dtypes:
         step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**20
+        if a.memory:
+            peak_allocations(step)
+            continue
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(3):
                 step()

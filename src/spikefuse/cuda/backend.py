@@ -22,6 +22,7 @@ from ..reference import BPTTOut, FPTTOut
 from . import unavailable_reason
 from .codegen import (
     AFFINE_BPTT_VEC,
+    AFFINE_CHUNK,
     BLOCK_THREADS,
     BPTT_VEC,
     CHUNK,
@@ -43,13 +44,13 @@ def keeps_x(program: NeuronProgram) -> bool:
 
 
 def saved_like(
-    program: NeuronProgram, x_seq: torch.Tensor, save: bool
+    program: NeuronProgram, x_seq: torch.Tensor, save: bool, chunk: int = CHUNK
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Uninitialised tensors shaped like what forward saves: V (and W) at the end of every chunk
-    but the last, float32 (None when not saving or T <= CHUNK: backward starts from V[-1])."""
-    if not save or x_seq.shape[0] <= CHUNK:
+    but the last, float32 (None when not saving or T <= chunk: backward starts from V[-1])."""
+    if not save or x_seq.shape[0] <= chunk:
         return None, None
-    shape = ((x_seq.shape[0] + CHUNK - 1) // CHUNK - 1, *x_seq.shape[1:])
+    shape = ((x_seq.shape[0] + chunk - 1) // chunk - 1, *x_seq.shape[1:])
     v = x_seq.new_empty(shape, dtype=torch.float32)
     return v, (x_seq.new_empty(shape, dtype=torch.float32) if program.definition.adaptive else None)
 
@@ -157,6 +158,11 @@ def _vec(n: int, *tensors: torch.Tensor | None, vec: int = VEC) -> int:
     return vec
 
 
+def _check_checkpoints(T: int, saved_v: torch.Tensor | None, chunk: int) -> None:
+    if T > chunk and (saved_v is None or saved_v.shape[0] != (T + chunk - 1) // chunk - 1):
+        raise RuntimeError("spikefuse cuda bptt: the forward's chunk checkpoints are missing")
+
+
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     """A float32 contiguous state tensor (or None): what the kernels read as ``float*``."""
     return None if t is None else t.float().contiguous()
@@ -235,8 +241,7 @@ def bptt(
     x = x_seq.contiguous()
     dtype = x.dtype
     T, N = x.shape[0], math.prod(x.shape[1:])
-    if T > CHUNK and (saved_v is None or saved_v.shape[0] != (T + CHUNK - 1) // CHUNK - 1):
-        raise RuntimeError("spikefuse cuda bptt: the forward's chunk checkpoints are missing")
+    _check_checkpoints(T, saved_v, CHUNK)
     grad_spikes = grad_spikes.to(dtype).contiguous()
     grad_v_seq = None if grad_v_seq is None else grad_v_seq.to(dtype).contiguous()
     grad_x = torch.empty_like(x)
@@ -297,8 +302,9 @@ def _laid_out_like(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _per_channel_sum(per_neuron: torch.Tensor, channels: tuple[int, int]) -> torch.Tensor:
+    """[K, N] per-neuron values → [K, C] sums over the neurons of each channel (one launch)."""
     c, inner = channels
-    return per_neuron.view(-1, c, inner).sum(dim=(0, 2))
+    return per_neuron.view(per_neuron.shape[0], -1, c, inner).sum(dim=(1, 3))
 
 
 def affine_fptt(
@@ -314,13 +320,14 @@ def affine_fptt(
     """spikes = neuron(y * scale[c] + shift[c]) for y [T, B, C, *] in one launch.
 
     The neuron starts from the constant ``v_init``. Returns the spikes (y's dtype and
-    layout) and, with ``save_for_backward``, the chunk checkpoints (see :func:`saved_like`).
+    layout) and, with ``save_for_backward``, the chunk checkpoints (see :func:`saved_like`;
+    chunks of ``AFFINE_CHUNK[dtype]`` steps).
     """
     _check(y)
     y, channels = channel_layout(y)
     T, N = y.shape[0], y.numel() // y.shape[0]
     spikes = torch.empty_like(y)
-    v_ckpt, _ = saved_like(program, y, save_for_backward)
+    v_ckpt, _ = saved_like(program, y, save_for_backward, AFFINE_CHUNK[y.dtype])
     if N:
         vec = _vec(N, y)
         pointers = {
@@ -364,8 +371,7 @@ def affine_bptt(
     _check(y)
     y, channels = channel_layout(y)
     T, N = y.shape[0], y.numel() // y.shape[0]
-    if T > CHUNK and (saved_v is None or saved_v.shape[0] != (T + CHUNK - 1) // CHUNK - 1):
-        raise RuntimeError("spikefuse cuda bptt: the forward's chunk checkpoints are missing")
+    _check_checkpoints(T, saved_v, AFFINE_CHUNK[y.dtype])
     grad_spikes = _laid_out_like(grad_spikes, y)
     out = torch.empty_like(y) if grad_y else None
     sums = None if grad_y else y.new_empty((2, N), dtype=torch.float32)
@@ -395,5 +401,5 @@ def affine_bptt(
                 channels)  # fmt: skip
     if grad_y:
         return out, None, None, None
-    sum_g, sum_g_yc = (_per_channel_sum(s, channels) for s in sums)
+    sum_g, sum_g_yc = _per_channel_sum(sums, channels)
     return None, sum_g, sum_g_yc, None if partial is None else partial.sum(dim=1)

@@ -5,11 +5,17 @@ or store per tensor and step. Storage is float32, float16 or bfloat16; arithmeti
 
 Traffic is five passes over [T, N]: forward reads X and writes S; backward reads X and dL/dS and
 writes dL/dX. Forward saves nothing per step: only V (and W) at the end of every chunk of
-``CHUNK`` steps, in float32. Backward walks the chunks from last to first; for each it recomputes
-the chunk's H[t] from X with the forward's own ``step`` function (so in every storage dtype it
-sees exactly the forward's float32 H and spikes), keeps them in registers, and walks the chunk
-backwards with seed 003's dL/dH recurrence. Learnable-parameter gradients are reduced per block
-into a [P, blocks] buffer, summed afterwards in a fixed order (same bits on every run).
+``CHUNK`` steps (``AFFINE_CHUNK`` for the channel-affine kernels), in float32. Backward walks the
+chunks from last to first; for each it recomputes the chunk's H[t] from X with the forward's own
+``step`` function (so in every storage dtype it sees exactly the forward's float32 H and spikes),
+keeps them in registers, and walks the chunk backwards with seed 003's dL/dH recurrence.
+Learnable-parameter gradients are reduced per block into a [P, blocks] buffer, summed afterwards
+in a fixed order (same bits on every run).
+
+Channel-affine variants fold BatchNorm in (fused blocks): the neuron's input is
+X = Y * scale[c] + shift[c] (one FMA), and backward writes either dL/dY (dL/dX mapped by a
+per-channel affine) or the per-neuron sums over t of dL/dX and dL/dX * (Y - mean[c]) that
+BatchNorm's backward reduces per channel.
 
 Both kernels take one argument, an ``Args`` struct (layout in :data:`ARG_POINTERS`), so a launch
 packs a single buffer. Extension path (as in SpikingJelly's kernel templates): subclass
@@ -33,6 +39,12 @@ from .printer import EXACT_DIV, cuda_expr
 
 BLOCK_THREADS = 256
 CHUNK = 8  # steps whose H stays in registers while backward walks them
+# Chunk of the channel-affine kernels (one neuron per thread in backward). With 16-bit storage a
+# float32 checkpoint costs 2/CHUNK of Y's bytes, so they take 16 steps (no checkpoint at all for
+# T <= 16; their backward is issue-bound and barely slows); float32 keeps 8, where the longer
+# chunk's registers cost a quarter of the backward's occupancy and 25% of its time (H200).
+AFFINE_CHUNK = {torch.float32: 8, torch.float16: 16, torch.bfloat16: 16}
+LOAD_STEPS = 8  # forward: steps of input loaded ahead at once (a CHUNK's worth at most)
 VEC = 4  # neurons per thread when N and the pointers allow (16-byte fp32 / 8-byte 16-bit access)
 # Backward with 16-bit storage is bound by instruction issue, not memory: one neuron per thread
 # and more resident blocks ran it fastest on an H200 (bf16, T=32: 157 us vs 200 us with VEC).
@@ -134,6 +146,7 @@ class NeuronKernel:
         self.name, self.params, self.learnable = name, params, learnable
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
         self.dtype, self.vec, self.adaptive, self.affine = dtype, vec, adaptive, affine
+        self.chunk = AFFINE_CHUNK[dtype] if affine else CHUNK
         tag = f"{'hard' if hard_reset else 'soft'}{'_detach' if detach_reset else ''}"
         tag += "_affine" if affine else ""
         self.kernel_prefix = f"{name}_{tag}_{_STORAGE[dtype][0].strip('_')}_v{vec}"
@@ -277,10 +290,11 @@ __device__ __forceinline__ float step(float& v, float& w, const float x, const P
                 _storage_helpers(self.dtype),
                 f"constexpr int VEC = {self.vec};  // neurons per thread",
                 f"constexpr int BLOCK_THREADS = {BLOCK_THREADS};",
-                # Resident blocks per SM the register budget must allow (measured on an H200:
-                # 2 with VEC = 4, whose registers hold CHUNK x VEC values of H; 4 with VEC = 1).
-                f"constexpr int MIN_BLOCKS = {2 if self.vec > 1 else 4};",
-                f"constexpr int CHUNK = {CHUNK};  // steps recomputed into registers by backward",
+                # Resident blocks per SM the register budget must allow (measured on an H200):
+                # 2 where registers hold more than 8 values of H per thread (CHUNK x VEC), else 4.
+                f"constexpr int MIN_BLOCKS = {2 if self.vec * self.chunk > 8 else 4};",
+                f"constexpr int CHUNK = {self.chunk};  // steps recomputed into registers by backward",
+                f"constexpr int LOAD_STEPS = {LOAD_STEPS};  // steps forward loads ahead at once",
                 "struct alignas(sizeof(scalar_t) * VEC) pack_t { scalar_t e[VEC]; };",
                 "__device__ __forceinline__ pack_t load_pack(const scalar_t* p, long long i) "
                 "{ return *reinterpret_cast<const pack_t*>(p + i); }",
@@ -339,23 +353,25 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.fp
     float v[VEC], w[VEC];
     {self._initial_state()}
     for (int t0 = 0; t0 < T; t0 += CHUNK) {{
-        const long long base = t0 * N + n;  // element (t0, n); step j of the chunk is base + j*N
-        pack_t xp[CHUNK];  // the chunk's loads first: independent, so they overlap
-        #pragma unroll
-        for (int j = 0; j < CHUNK; ++j)
-            if (t0 + j < T) xp[j] = load_pack(a.x_seq, base + j * N);
-        #pragma unroll
-        for (int j = 0; j < CHUNK; ++j) {{
-            if (t0 + j >= T) break;
-            pack_t sp, vp;
+        for (int g = t0; g < t0 + CHUNK && g < T; g += LOAD_STEPS) {{
+            const long long base = g * N + n;  // element (g, n); step j is base + j*N
+            pack_t xp[LOAD_STEPS];  // the group's loads first: independent, so they overlap
             #pragma unroll
-            for (int k = 0; k < VEC; ++k) {{
-                const float h = step(v[k], w[k], {self._input("xp[j].e[k]")}, p);
-                sp.e[k] = from_float(h >= p.v_threshold ? 1.0f : 0.0f);
-                vp.e[k] = from_float(v[k]);
+            for (int j = 0; j < LOAD_STEPS; ++j)
+                if (g + j < T) xp[j] = load_pack(a.x_seq, base + j * N);
+            #pragma unroll
+            for (int j = 0; j < LOAD_STEPS; ++j) {{
+                if (g + j >= T) break;
+                pack_t sp, vp;
+                #pragma unroll
+                for (int k = 0; k < VEC; ++k) {{
+                    const float h = step(v[k], w[k], {self._input("xp[j].e[k]")}, p);
+                    sp.e[k] = from_float(h >= p.v_threshold ? 1.0f : 0.0f);
+                    vp.e[k] = from_float(v[k]);
+                }}
+                store_pack(a.spike_seq, base + j * N, sp);
+                if (a.v_seq) store_pack(a.v_seq, base + j * N, vp);
             }}
-            store_pack(a.spike_seq, base + j * N, sp);
-            if (a.v_seq) store_pack(a.v_seq, base + j * N, vp);
         }}
         if (a.v_ckpt && t0 + CHUNK < T) {{  // the state the next chunk starts from
             const long long c = (t0 / CHUNK) * N + n;
