@@ -184,13 +184,14 @@ def run_bn_neuron(make, backend, y, gamma, beta, upstream, batch_stats):
     """Spikes and gradients of BNNeuronFunction (BatchNorm folded into the neuron)."""
     node = make(step_mode="m", backend=backend).cuda()
     neuron_call = NeuronCall.from_node(node, y)
+    # the cuda side must take the BN-folded kernels, not the composite the reference uses
     assert neuron_call.backend == backend
+    assert (neuron_call.affine_backend is not None) == (backend == "cuda")
     c = y.shape[2]
+    y = y.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    gamma, beta = gamma.detach().clone().requires_grad_(), beta.detach().clone().requires_grad_()
     spec = BNSpec(gamma, beta, torch.zeros(c, device="cuda"), torch.ones(c, device="cuda") * 1.5,
                   batch_stats, None, 1e-5)  # fmt: skip
-    y = y.detach().clone(memory_format=torch.preserve_format).requires_grad_()
-    gamma = spec.weight = gamma.detach().clone().requires_grad_()
-    beta = spec.bias = beta.detach().clone().requires_grad_()
     learnable = node.learnable_values(y.device)
     stats = bn_statistics(y, spec)
     s = BNNeuronFunction.apply(y, gamma, beta, learnable, stats, spec, neuron_call, True)

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..cuda import backend as cuda_backend
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
 from ..ops import _bptt, backend_module
@@ -65,9 +64,11 @@ class NeuronCall:
         return cls(node.program, backend, tuple(node.constants()), v_init)
 
     @property
-    def fused_affine(self) -> bool:
-        """Whether BatchNorm's affine runs inside the neuron kernels (cuda backend)."""
-        return self.backend == "cuda"
+    def affine_backend(self):
+        """The backend module if it has channel-affine kernels (BatchNorm folded into the
+        neuron: ``affine_fptt``/``affine_bptt``, the cuda backend), else None."""
+        backend = backend_module(self.backend)
+        return backend if hasattr(backend, "affine_fptt") else None
 
     def forward(
         self, x: Tensor, learnable: Tensor | None, save: bool
@@ -150,22 +151,15 @@ def bn_neuron_forward(
     """Spikes [T, B, C, *] in y's dtype (and layout, with the cuda backend) from the synapse
     output y (no BN when stats is None), and the neuron state backward may reuse (see
     :meth:`NeuronCall.forward`)."""
-    if stats is not None and neuron.fused_affine:
-        spikes, ckpt = cuda_backend.affine_fptt(
+    affine = neuron.affine_backend
+    if stats is not None and affine is not None:
+        spikes, ckpt = affine.affine_fptt(
             neuron.program, y, stats.scale, stats.shift, learnable, list(neuron.constants),
             neuron.v_init, save,
         )  # fmt: skip
         return spikes, ((ckpt,) if save else None)
     spikes, saved = neuron.forward(_neuron_input(y, stats), learnable, save)
     return spikes.to(y.dtype), saved
-
-
-def _affine_saved(y: Tensor, stats: BNStats, neuron: NeuronCall, learnable: Tensor | None,
-                  saved: tuple | None) -> Tensor | None:  # fmt: skip
-    """The cuda chunk checkpoints, recomputed by a forward launch if they were not kept."""
-    if saved is None:
-        saved = bn_neuron_forward(y, stats, neuron, learnable, True)[1]
-    return saved[0]
 
 
 def bn_neuron_backward(
@@ -183,10 +177,11 @@ def bn_neuron_backward(
     g = dL/dx [T, B, C, *] in the compute dtype for pass 2 to reuse. The cuda backend returns
     g = None (pass 2 recomputes it: no [T, N] buffer is written); without BN g is always given.
     """
-    if stats is not None and neuron.fused_affine:
-        ckpt = _affine_saved(y, stats, neuron, learnable, saved)
-        _, sum_g, sum_g_yc, grad_learnable = cuda_backend.affine_bptt(
-            neuron.program, y, grad_spikes, ckpt, learnable, list(neuron.constants),
+    affine = neuron.affine_backend
+    if stats is not None and affine is not None:
+        # saved is (checkpoints,): affine forwards always keep theirs (None for short T)
+        _, sum_g, sum_g_yc, grad_learnable = affine.affine_bptt(
+            neuron.program, y, grad_spikes, saved[0], learnable, list(neuron.constants),
             neuron.v_init, stats.scale, stats.shift, stats.mean, grad_y=False,
         )  # fmt: skip
         return None, sum_g, sum_g_yc * stats.invstd, grad_learnable
@@ -218,11 +213,11 @@ def bn_input_grad(
     statistics). Uses pass 1's g when given, overwriting it (so float32 needs no new buffer),
     else recomputes g from y.
     """
-    if neuron.fused_affine:
+    affine = neuron.affine_backend
+    if affine is not None:
         coef = None if coef_y is None else (coef_y, coef_0)
-        ckpt = _affine_saved(y, stats, neuron, learnable, saved)
-        grad_y, *_ = cuda_backend.affine_bptt(
-            neuron.program, y, grad_spikes, ckpt, learnable, list(neuron.constants),
+        grad_y, *_ = affine.affine_bptt(
+            neuron.program, y, grad_spikes, saved[0], learnable, list(neuron.constants),
             neuron.v_init, stats.scale, stats.shift, None, coef, grad_y=True,
         )  # fmt: skip
         return grad_y
