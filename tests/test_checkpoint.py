@@ -241,6 +241,21 @@ def test_a_full_disk_keeps_the_checkpoint(
     assert listing(copy.parent) == ["digits.pt"]  # neither temp nor lock file left
 
 
+def test_a_full_disk_at_the_start_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(train_module.os, "write", full)  # the pid into the lock file
+    path = tmp_path / "digits.pt"
+    assert train(path, "--epochs", "1") == 1
+    lock = tmp_path / ".digits.pt.lock"
+    expected = f"cannot write checkpoint '{path}': writing '{lock}' failed: No space left on device"
+    assert expected in error_of(capsys)
+    assert listing(tmp_path) == []
+
+
 # Never a non-finite checkpoint -------------------------------------------------------------
 
 
@@ -417,3 +432,27 @@ def test_every_entry_is_validated(
     err = error_of(capsys)
     assert f"checkpoint '{copy}'" in err and message in err
     assert copy.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--resume", "checkpoint '{}' cannot be read: Permission denied"),
+        ("--overwrite", "cannot read '{}': Permission denied"),
+    ],
+)
+def test_an_unreadable_checkpoint_says_why(
+    copy: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flag: str,
+    message: str,
+) -> None:
+    def denied(path: Any, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(train_module.torch, "load", denied)  # the tests may run as root
+    assert train(copy, "--epochs", "2", flag) == 1
+    err = error_of(capsys)
+    assert message.format(copy) in err
+    assert "corrupted" not in err and "not a spikefuse checkpoint" not in err

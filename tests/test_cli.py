@@ -244,3 +244,4 @@ def test_python_m_spikefuse_train_help() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "usage: spikefuse train" in done.stdout and "--resume" in done.stdout
+    assert "--overwrite" in done.stdout

@@ -361,6 +361,8 @@ def is_checkpoint(path: Path) -> bool:
     (only such a file may be overwritten)."""
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        raise SpikefuseError(f"cannot read '{path}': {_os_reason(exc)}") from exc
     except Exception:
         return False
     return isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT
@@ -385,6 +387,8 @@ def load_checkpoint(path: Path, config: TrainConfig) -> dict[str, Any]:
     try:
         # weights_only: a checkpoint is data, never code to run.
         payload = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint '{path}' cannot be read: {_os_reason(exc)}") from exc
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint '{path}' cannot be read: the file is corrupted or is not a "
@@ -530,8 +534,13 @@ def checkpoint_lock(path: Path, target: Path) -> Iterator[None]:
             break
         os.close(fd)
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())  # named in the refusal of other runs
+        except OSError as exc:
+            raise SpikefuseError(
+                f"cannot write checkpoint '{path}': writing '{lock_path}' failed: {_os_reason(exc)}"
+            ) from exc
         yield
     finally:
         lock_path.unlink(missing_ok=True)  # still locked: no other run can be using it
@@ -570,6 +579,13 @@ def remove_stale_temp_files(target: Path) -> None:
 def prepare_checkpoint_dir(path: Path, target: Path, config: TrainConfig) -> None:
     """Check what can be checked of checkpoint ``path`` (resolved: ``target``) before taking
     its lock, and create its directory."""
+    try:
+        _prepare_checkpoint_dir(path, target, config)
+    except OSError as exc:  # e.g. a parent directory that may not be searched
+        raise SpikefuseError(f"cannot use checkpoint '{path}': {_os_reason(exc)}") from exc
+
+
+def _prepare_checkpoint_dir(path: Path, target: Path, config: TrainConfig) -> None:
     if target.is_dir():
         raise SpikefuseError(f"checkpoint '{path}' is a directory; pass a file path")
     if target.exists() and not target.is_file():
