@@ -44,11 +44,14 @@ def copy(tmp_path: Path, checkpoint: Path) -> Path:
     return path
 
 
-def error_of(capsys: pytest.CaptureFixture[str]) -> str:
+def error_of(capsys: pytest.CaptureFixture[str], before_training: bool = False) -> str:
+    """The CLI's error message, checked to be one clear line (and, if ``before_training``,
+    to have come before the run printed anything)."""
     captured = capsys.readouterr()
     assert captured.err.startswith("spikefuse: error: "), captured.err
-    assert "Traceback" not in captured.err
-    assert "epoch" not in captured.out or "resumed" in captured.out
+    assert "Traceback" not in captured.err and captured.err.count("\n") == 1
+    if before_training:
+        assert captured.out == ""
     return captured.err
 
 
@@ -64,7 +67,7 @@ def test_existing_checkpoint_needs_resume_or_overwrite(
 ) -> None:
     before = copy.read_bytes()
     assert train(copy, "--epochs", "2") == 1
-    err = error_of(capsys)
+    err = error_of(capsys, before_training=True)
     assert f"checkpoint '{copy}' already exists; pass --resume" in err and "--overwrite" in err
     assert copy.read_bytes() == before
 
@@ -83,7 +86,9 @@ def test_a_file_that_is_no_checkpoint_is_never_overwritten(
     notes = tmp_path / "notes.txt"
     notes.write_bytes(content)
     assert train(notes, "--epochs", "1", *flags) == 1
-    assert "exists and is not a spikefuse checkpoint; refusing to overwrite" in error_of(capsys)
+    assert "exists and is not a spikefuse checkpoint; refusing to overwrite" in error_of(
+        capsys, before_training=True
+    )
     assert notes.read_bytes() == content
     assert listing(tmp_path) == ["notes.txt"]
 
@@ -116,7 +121,7 @@ def test_a_second_run_on_a_locked_checkpoint_refuses(
     before = copy.read_bytes()
     for flags in (["--resume"], ["--overwrite"]):
         assert train(copy, "--epochs", "2", *flags) == 1
-        err = error_of(capsys)
+        err = error_of(capsys, before_training=True)
         assert f"checkpoint '{copy}' is in use by another training run (pid 4242)" in err
     assert copy.read_bytes() == before
     assert held_lock.exists()  # the holder's lock file stays
@@ -205,7 +210,7 @@ def test_unusable_checkpoint_paths_fail_before_training(
     path, message = make(tmp_path)
     before = listing(tmp_path)
     assert train(path, "--epochs", "1") == 1
-    assert message in error_of(capsys)
+    assert message in error_of(capsys, before_training=True)
     assert listing(tmp_path) == before
 
 
@@ -222,7 +227,9 @@ def test_a_read_only_directory_fails_before_training(
     monkeypatch.setattr(train_module.os, "open", read_only)
     path = tmp_path / "digits.pt"
     assert train(path, "--epochs", "1") == 1
-    assert f"cannot write checkpoint '{path}': Read-only file system" in error_of(capsys)
+    assert f"cannot write checkpoint '{path}': Read-only file system" in error_of(
+        capsys, before_training=True
+    )
     assert listing(tmp_path) == []
 
 
@@ -252,7 +259,7 @@ def test_a_full_disk_at_the_start_is_a_clear_error(
     assert train(path, "--epochs", "1") == 1
     lock = tmp_path / ".digits.pt.lock"
     expected = f"cannot write checkpoint '{path}': writing '{lock}' failed: No space left on device"
-    assert expected in error_of(capsys)
+    assert expected in error_of(capsys, before_training=True)
     assert listing(tmp_path) == []
 
 
