@@ -11,7 +11,9 @@ from torch.nn.modules.utils import _pair
 
 from .. import layer, surrogate
 from ..errors import SpikefuseError
+from ..ops import forbid_double_backward
 from ..neuron import BaseNode, LIFNode
+from ..reference import compute_dtype
 from .bn_neuron import BNNeuronFunction, BNSpec, NeuronCall, bn_neuron_forward, bn_statistics
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
 
@@ -181,9 +183,9 @@ class FusedBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
         y = self._synapse_forward(x)
+        neuron = NeuronCall.from_node(self.node, y)  # may raise: before BN's state changes
         bn = self._bn_spec()
-        neuron = NeuronCall.from_node(self.node, y)
-        learnable = self.node.learnable_values(y.device)
+        learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
         weight = bn.weight if bn is not None else None
         bias = bn.bias if bn is not None else None
         grads = (y, weight, bias, learnable)
@@ -223,6 +225,7 @@ class WindowAvgPool(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        forbid_double_backward("WindowAvgPool")
         shape, layout, kh, kw = ctx.geometry
         grad_x = torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=layout)
         if shape[2] % kh or shape[3] % kw:  # the dropped rows/columns get no gradient
