@@ -77,7 +77,9 @@ class _EquationBuilder:
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = self.build(node.left), self.build(node.right)
             if isinstance(node.op, ast.Pow) and left.is_Number and right.is_Number:
-                huge_base = left.is_Rational and len(str(max(abs(left.p), left.q))) > _MAX_INT_DIGITS
+                huge_base = (
+                    left.is_Rational and len(str(max(abs(left.p), left.q))) > _MAX_INT_DIGITS
+                )
                 if abs(right) > _MAX_NUMERIC_EXPONENT or huge_base:
                     raise _Rejected(f"the power {ast.unparse(node)} (number too large)")
             return _BINARY[type(node.op)](left, right)

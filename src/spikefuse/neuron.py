@@ -128,7 +128,9 @@ class BaseNode(MemoryModule):
             )
         surrogate_function = Sigmoid() if surrogate_function is None else surrogate_function
         if not is_finite_real(w_init):
-            raise SpikefuseError(f"{type(self).__name__}: w_init must be a finite float, got {w_init!r}")
+            raise SpikefuseError(
+                f"{type(self).__name__}: w_init must be a finite float, got {w_init!r}"
+            )
         self.definition = definition
         for name, value in params.items():
             setattr(self, name, value)
@@ -411,9 +413,7 @@ class ParametricLIFNode(BaseNode):
                          step_mode, backend, store_v_seq)  # fmt: skip
         self.w = nn.Parameter(torch.tensor(-math.log(init_tau - 1.0)))
 
-    def learnable_values(
-        self, device: torch.device, dtype: torch.dtype = torch.float32
-    ) -> Tensor:
+    def learnable_values(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
         return self.w.sigmoid().reshape(1).to(dtype)
 
     def extra_repr(self) -> str:

@@ -168,6 +168,7 @@ def _setup_op_context(ctx, inputs, output) -> None:
 
 def _op_backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _grad_sv, _grad_sw):
     forbid_double_backward("a spikefuse neuron")
+
     def op_bptt(program, backend, *args):
         return neuron_bptt(program.key, backend, *args)
 

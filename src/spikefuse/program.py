@@ -129,7 +129,9 @@ def _register(program: NeuronProgram) -> None:
     if program.key in _REGISTRY:
         return
     _REGISTRY[program.key] = program  # the copy below registers nothing while this is here
-    _REGISTRY[program.key] = dataclasses.replace(program, surrogate=copy.deepcopy(program.surrogate))
+    _REGISTRY[program.key] = dataclasses.replace(
+        program, surrogate=copy.deepcopy(program.surrogate)
+    )
 
 
 def lookup(key: str) -> NeuronProgram:

@@ -11,8 +11,8 @@ from torch.nn.modules.utils import _pair
 
 from .. import layer, surrogate
 from ..errors import SpikefuseError
-from ..ops import forbid_double_backward
 from ..neuron import BaseNode, LIFNode
+from ..ops import forbid_double_backward
 from ..reference import compute_dtype
 from .bn_neuron import BNNeuronFunction, BNSpec, NeuronCall, bn_neuron_forward, bn_statistics
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
