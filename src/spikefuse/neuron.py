@@ -31,6 +31,11 @@ STEP_MODES = ("s", "m")
 BACKEND_NAMES = ("auto", "torch", "cuda", "cupy")
 
 
+def _check_finite(owner: str, name: str, value: Any) -> None:
+    if not is_finite_real(value):
+        raise SpikefuseError(f"{owner}: {name} must be a finite float, got {value!r}")
+
+
 class MemoryModule(nn.Module):
     """A module with per-sample state (memories) that :meth:`reset` restores to defaults."""
 
@@ -127,10 +132,7 @@ class BaseNode(MemoryModule):
                 f"{definition.name}: missing params {sorted(missing)}, unknown {sorted(extra)}"
             )
         surrogate_function = Sigmoid() if surrogate_function is None else surrogate_function
-        if not is_finite_real(w_init):
-            raise SpikefuseError(
-                f"{type(self).__name__}: w_init must be a finite float, got {w_init!r}"
-            )
+        _check_finite(type(self).__name__, "w_init", w_init)
         self.definition = definition
         for name, value in params.items():
             setattr(self, name, value)
@@ -214,10 +216,7 @@ class BaseNode(MemoryModule):
         values = [current["v_threshold"], current["v_reset"] if hard else 0.0]
         values += [current[p] for p in names]
         for name, value in zip(("v_threshold", "v_reset", *names), values, strict=True):
-            if not is_finite_real(value):
-                raise SpikefuseError(
-                    f"{type(self).__name__}: {name} must be a finite float, got {value!r}"
-                )
+            _check_finite(type(self).__name__, name, value)
             bound = self.lower_bounds.get(name)
             if bound is not None and not value > bound:
                 raise SpikefuseError(
@@ -494,6 +493,7 @@ class IzhikevichNode(BaseNode):
         backend: str = "auto",
         store_v_seq: bool = False,
     ) -> None:
+        _check_finite("IzhikevichNode", "w_rest", w_rest)
         params = {
             "tau": tau,
             "a0": a0,
@@ -513,6 +513,5 @@ class IzhikevichNode(BaseNode):
 
     @w_rest.setter
     def w_rest(self, value: float) -> None:
-        if not is_finite_real(value):
-            raise SpikefuseError(f"IzhikevichNode: w_rest must be a finite float, got {value!r}")
+        _check_finite("IzhikevichNode", "w_rest", value)
         self._memory_defaults["w"] = float(value)
