@@ -115,6 +115,13 @@ def test_shipped_and_user_equations_parse_as_before():
             assert sp.srepr(defs.parse_equation(text, d.symbols)) == sp.srepr(trusted), text
 
 
+@pytest.mark.parametrize("kwargs", [{"name": 3}, {"params": "tau"}, {"params": ["tau"]}])
+def test_definition_fields_type_checked(kwargs):
+    fields = {"name": "n", "charge": "v + x / tau", "params": ("tau",), **kwargs}
+    with pytest.raises(SpikefuseError, match="identifier|tuple of names"):
+        defs.NeuronDef(**fields)
+
+
 def test_whitelisted_functions():
     d = defs.NeuronDef("sig", charge="v + sigmoid(x) + cosh(x) - sinh(x) + sin(v) * cos(v)")
     h = sp.Symbol("h", real=True)

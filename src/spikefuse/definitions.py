@@ -188,8 +188,12 @@ class NeuronDef:
     adaptation_jump: str = "0"
 
     def __post_init__(self) -> None:
-        if not self.name.isidentifier():
+        if not isinstance(self.name, str) or not self.name.isidentifier():
             raise SpikefuseError(f"neuron name {self.name!r} must be an identifier")
+        if not isinstance(self.params, tuple) or not all(isinstance(p, str) for p in self.params):
+            raise SpikefuseError(
+                f"{self.name}: params must be a tuple of names, got {self.params!r}"
+            )
         clash = (set(self.params) & (_STATE_NAMES | set(BUILTIN_PARAMS))) | {
             p for p in self.params if self.params.count(p) > 1
         }
