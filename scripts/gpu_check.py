@@ -193,7 +193,7 @@ def run_bn_neuron(make, backend, y, gamma, beta, upstream, batch_stats):
     gamma, beta = gamma.detach().clone().requires_grad_(), beta.detach().clone().requires_grad_()
     spec = BNSpec(gamma, beta, torch.zeros(c, device="cuda"), torch.ones(c, device="cuda") * 1.5,
                   batch_stats, None, 1e-5)  # fmt: skip
-    learnable = node.learnable_values(y.device)
+    learnable = node.learnable_values(y.device)  # float32: what the kernels read
     stats = bn_statistics(y, spec)
     s = BNNeuronFunction.apply(y, gamma, beta, learnable, stats, spec, neuron_call, True)
     (s.float() * upstream).sum().backward()

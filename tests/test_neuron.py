@@ -375,10 +375,10 @@ def test_parameter_changed_after_construction_is_checked_before_computing(attr, 
     node = neuron.LIFNode(step_mode="m")
     node(torch.ones(2, 3))
     before = node.v.clone()
-    setattr(node, attr, value)
-    with pytest.raises(SpikefuseError, match=match):
-        node(torch.ones(2, 3))
-    assert torch.equal(node.v, before)
+    old = getattr(node, attr)
+    with pytest.raises(SpikefuseError, match=match):  # checked on assignment (issue 10)
+        setattr(node, attr, value)
+    assert getattr(node, attr) == old and torch.equal(node.v, before)
 
 
 def test_bad_attribute_assignment():

@@ -11,14 +11,18 @@ Dynamics (seed 003), for every neuron::
 
 Equations are strings over the symbols ``v`` (V[t-1]), ``x`` (X[t]), ``w`` (W[t-1]), ``h``
 (H[t], adaptation only), ``v_threshold``, ``v_reset`` (0 under soft reset) and the neuron's own
-parameters. sympy derives ∂H/∂X, ∂H/∂V, ∂H/∂W, ∂H/∂p, ∂Z/∂H and ∂Z/∂W; wherever a derivative
+parameters. They are parsed by a restricted arithmetic parser (never evaluated as Python): number
+literals, those symbols, ``pi``, ``+ - * / **``, unary ``+``/``-``, parentheses and the functions
+in :data:`FUNCTIONS`; anything else is a :class:`SpikefuseError`. sympy derives ∂H/∂X, ∂H/∂V, ∂H/∂W, ∂H/∂p, ∂Z/∂H and ∂Z/∂W; wherever a derivative
 needs X[t], X is eliminated through the charge equation (solved for x) so that backward only
 needs the saved H sequence.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy as sp
@@ -28,6 +32,122 @@ from .errors import SpikefuseError
 V, X, W, H = sp.symbols("v x w h", real=True)
 BUILTIN_PARAMS = ("v_threshold", "v_reset")
 _STATE_NAMES = {"v", "x", "w", "h"}
+
+# The functions an equation may call (one argument each), and what they build.
+FUNCTIONS: dict[str, Callable[[sp.Expr], sp.Expr]] = {
+    "exp": sp.exp,
+    "log": sp.log,
+    "sqrt": sp.sqrt,
+    "abs": sp.Abs,
+    "tanh": sp.tanh,
+    "sinh": sp.sinh,
+    "cosh": sp.cosh,
+    "sin": sp.sin,
+    "cos": sp.cos,
+    "sigmoid": lambda a: 1 / (1 + sp.exp(-a)),
+}
+_CONSTANTS = {"pi": sp.pi}
+_BINARY = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+    ast.Pow: lambda a, b: a**b,
+}
+_UNARY = {ast.USub: lambda a: -a, ast.UAdd: lambda a: a}
+_MAX_LENGTH = 10_000  # characters; equations are short, this bounds parser work
+_MAX_INT_DIGITS = 30
+_MAX_NUMERIC_EXPONENT = 64  # number ** number is evaluated exactly: 10**10**10 must not hang
+
+
+class _EquationBuilder:
+    """Builds a sympy expression from the AST of an arithmetic expression, node by node.
+
+    Only the node types handled here are accepted; names resolve to ``symbols`` (an unknown name
+    becomes a plain symbol, reported by the caller's symbol check), calls only to
+    :data:`FUNCTIONS`. Nothing in the text is ever evaluated.
+    """
+
+    def __init__(self, symbols: dict[str, sp.Symbol]) -> None:
+        self.symbols = symbols
+
+    def build(self, node: ast.AST) -> sp.Expr:
+        if isinstance(node, ast.Expression):
+            return self.build(node.body)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            left, right = self.build(node.left), self.build(node.right)
+            if isinstance(node.op, ast.Pow) and left.is_Number and right.is_Number:
+                huge_base = (
+                    left.is_Rational and len(str(max(abs(left.p), left.q))) > _MAX_INT_DIGITS
+                )
+                if abs(right) > _MAX_NUMERIC_EXPONENT or huge_base:
+                    raise _Rejected(f"the power {ast.unparse(node)} (number too large)")
+            return _BINARY[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](self.build(node.operand))
+        if isinstance(node, ast.Constant):
+            return self._number(node)
+        if isinstance(node, ast.Name):
+            if node.id in self.symbols:
+                return self.symbols[node.id]
+            if node.id in _CONSTANTS:
+                return _CONSTANTS[node.id]
+            if node.id in FUNCTIONS:
+                raise _Rejected(f"the function name {node.id!r} used without a call")
+            return sp.Symbol(node.id, real=True)
+        if isinstance(node, ast.Call):
+            return self._call(node)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitXor):
+            raise _Rejected(f"{ast.unparse(node)!r} ('^' is not a power here: write '**')")
+        if isinstance(node, (ast.BinOp, ast.UnaryOp)):
+            raise _Rejected(f"{ast.unparse(node)!r} (operator {type(node.op).__name__})")
+        raise _Rejected(f"{ast.unparse(node)!r} ({type(node).__name__} is not allowed)")
+
+    @staticmethod
+    def _number(node: ast.Constant) -> sp.Expr:
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Rejected(f"the literal {value!r} (only real numbers are allowed)")
+        if isinstance(value, int):
+            if len(str(abs(value))) > _MAX_INT_DIGITS:
+                raise _Rejected(f"an integer literal with more than {_MAX_INT_DIGITS} digits")
+            return sp.Integer(value)
+        return sp.Float(repr(value))
+
+    def _call(self, node: ast.Call) -> sp.Expr:
+        name = node.func.id if isinstance(node.func, ast.Name) else None
+        if name not in FUNCTIONS:
+            raise _Rejected(
+                f"the call {ast.unparse(node)!r}; allowed functions: {', '.join(FUNCTIONS)}"
+            )
+        if node.keywords or len(node.args) != 1 or isinstance(node.args[0], ast.Starred):
+            raise _Rejected(f"the call {ast.unparse(node)!r} ({name} takes one argument)")
+        return FUNCTIONS[name](self.build(node.args[0]))
+
+
+class _Rejected(Exception):
+    """Part of an equation that the restricted parser does not accept (message: which part)."""
+
+
+def parse_equation(text: str, symbols: dict[str, sp.Symbol]) -> sp.Expr:
+    """The sympy expression of an arithmetic equation string, without evaluating any code.
+
+    Raises :class:`SpikefuseError` (naming the offending part) for syntax errors and for
+    anything beyond numbers, names, ``+ - * / **``, unary signs and calls of :data:`FUNCTIONS`.
+    """
+    if not isinstance(text, str):
+        raise SpikefuseError(f"an equation must be a string, got {type(text).__name__}")
+    if len(text) > _MAX_LENGTH:
+        raise SpikefuseError(f"equation longer than {_MAX_LENGTH} characters")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+        return _EquationBuilder(symbols).build(tree)
+    except (SyntaxError, ValueError) as exc:
+        raise SpikefuseError(f"syntax error: {exc}") from None
+    except _Rejected as exc:
+        raise SpikefuseError(f"not allowed in an equation: {exc}") from None
+    except (RecursionError, MemoryError):
+        raise SpikefuseError("equation nested too deeply") from None
 
 
 @dataclass(frozen=True)
@@ -68,8 +188,12 @@ class NeuronDef:
     adaptation_jump: str = "0"
 
     def __post_init__(self) -> None:
-        if not self.name.isidentifier():
+        if not isinstance(self.name, str) or not self.name.isidentifier():
             raise SpikefuseError(f"neuron name {self.name!r} must be an identifier")
+        if not isinstance(self.params, tuple) or not all(isinstance(p, str) for p in self.params):
+            raise SpikefuseError(
+                f"{self.name}: params must be a tuple of names, got {self.params!r}"
+            )
         clash = (set(self.params) & (_STATE_NAMES | set(BUILTIN_PARAMS))) | {
             p for p in self.params if self.params.count(p) > 1
         }
@@ -111,9 +235,9 @@ class NeuronDef:
 
     def _parse(self, text: str, what: str) -> sp.Expr:
         try:
-            return sp.sympify(text, locals=dict(self.symbols))
-        except (sp.SympifyError, SyntaxError, TypeError) as exc:
-            raise SpikefuseError(f"{self.name}: cannot parse {what} {text!r}: {exc}") from exc
+            return parse_equation(text, self.symbols)
+        except SpikefuseError as exc:
+            raise SpikefuseError(f"{self.name}: cannot parse {what} {text!r}: {exc}") from None
 
     def _check_symbols(self, expr: sp.Expr, allowed_states: set[str]) -> None:
         allowed = {self.symbols[n] for n in (*allowed_states, *self.all_params)}

@@ -24,11 +24,16 @@ from .errors import BackendUnavailableError, SpikefuseError
 from .ops import run_neuron
 from .program import NeuronProgram
 from .reference import compute_dtype
-from .surrogate import Sigmoid, Surrogate
+from .surrogate import Sigmoid, Surrogate, is_finite_real
 
 log = logging.getLogger("spikefuse")
 STEP_MODES = ("s", "m")
 BACKEND_NAMES = ("auto", "torch", "cuda", "cupy")
+
+
+def _check_finite(owner: str, name: str, value: Any) -> None:
+    if not is_finite_real(value):
+        raise SpikefuseError(f"{owner}: {name} must be a finite float, got {value!r}")
 
 
 class MemoryModule(nn.Module):
@@ -63,6 +68,15 @@ class MemoryModule(nn.Module):
             setattr(self, name, value)
         else:
             self.__dict__[name] = value
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state with tensor memories detached: after a training forward ``.v`` is
+        part of an autograd graph, which neither pickles nor deep-copies; a copy starts a new one."""
+        state = self.__dict__.copy()
+        for name in self._memory_defaults:
+            if isinstance(state.get(name), Tensor):
+                state[name] = state[name].detach()
+        return state
 
     def reset(self) -> None:
         """Restore every memory to its default (call between independent sequences)."""
@@ -118,11 +132,7 @@ class BaseNode(MemoryModule):
                 f"{definition.name}: missing params {sorted(missing)}, unknown {sorted(extra)}"
             )
         surrogate_function = Sigmoid() if surrogate_function is None else surrogate_function
-        if not isinstance(surrogate_function, Surrogate):
-            raise SpikefuseError(
-                f"surrogate_function must be a spikefuse.surrogate.Surrogate, got "
-                f"{type(surrogate_function).__name__}"
-            )
+        _check_finite(type(self).__name__, "w_init", w_init)
         self.definition = definition
         for name, value in params.items():
             setattr(self, name, value)
@@ -133,10 +143,9 @@ class BaseNode(MemoryModule):
         self.backend = backend
         self.store_v_seq = store_v_seq
         self._constants: list[float] | None = None
-        self._programs: dict[tuple, NeuronProgram] = {}
-        self._update_program()
-        self.last_backend: str | None = None
         self.constants()  # validates the parameters now, not at the first call
+        self._update_program()  # from here on, every assignment is validated (__setattr__)
+        self.last_backend: str | None = None
         self.register_memory("v", 0.0 if v_reset is None else float(v_reset))
         if definition.adaptive:
             self.register_memory("w", float(w_init))
@@ -156,52 +165,82 @@ class BaseNode(MemoryModule):
     _PROGRAM_FIELDS = ("surrogate_function", "v_reset", "detach_reset")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if "_programs" not in self.__dict__:
+        if name == "surrogate_function" and not isinstance(value, Surrogate):
+            raise SpikefuseError(
+                f"surrogate_function must be a spikefuse.surrogate.Surrogate, got "
+                f"{type(value).__name__}"
+            )
+        if "program" not in self.__dict__:  # in __init__: constants() validates them all
+            super().__setattr__(name, value)
             return
+        constants = None
+        if name in ("v_threshold", "v_reset") or name in self.definition.params:
+            constants = self._validated_constants({name: value})  # before anything changes
+        super().__setattr__(name, value)
+        if constants is not None:
+            self.__dict__["_constants"] = constants
         # Rebuild the program eagerly when its configuration changes, so forward (and
-        # torch.compile tracing it) only reads an attribute; revalidate changed constants.
+        # torch.compile tracing it) only reads an attribute.
         if name in self._PROGRAM_FIELDS:
             self._update_program()
-        if name in ("v_threshold", "v_reset") or name in self.definition.params:
-            self.__dict__["_constants"] = None
+        if name == "step_mode":  # a sequence from the other mode is not this mode's state
+            self.set_memory("v_seq", None)
 
     def _update_program(self) -> None:
-        key = (id(self.surrogate_function), self.v_reset is None, bool(self.detach_reset))
-        if key not in self._programs:
-            self._programs = {
-                key: NeuronProgram(
-                    self.definition,
-                    self.surrogate_function,
-                    hard_reset=self.v_reset is not None,
-                    detach_reset=bool(self.detach_reset),
-                    learnable=self.learnable_params,
-                )
-            }
-        self.program: NeuronProgram = self._programs[key]
+        self.__dict__["program"] = NeuronProgram(
+            self.definition,
+            self.surrogate_function,
+            hard_reset=self.v_reset is not None,
+            detach_reset=bool(self.detach_reset),
+            learnable=self.learnable_params,
+        )
+        self.surrogate_function.add_user(self)
 
-    def constants(self) -> list[float]:
-        """V_th, V_reset (0 for soft reset) and the non-learnable parameters, validated.
+    def surrogate_changed(self) -> None:
+        """Called by the surrogate when one of its hyper-parameters changes."""
+        if self.program.surrogate_key != self.surrogate_function.key:
+            self._update_program()
 
-        Cached until one of them is assigned again (forward then revalidates)."""
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.surrogate_function.add_user(self)  # the surrogate does not pickle its users
+
+    def _validated_constants(self, changes: Mapping[str, Any]) -> list[float]:
+        """V_th, V_reset (0 for soft reset) and the non-learnable parameters, with ``changes``
+        applied, validated (finite, lower bounds, V_th > V_reset under hard reset)."""
+        current = {"v_threshold": self.v_threshold, "v_reset": self.v_reset}
         names = [p for p in self.definition.params if p not in self.learnable_params]
-        values = [self.v_threshold, 0.0 if self.v_reset is None else self.v_reset]
-        values += [getattr(self, p) for p in names]
+        current.update({p: getattr(self, p) for p in names})
+        current.update(changes)
+        hard = current["v_reset"] is not None
+        values = [current["v_threshold"], current["v_reset"] if hard else 0.0]
+        values += [current[p] for p in names]
         for name, value in zip(("v_threshold", "v_reset", *names), values, strict=True):
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise SpikefuseError(
-                    f"{type(self).__name__}: {name} must be a finite float, got {value!r}"
-                )
+            _check_finite(type(self).__name__, name, value)
             bound = self.lower_bounds.get(name)
             if bound is not None and not value > bound:
                 raise SpikefuseError(
                     f"{type(self).__name__}: {name} must be > {bound}, got {value}"
                 )
-        self.__dict__["_constants"] = [float(v) for v in values]
+        if hard and not values[0] > values[1]:
+            raise SpikefuseError(
+                f"{type(self).__name__}: with hard reset v_threshold must be > v_reset (got "
+                f"{values[0]} <= {values[1]}): a neuron at rest would fire on every step"
+            )
+        return [float(v) for v in values]
+
+    def constants(self) -> list[float]:
+        """V_th, V_reset (0 for soft reset) and the non-learnable parameters, validated.
+
+        Validated again on every assignment of one of them (see ``__setattr__``)."""
+        self.__dict__["_constants"] = self._validated_constants({})
         return self._constants
 
-    def learnable_values(self, device: torch.device) -> Tensor | None:
-        """Learnable parameter values [P] (float32), in definition order; None by default."""
+    def learnable_values(
+        self, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> Tensor | None:
+        """Learnable parameter values [P] in ``dtype`` (the compute dtype: float32, or float64
+        for float64 input), in definition order; None by default."""
         return None
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -251,13 +290,25 @@ class BaseNode(MemoryModule):
             self.last_backend = chosen
         return chosen
 
+    def _check_no_nan(self, x_seq: Tensor, v0: Tensor | None) -> None:
+        """Under ``torch.autograd.detect_anomaly`` (only: this reads a flag back from the
+        device), NaN in the input or the state is an error instead of NaN spikes."""
+        for what, t in (("input", x_seq), ("state v", v0)):
+            if t is not None and bool(t.isnan().any()):
+                raise SpikefuseError(
+                    f"{type(self).__name__}: the {what} contains NaN (raised because autograd "
+                    "anomaly detection is on; without it, NaN membrane potentials give NaN spikes)"
+                )
+
     def forward(self, x: Tensor) -> Tensor:
         x_seq = self._check_input(x)
         constants = self._constants or self.constants()
         backend = self.resolve_backend(x_seq)
         v0, v_init = self._state("v", x_seq)
         w0, w_init = self._state("w", x_seq) if self.definition.adaptive else (None, 0.0)
-        learnable = self.learnable_values(x_seq.device)
+        if not torch.compiler.is_compiling() and torch.is_anomaly_enabled():
+            self._check_no_nan(x_seq, v0)
+        learnable = self.learnable_values(x_seq.device, compute_dtype(x_seq.dtype))
         if learnable is not None and learnable.device != x_seq.device:
             raise SpikefuseError(
                 f"{type(self).__name__}: parameters are on {learnable.device} but the input is on "
@@ -270,10 +321,9 @@ class BaseNode(MemoryModule):
         self.set_memory("v", v_last)
         if self.definition.adaptive:
             self.set_memory("w", w_last)
-        if self.step_mode == "m":
-            self.set_memory("v_seq", v_seq if self.store_v_seq else None)
-            return spikes
-        return spikes[0]
+        multi_step = self.step_mode == "m"
+        self.set_memory("v_seq", v_seq if self.store_v_seq and multi_step else None)
+        return spikes if multi_step else spikes[0]
 
     def extra_repr(self) -> str:
         params = ", ".join(f"{p}={getattr(self, p)}" for p in self.definition.params
@@ -362,8 +412,8 @@ class ParametricLIFNode(BaseNode):
                          step_mode, backend, store_v_seq)  # fmt: skip
         self.w = nn.Parameter(torch.tensor(-math.log(init_tau - 1.0)))
 
-    def learnable_values(self, device: torch.device) -> Tensor:
-        return self.w.sigmoid().reshape(1).float()
+    def learnable_values(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+        return self.w.sigmoid().reshape(1).to(dtype)
 
     def extra_repr(self) -> str:
         return f"tau={1.0 / self.w.detach().sigmoid().item():.4f}, " + super().extra_repr()
@@ -443,6 +493,7 @@ class IzhikevichNode(BaseNode):
         backend: str = "auto",
         store_v_seq: bool = False,
     ) -> None:
+        _check_finite("IzhikevichNode", "w_rest", w_rest)
         params = {
             "tau": tau,
             "a0": a0,
@@ -452,6 +503,15 @@ class IzhikevichNode(BaseNode):
             "tau_w": tau_w,
             "b": b,
         }
-        self.w_rest = w_rest
         super().__init__(defs.IZHIKEVICH, params, v_threshold, v_reset, surrogate_function,
                          detach_reset, step_mode, backend, store_v_seq, w_init=w_rest)  # fmt: skip
+
+    @property
+    def w_rest(self) -> float:
+        """W's reset value (what :meth:`reset` restores ``.w`` to)."""
+        return self._memory_defaults["w"]
+
+    @w_rest.setter
+    def w_rest(self, value: float) -> None:
+        _check_finite("IzhikevichNode", "w_rest", value)
+        self._memory_defaults["w"] = float(value)

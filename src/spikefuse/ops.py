@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .errors import SpikefuseError
 from .program import NeuronProgram, lookup
 
 
@@ -126,6 +127,17 @@ def _bptt(program: NeuronProgram, backend, grad_spikes, grad_v_seq, grad_v_last,
     return out.grad_x, out.grad_v0, out.grad_w0, grad_learnable
 
 
+def forbid_double_backward(what: str) -> None:
+    """Raise if a backward runs with grad mode on, i.e. under ``create_graph=True``: the
+    hand-written backwards are not differentiable, so a second-order term would be dropped."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise SpikefuseError(
+            f"{what} does not support double backward (create_graph=True): its backward is not "
+            "differentiable, so higher-order gradients would be silently wrong; use the plain "
+            "autograd oracle (spikefuse.reference.oracle) for higher-order derivatives"
+        )
+
+
 def _setup_context(ctx, program: NeuronProgram, backend, inputs, saved, save, store_v_seq):
     x_seq, v0, w0, learnable, constants, init = inputs
     ctx.program, ctx.backend, ctx.constants, ctx.init = program, backend, constants, init
@@ -155,6 +167,8 @@ def _setup_op_context(ctx, inputs, output) -> None:
 
 
 def _op_backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _grad_sv, _grad_sw):
+    forbid_double_backward("a spikefuse neuron")
+
     def op_bptt(program, backend, *args):
         return neuron_bptt(program.key, backend, *args)
 
@@ -184,6 +198,7 @@ class _EagerNeuron(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last):
+        forbid_double_backward("a spikefuse neuron")
         grads = _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _bptt)
         return *grads, None
 

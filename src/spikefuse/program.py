@@ -8,10 +8,13 @@ parameters in definition order, possibly empty).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import sympy as sp
 import torch
@@ -25,7 +28,13 @@ _REGISTRY: dict[str, NeuronProgram] = {}
 
 @dataclass(frozen=True, eq=False)
 class NeuronProgram:
-    """Everything that fixes a neuron's forward/backward code, except the storage dtype."""
+    """Everything that fixes a neuron's forward/backward code, except the storage dtype.
+
+    The program describes its surrogate as it was when the program was made (``key``); a node
+    makes a new program when its surrogate's hyper-parameters change (see
+    :attr:`surrogate_key`). The registry the custom ops read holds a copy with its own
+    surrogate, which later changes to the node's surrogate cannot reach.
+    """
 
     definition: NeuronDef
     surrogate: Surrogate
@@ -49,14 +58,28 @@ class NeuronProgram:
                 f"{d.name}: learnable parameters must appear only in the charge equation; "
                 f"{sorted(in_adaptation)} appear in the adaptation"
             )
+        self.__dict__["surrogate_key"] = self.surrogate.key
         # Custom ops receive programs by key; registering here keeps the hot path free of it.
-        _REGISTRY.setdefault(self.key, self)
+        _register(self)
+
+    # The surrogate's key when the program was made (an attribute, set in __post_init__):
+    # differs from ``surrogate.key`` once the surrogate's hyper-parameters have changed.
+    surrogate_key: str = dataclasses.field(init=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("torch_functions", None)  # lambdified functions: rebuilt on first use
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _register(self)
 
     @functools.cached_property
     def key(self) -> str:
         """Stable identifier; also the name under which the custom ops find this program."""
         text = (
-            f"{self.definition.describe()}|{self.surrogate.key}|hard={self.hard_reset}"
+            f"{self.definition.describe()}|{self.surrogate_key}|hard={self.hard_reset}"
             f"|detach={self.detach_reset}|learnable={','.join(self.learnable)}"
         )
         return f"{self.definition.name}_{hashlib.sha1(text.encode()).hexdigest()[:12]}"
@@ -99,6 +122,16 @@ class NeuronProgram:
             next(learn) if name in self.learnable else like.new_tensor(next(consts))
             for name in self.definition.all_params
         ]
+
+
+def _register(program: NeuronProgram) -> None:
+    """Register a copy of ``program`` with its own surrogate under its key (once per key)."""
+    if program.key in _REGISTRY:
+        return
+    _REGISTRY[program.key] = program  # the copy below registers nothing while this is here
+    _REGISTRY[program.key] = dataclasses.replace(
+        program, surrogate=copy.deepcopy(program.surrogate)
+    )
 
 
 def lookup(key: str) -> NeuronProgram:

@@ -59,8 +59,16 @@ def saved_like(
     return h, (torch.empty_like(h) if program.definition.partials.needs_w else None)
 
 
+def _fire(h: torch.Tensor, vth: torch.Tensor) -> torch.Tensor:
+    """S = Θ(H - V_th) in H's dtype, NaN where H is NaN (the NaN policy: a NaN membrane
+    potential is never a valid "no spike"; the cuda kernels do the same)."""
+    return torch.where(h.isnan(), h, (h >= vth).to(h.dtype))
+
+
 def _reset(program: NeuronProgram, h, s, vth, vreset):
-    return h * (1 - s) + vreset * s if program.hard_reset else h - vth * s
+    """V from H and S: hard reset H(1 - S) + V_reset S, written as a select (as the cuda kernels
+    do) so that H = +inf resets to V_reset; NaN H stays NaN. Soft reset H - V_th S."""
+    return torch.where(h >= vth, vreset, h) if program.hard_reset else h - vth * s
 
 
 def _initial(state: torch.Tensor | None, value: float, like: torch.Tensor) -> torch.Tensor:
@@ -94,10 +102,11 @@ def fptt(
     spikes, hs, vs, ws = [], [], [], []
     for t in range(xs.shape[0]):
         h = f["charge"](v, xs[t], w, zero, *params)
-        s = (h >= vth).to(cd)
+        s = _fire(h, vth)
         if d.adaptive:
             z = f["adaptation"](v, xs[t], w, h, *params)
-            w = z + f["jump"](v, xs[t], w, h, *params) * s
+            # the jump as the cuda kernels apply it: where H >= V_th (NaN H: Z decides)
+            w = z + f["jump"](v, xs[t], w, h, *params) * (h >= vth).to(cd)
             ws.append(w)
         v = _reset(program, h, s, vth, vreset)
         spikes.append(s)
@@ -157,14 +166,14 @@ def bptt(
         if t < 0:
             return v_init
         h = h_seq[t]
-        return _reset(program, h, (h >= vth).to(cd), vth, vreset)
+        return _reset(program, h, _fire(h, vth), vth, vreset)
 
     grad_x = torch.empty_like(h_seq)
     grad_learn = [h_seq.new_zeros(()) for _ in program.learnable]
     grad_h_next = grad_w_next = None
     for t in range(T - 1, -1, -1):
         h, v, v_prev = h_seq[t], v_at(t), v_at(t - 1)
-        s = (h >= vth).to(cd)
+        s = _fire(h, vth)
         sg = program.surrogate.derivative(h - vth)
         if program.hard_reset:
             dv_dh = (1 - s) + (vreset - h) * sg * not_detached

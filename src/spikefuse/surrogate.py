@@ -7,9 +7,11 @@ hand-written CUDA. Formulas and defaults follow SpikingJelly where it has the sa
 
 from __future__ import annotations
 
-import functools
 import math
+import numbers
+import weakref
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import sympy as sp
 import torch
@@ -20,9 +22,16 @@ from .errors import SpikefuseError
 x_sym = sp.Symbol("x", real=True)
 
 
+def is_finite_real(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (bools excluded)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def heaviside(x: torch.Tensor) -> torch.Tensor:
-    """Θ(x) = 1 if x >= 0 else 0, in x's dtype."""
-    return (x >= 0).to(x.dtype)
+    """Θ(x) = 1 if x >= 0 else 0, in x's dtype; NaN where x is NaN.
+
+    A NaN input is never a valid "no spike": the NaN reaches the spikes, where it is visible."""
+    return torch.where(x.isnan(), x, (x >= 0).to(x.dtype))
 
 
 class _SurrogateSpike(torch.autograd.Function):
@@ -38,29 +47,91 @@ class _SurrogateSpike(torch.autograd.Function):
         return grad_spike * ctx.derivative(x), None
 
 
+class _Derivative(NamedTuple):
+    """The derivative built for one set of hyper-parameter values."""
+
+    values: tuple[tuple[str, float], ...]
+    expr: sp.Expr
+    function: Callable[[torch.Tensor], torch.Tensor]
+    key: str
+
+
 class Surrogate(nn.Module):
     """Base class: subclasses set hyper-parameters and implement :meth:`expression`.
 
     Calling a surrogate on a tensor x returns Θ(x) with the surrogate derivative in backward.
+    Hyper-parameters (the names :meth:`hyperparameters` returns) are validated on every
+    assignment by :meth:`check_hyperparameters`; a new value takes effect at once (the derivative
+    and its key are rebuilt at the next use, the neurons using the surrogate rebuild their
+    programs). Surrogates pickle and deepcopy at any time: the built derivative is a cache,
+    dropped from the pickled state.
     """
 
     def hyperparameters(self) -> dict[str, float]:
         """Hyper-parameter values by name (they are baked into generated kernels)."""
         return {}
 
+    def check_hyperparameters(self, values: dict[str, float]) -> None:
+        """Raise :class:`SpikefuseError` if ``values`` (all hyper-parameters, by name) are invalid.
+
+        The base class requires finite real numbers; subclasses add their own constraints."""
+        for name, value in values.items():
+            if not is_finite_real(value):
+                raise SpikefuseError(
+                    f"{type(self).__name__}: {name} must be a finite real number, got {value!r}"
+                )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            current = self.hyperparameters()
+        except AttributeError:  # in __init__, before every hyper-parameter exists
+            current = {}
+        if name not in current:
+            super().__setattr__(name, value)
+            return
+        self.check_hyperparameters({**current, name: value})  # before anything changes
+        super().__setattr__(name, float(value))
+        for user in list(self.__dict__.get("_users", ())):
+            user.surrogate_changed()
+
+    def add_user(self, user: Any) -> None:
+        """Call ``user.surrogate_changed()`` whenever a hyper-parameter changes (weakly held)."""
+        self.__dict__.setdefault("_users", weakref.WeakSet()).add(user)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_derivative", None)  # holds lambdified functions; rebuilt on first use
+        state.pop("_users", None)  # weak references; users register again when restored
+        return state
+
     def expression(self, x: sp.Symbol) -> sp.Expr:
         """dΘ/dx as a sympy expression of ``x`` (hyper-parameters as numbers)."""
         raise NotImplementedError
 
-    @functools.cached_property
-    def derivative_expr(self) -> sp.Expr:
-        return self.expression(x_sym).evalf()
+    def _built(self) -> _Derivative:
+        """The derivative for the current hyper-parameter values (built once per set of values)."""
+        values = tuple(self.hyperparameters().items())
+        built = self.__dict__.get("_derivative")
+        if built is None or built.values != values:
+            self.check_hyperparameters(dict(values))  # user subclasses may not check in __init__
+            expr = self.expression(x_sym).evalf()
+            fn = sp.lambdify([x_sym], expr, modules="torch")
 
-    @functools.cached_property
+            def function(x: torch.Tensor) -> torch.Tensor:
+                return torch.as_tensor(fn(x), dtype=x.dtype, device=x.device).expand_as(x)
+
+            built = _Derivative(values, expr, function, f"{type(self).__name__}({expr})")
+            self.__dict__["_derivative"] = built
+        return built
+
+    @property
+    def derivative_expr(self) -> sp.Expr:
+        return self._built().expr
+
+    @property
     def derivative(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """dΘ/dx evaluated with PyTorch ops (fp64 stays fp64)."""
-        fn = sp.lambdify([x_sym], self.derivative_expr, modules="torch")
-        return lambda x: torch.as_tensor(fn(x), dtype=x.dtype, device=x.device).expand_as(x)
+        return self._built().function
 
     def cuda_code(self, x: str) -> str:
         """A CUDA float expression for dΘ/dx, given the name of the float variable holding x.
@@ -72,8 +143,8 @@ class Surrogate(nn.Module):
 
     @property
     def key(self) -> str:
-        """Identifies the derivative (for kernel caches)."""
-        return f"{type(self).__name__}({self.derivative_expr})"
+        """Identifies the derivative (for kernel caches); changes with the hyper-parameters."""
+        return self._built().key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _SurrogateSpike.apply(x, self.derivative)
@@ -87,14 +158,19 @@ class _AlphaSurrogate(Surrogate):
 
     def __init__(self, alpha: float | None = None) -> None:
         super().__init__()
-        self.alpha = float(self.default_alpha if alpha is None else alpha)
-        if not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise SpikefuseError(
-                f"{type(self).__name__}: alpha must be finite and > 0, got {alpha}"
-            )
+        alpha = self.default_alpha if alpha is None else alpha
+        self.check_hyperparameters({"alpha": alpha})
+        self.alpha = float(alpha)
 
     def hyperparameters(self) -> dict[str, float]:
         return {"alpha": self.alpha}
+
+    def check_hyperparameters(self, values: dict[str, float]) -> None:
+        alpha = values["alpha"]
+        if not (is_finite_real(alpha) and alpha > 0):
+            raise SpikefuseError(
+                f"{type(self).__name__}: alpha must be finite and > 0, got {alpha!r}"
+            )
 
 
 class Sigmoid(_AlphaSurrogate):
@@ -171,14 +247,19 @@ class Rect(Surrogate):
 
     def __init__(self, eta: float = 1.0, th_l: float = -0.5, th_r: float = 0.5) -> None:
         super().__init__()
+        self.check_hyperparameters({"eta": eta, "th_l": th_l, "th_r": th_r})
         self.eta, self.th_l, self.th_r = float(eta), float(th_l), float(th_r)
-        if not all(map(math.isfinite, (self.eta, self.th_l, self.th_r))) or self.th_l >= self.th_r:
-            raise SpikefuseError(
-                f"Rect: need finite eta and th_l < th_r, got {eta}, {th_l}, {th_r}"
-            )
 
     def hyperparameters(self) -> dict[str, float]:
         return {"eta": self.eta, "th_l": self.th_l, "th_r": self.th_r}
+
+    def check_hyperparameters(self, values: dict[str, float]) -> None:
+        eta, th_l, th_r = values["eta"], values["th_l"], values["th_r"]
+        if not (all(map(is_finite_real, values.values())) and eta > 0 and th_l < th_r):
+            raise SpikefuseError(
+                f"Rect: need finite eta > 0 and th_l < th_r, got eta={eta!r}, th_l={th_l!r}, "
+                f"th_r={th_r!r}"
+            )
 
     def expression(self, x: sp.Symbol) -> sp.Expr:
         inside = sp.And(x > self.th_l, x < self.th_r)

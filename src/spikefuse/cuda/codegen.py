@@ -383,7 +383,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.fp
                 #pragma unroll
                 for (int k = 0; k < VEC; ++k) {{
                     const float h = step(v[k], w[k], {self._input("xp[j].e[k]")}, p);
-                    sp.e[k] = from_float(h >= p.v_threshold ? 1.0f : 0.0f);
+                    // a NaN H gives a NaN spike, never a valid "no spike" (the NaN policy)
+                    sp.e[k] = from_float(h >= p.v_threshold ? 1.0f : (isnan(h) ? h : 0.0f));
                     vp.e[k] = from_float(v[k]);
                 }}
                 store_pack(a.spike_seq, base + j * N, sp);

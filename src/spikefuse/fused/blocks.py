@@ -13,7 +13,8 @@ from torch.nn.modules.utils import _pair
 from .. import layer, surrogate
 from ..errors import SpikefuseError
 from ..neuron import BaseNode, LIFNode
-from ..ops import run_neuron
+from ..ops import forbid_double_backward, run_neuron
+from ..reference import compute_dtype
 from .bn_neuron import (
     BNNeuronFunction,
     BNSpec,
@@ -193,8 +194,8 @@ class FusedBlock(nn.Module):
         if torch.compiler.is_compiling():
             return self._traced_forward(x)
         y = self._synapse_forward(x)
-        neuron = NeuronCall.from_node(self.node, y)  # validates before any state changes
-        learnable = self.node.learnable_values(y.device)
+        neuron = NeuronCall.from_node(self.node, y)  # may raise: before BN's state changes
+        learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
         bn = self._bn_spec()
         weight = bn.weight if bn is not None else None
         bias = bn.bias if bn is not None else None
@@ -227,7 +228,7 @@ class FusedBlock(nn.Module):
             y = _BatchNorm.forward(self.bn, y)
         y = y.unflatten(0, x.shape[:2])
         neuron = NeuronCall.from_node(self.node, y)
-        learnable = self.node.learnable_values(y.device)
+        learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
         init = [neuron.v_init, 0.0]  # every call starts from the reset state, as in eager
         spikes, _, _, _ = run_neuron(neuron.program, neuron.backend, y, None, None, learnable,
                                      list(neuron.constants), init, False)  # fmt: skip
@@ -259,6 +260,7 @@ class WindowAvgPool(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        forbid_double_backward("WindowAvgPool")
         shape, layout, kh, kw = ctx.geometry
         grad_x = torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=layout)
         if shape[2] % kh or shape[3] % kw:  # the dropped rows/columns get no gradient

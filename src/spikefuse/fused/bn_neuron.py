@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
-from ..ops import _bptt, backend_module
+from ..ops import _bptt, backend_module, forbid_double_backward
 from ..program import NeuronProgram
 from ..reference import compute_dtype
 
@@ -274,11 +274,15 @@ def batch_stats(
     """Per-channel (mean, biased var) over all dims but C, across processes; and the count n.
 
     Each process computes its local mean/var in one pass; processes then all-reduce
-    (n·mean, n·(var + mean²), n) in float64 so recombining the moments loses nothing. Across
+    (n·mean, n·(var + mean²), n) in float64 so recombining the moments loses nothing. A process
+    with no samples (n = 0) contributes zeros instead of the NaN moments of an empty tensor. Across
     processes n stays a 0-dim tensor: reading it on the host would stall the GPU stream.
     """
-    mean, var = _local_mean_var(y)
     count = y.numel() // y.shape[2]
+    if count == 0:  # no samples here: contribute nothing (n = 0) to the statistics of the rest
+        mean = var = y.new_zeros(y.shape[2], dtype=compute_dtype(y.dtype))
+    else:
+        mean, var = _local_mean_var(y)
     if not is_distributed(group):
         return mean, var, count
     n = float(count)
@@ -410,6 +414,7 @@ class BNNeuronFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_spikes):
+        forbid_double_backward("a fused block (BNNeuronFunction)")
         y, learnable, *rest = ctx.saved_tensors
         stats = None
         if ctx.count is not None:

@@ -1,0 +1,74 @@
+"""Issue 10: a process with no samples contributes nothing to the synchronised BatchNorm.
+
+Two gloo processes: rank 0 has a batch, rank 1 an empty one. Rank 0 must compute exactly what
+one process computes alone on its batch (outputs, running statistics, gradients), and rank 1
+must see the same (finite) statistics and zero gradients, not NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from spikefuse.fused import FusedLinearBNNeuron, paper_lif
+
+WORLD = 2
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _block() -> FusedLinearBNNeuron:
+    torch.manual_seed(0)
+    return FusedLinearBNNeuron(5, 4, node=paper_lif(backend="torch")).double()
+
+
+def _step(block: FusedLinearBNNeuron, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.clone().requires_grad_()
+    out = block(x)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    (out * weights).sum().backward()
+    return out.detach(), [x.grad, *(p.grad for p in block.parameters())]
+
+
+def _worker(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    x = torch.randn(3, 6, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    alone = _block()
+    out_alone, grads_alone = _step(alone, x)  # before the process group exists: one process
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        block = _block()
+        mine = x if rank == 0 else x[:, :0]  # rank 1: batch 0
+        out, grads = _step(block, mine)
+        assert torch.equal(block.bn.running_mean, alone.bn.running_mean), rank
+        assert torch.allclose(block.bn.running_var, alone.bn.running_var, rtol=1e-12), rank
+        if rank == 0:
+            assert torch.equal(out, out_alone)
+            for g, g_alone in zip(grads, grads_alone, strict=True):
+                torch.testing.assert_close(g, g_alone, rtol=1e-12, atol=1e-12)
+        else:
+            assert out.shape == (3, 0, 4)
+            for g in grads[1:]:
+                assert torch.equal(g, torch.zeros_like(g))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_with_no_samples_contributes_nothing(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
