@@ -12,6 +12,7 @@ from spikefuse.fused import FusedBlock
 
 nir = pytest.importorskip("nir", reason="NIR interop needs the 'nir' package ([nir] extra)")
 from spikefuse.interop.nir import (  # noqa: E402
+    LeakyIntegrator,
     NIRConversionError,
     NIRGraphModule,
     Scale,
@@ -172,6 +173,43 @@ def test_sum_pool_and_scale_round_trip():
     x = conv_input()
     assert run(model, x).sum() > 0
     assert torch.equal(run(model, x), run(imported, x))
+
+
+@pytest.mark.parametrize("decay_input", [True, False])
+def test_leaky_integrator_is_nir_li_and_round_trips(decay_input):
+    torch.manual_seed(11)
+    model = nn.Sequential(
+        layer.Linear(12, 6, step_mode="m"),
+        neuron.IFNode(v_threshold=0.5, step_mode="m"),
+        layer.Linear(6, 3, step_mode="m"),
+        LeakyIntegrator(tau=3.0, decay_input=decay_input, v_leak=0.25, backend="torch"),
+    ).double()
+    x = fc_input()
+    out = run(model, x)
+    # V[t] of the leaky integrator, step by step (spikefuse evaluates the charge equation in
+    # sympy's arrangement, so equal up to float64 rounding)
+    with torch.no_grad():
+        y = model[2](model[1](model[0](x)))
+    v, expected = torch.full_like(y[0], 0.25), []
+    for t in range(T):
+        if decay_input:
+            v = v + (y[t] - (v - 0.25)) / 3.0
+        else:
+            v = v - (v - 0.25) / 3.0 + y[t]
+        expected.append(v)
+    torch.testing.assert_close(out, torch.stack(expected), rtol=1e-14, atol=1e-14)
+    functional.reset_net(model)
+    model(x).sum().backward()  # no spikes, no NaN: the surrogate is 0 far below the threshold
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert model[2].weight.grad.abs().sum() > 0
+    graph = export_nir(model, (12,), dt=0.25)
+    li = graph.nodes["3"]
+    assert isinstance(li, nir.LI) and np.all(li.tau == 0.75)
+    assert np.all(li.r == (1.0 if decay_input else 3.0)) and np.all(li.v_leak == 0.25)
+    imported = import_nir(graph, dt=0.25)
+    assert isinstance(imported[3], LeakyIntegrator)
+    assert imported[3].node.decay_input == decay_input
+    assert torch.equal(run(imported, x), out)
 
 
 def residual_graph() -> nir.NIRGraph:
@@ -356,7 +394,7 @@ def lif_params(**overrides):
         (nir.LIF(**lif_params(v_threshold=[1.0, 2.0])), r"one v_threshold per layer"),
         (nir.LIF(**lif_params(tau=np.nan)), r"tau must be finite"),
         (nir.IF(r=np.full(2, 2.0), v_threshold=np.ones(2)), r"'n' \(IF\).*dt \* r = 1"),
-        (nir.LI(tau=np.ones(2), r=np.ones(2), v_leak=np.zeros(2)), r"'n' \(LI\): no spikefuse"),
+        (nir.I(r=np.ones(2)), r"'n' \(I\): no spikefuse"),
         (nir.Threshold(threshold=np.ones(2)), r"'n' \(Threshold\): no spikefuse"),
         (
             nir.CubaLIF(
@@ -380,6 +418,9 @@ def test_import_refuses_recurrent_graphs_and_bad_arguments():
     loop = [("input", "fc"), ("fc", "n"), ("n", "fc"), ("n", "output")]
     with pytest.raises(NIRConversionError, match="recurrent loop"):
         import_nir(small_graph(lif_node, loop), dt=1.0)
+    dead_end = [("input", "fc"), ("fc", "n"), ("fc", "output")]
+    with pytest.raises(NIRConversionError, match=r"nodes \['n'\] are not on a path"):
+        import_nir(small_graph(lif_node, dead_end), dt=1.0)
     with pytest.raises(NIRConversionError, match="dt must be a positive"):
         import_nir(small_graph(lif_node), dt=float("nan"))
     with pytest.raises(NIRConversionError, match="expected an nir.NIRGraph"):

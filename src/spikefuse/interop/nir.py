@@ -27,12 +27,14 @@ map one to one, in both directions, as
     LIF, decay_input=True  ``nir.LIF``       tau * dt        1          V_reset       V_reset
     LIF, decay_input=False ``nir.LIF``       tau * dt        tau        V_reset       V_reset
     IF                     ``nir.IF``        --              1 / dt     --            V_reset
+    LeakyIntegrator        ``nir.LI``        tau * dt        1 or tau   v_leak        --
     =====================  ================  ==============  =========  ============  ==========
 
 and ``v_threshold`` = V_th. Import inverts this: tau = tau_NIR / dt (must be > 1), r = 1 gives
 ``decay_input=True``, r = tau gives ``decay_input=False`` (both up to float32 rounding of the
 stored values), and v_leak must equal v_reset because spikefuse's LIF leaks towards its reset
-potential. With ``dt`` a power of two (e.g. 1) a round trip returns bit-identical parameters.
+potential. :class:`LeakyIntegrator` is NIR's non-spiking ``LI`` (a LIF that never fires,
+outputting V). With ``dt`` a power of two (e.g. 1) a round trip returns bit-identical parameters.
 NIR stores parameters per neuron; spikefuse neurons have one value per layer, so import needs
 them uniform. Differences that are not mapped:
 
@@ -50,7 +52,7 @@ its weight and bias: W' = W gamma / sqrt(var + eps), b' = (b - mean) gamma / sqr
 beta); ``Flatten`` is ``nir.Flatten`` (NIR counts dimensions without the batch); ``AvgPool2d`` is
 ``nir.AvgPool2d`` and ``AvgPool2d(divisor_override=1)`` is ``nir.SumPool2d``; :class:`Scale` is
 ``nir.Scale``. A node with several incoming edges receives their sum. Import refuses with
-:class:`NIRConversionError`, naming the node, what has no spikefuse equivalent: ``LI``, ``I``,
+:class:`NIRConversionError`, naming the node, what has no spikefuse equivalent: ``I``,
 ``CubaLI``, ``CubaLIF`` (two-state, current-based), ``Threshold`` (stateless), ``Delay``, nested
 graphs, recurrent edges (spikefuse neurons run a whole sequence per call) and non-uniform neuron
 parameters. Export refuses QIF/EIF/Izhikevich and custom neurons, soft reset, MaxPool, training-
@@ -61,6 +63,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -82,9 +85,16 @@ from .. import layer
 from ..errors import SpikefuseError
 from ..fused import FusedBlock, SpikePool
 from ..neuron import BaseNode, IFNode, LIFNode
-from ..surrogate import Surrogate
+from ..surrogate import Rect, Surrogate
 
-__all__ = ["NIRConversionError", "NIRGraphModule", "Scale", "export_nir", "import_nir"]
+__all__ = [
+    "LeakyIntegrator",
+    "NIRConversionError",
+    "NIRGraphModule",
+    "Scale",
+    "export_nir",
+    "import_nir",
+]
 
 # NIR stores parameters in float32 by many exporters: values within this relative distance of
 # what a spikefuse neuron needs (r = 1, r = tau, dt r = 1) are taken as equal.
@@ -120,6 +130,30 @@ class Scale(nn.Module):
 
     def extra_repr(self) -> str:
         return f"shape={tuple(self.scale.shape)}"
+
+
+class LeakyIntegrator(nn.Module):
+    """Non-spiking leaky integrator (NIR's ``LI``) on multi-step input ``[T, N, *]``.
+
+    Outputs the potential V[t] of ``LIFNode(tau, decay_input, v_reset=v_leak)`` with firing
+    disabled (its threshold is the largest float, so H >= V_th never holds and the rectangular
+    surrogate's derivative is 0): the same kernels on every backend. V starts at v_leak.
+
+    decay_input=True:  V[t] = V[t-1] + (X[t] - (V[t-1] - v_leak)) / tau
+    decay_input=False: V[t] = V[t-1] - (V[t-1] - v_leak) / tau + X[t]
+    """
+
+    def __init__(
+        self, tau: float, decay_input: bool = True, v_leak: float = 0.0, backend: str = "auto"
+    ) -> None:
+        super().__init__()
+        self.node = LIFNode(tau=tau, decay_input=decay_input, v_threshold=sys.float_info.max,
+                            v_reset=v_leak, surrogate_function=Rect(), step_mode="m",
+                            backend=backend, store_v_seq=True)  # fmt: skip
+
+    def forward(self, x_seq: Tensor) -> Tensor:
+        self.node(x_seq)
+        return self.node.v_seq
 
 
 class NIRGraphModule(nn.Module):
@@ -328,6 +362,9 @@ class _Exporter:
             return nir.Scale(scale=_array(module.scale)), shape
         if isinstance(module, BaseNode):
             return self._neuron(where, module, shape), shape
+        if isinstance(module, LeakyIntegrator):
+            lif = module.node
+            return nir.LI(**self._leaky(lif.tau, lif.decay_input, lif.v_reset, shape)), shape
         raise NIRConversionError(f"{where}: no NIR equivalent is known for this module")
 
     def _conv(self, where: str, conv: nn.Module, bn: nn.Module | None, shape: tuple[int, ...]):
@@ -393,13 +430,15 @@ class _Exporter:
         else:  # PLIF exports its current tau = 1 / sigmoid(w) as a fixed LIF
             decay = float(node.learnable_values(torch.device("cpu")))
             tau, decay_input = 1.0 / decay, _PLIF_DEFS[definition]
-        return nir.LIF(
-            tau=full(tau * self.dt),
-            r=full(1.0 if decay_input else tau),
-            v_leak=full(v_reset),
-            v_threshold=full(v_threshold),
-            v_reset=full(v_reset),
-        )
+        leaky = self._leaky(tau, decay_input, v_reset, shape)
+        return nir.LIF(**leaky, v_threshold=full(v_threshold), v_reset=full(v_reset))
+
+    def _leaky(
+        self, tau: float, decay_input: bool, v_leak: float, shape: tuple[int, ...]
+    ) -> dict[str, np.ndarray]:
+        """NIR's tau, r and v_leak of a discrete leak towards v_leak (module docstring)."""
+        values = {"tau": tau * self.dt, "r": 1.0 if decay_input else tau, "v_leak": v_leak}
+        return {k: np.full(shape, float(v), dtype=np.float64) for k, v in values.items()}
 
 
 def _common_shape(name: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -415,13 +454,11 @@ def _array(t: Tensor) -> np.ndarray:
 def _ints(value: Any, pair: bool) -> int | tuple[int, int]:
     """An int (1-D) or an (int, int) pair (2-D) from a torch or NIR argument."""
     values = [int(v) for v in np.atleast_1d(np.asarray(value))]
-    if pair:
-        return (values[0], values[-1]) if len(values) in (1, 2) else _bad_ints(value)
-    return values[0] if len(values) == 1 else _bad_ints(value)
-
-
-def _bad_ints(value: Any):
-    raise NIRConversionError(f"expected one int or a pair of ints, got {value!r}")
+    if pair and len(values) in (1, 2):
+        return values[0], values[-1]
+    if not pair and len(values) == 1:
+        return values[0]
+    raise NIRConversionError(f"expected {'a pair of ints' if pair else 'one int'}, got {value!r}")
 
 
 def _folded(
@@ -536,8 +573,7 @@ def import_nir(
 def _adjacency(graph: nir.NIRGraph) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     preds = {name: [] for name in graph.nodes}
     succs = {name: [] for name in graph.nodes}
-    for edge in graph.edges:
-        a, b = (str(e.decode() if isinstance(e, bytes) else e) for e in edge)
+    for a, b in graph.edges:
         for end in (a, b):
             if end not in graph.nodes:
                 raise NIRConversionError(f"import_nir: edge {(a, b)} names unknown node {end!r}")
@@ -567,11 +603,10 @@ def _topological_order(graph, preds, succs, source: str, sink: str) -> list[str]
             f"import_nir: nodes {cyclic} are on a recurrent loop; spikefuse neurons run a whole "
             "sequence per call, so recurrent edges cannot be imported"
         )
-    unused = [n for n in graph.nodes if n not in order or (n != sink and not succs[n])]
-    unused = [n for n in unused if n != sink and not isinstance(graph.nodes[n], nir.Output)]
-    if unused or sink not in order:
+    stray = [n for n in graph.nodes if n != sink and (n not in order or not succs[n])]
+    if stray or sink not in order:
         raise NIRConversionError(
-            f"import_nir: nodes {unused or [sink]} are not on a path from the input to the output"
+            f"import_nir: nodes {stray or [sink]} are not on a path from the input to the output"
         )
     return [n for n in order if n not in (source, sink)]
 
@@ -663,9 +698,12 @@ class _Importer:
             )
         if isinstance(node, nir.LIF):
             return self._lif(where, node)
+        if isinstance(node, nir.LI):
+            tau, decay_input, v_leak = self._leak(where, node)
+            return LeakyIntegrator(tau, decay_input, v_leak, self.neuron_options["backend"])
         raise NIRConversionError(
             f"{where}: no spikefuse equivalent (supported: Affine, Linear, Conv1d, Conv2d, Flatten, "
-            "AvgPool2d, SumPool2d, Scale, IF, LIF)"
+            "AvgPool2d, SumPool2d, Scale, IF, LI, LIF)"
         )
 
     def _surrogate(self) -> Surrogate | None:
@@ -694,19 +732,13 @@ class _Importer:
         )
         return _load(conv, weight, bias)
 
-    def _lif(self, where: str, node: nir.LIF) -> LIFNode:
+    def _leak(self, where: str, node: nir.LIF | nir.LI) -> tuple[float, bool, float]:
+        """(tau, decay_input, v_leak) of a spikefuse leak equal to the node's Euler step."""
         tau = _uniform(where, "tau", node.tau) / self.dt
-        v_leak = _uniform(where, "v_leak", node.v_leak)
-        v_reset = _uniform(where, "v_reset", node.v_reset)
         if not tau > 1.0:
             raise NIRConversionError(
-                f"{where}: tau / dt = {tau} must be > 1 for a discrete LIF (dt = {self.dt}); "
+                f"{where}: tau / dt = {tau} must be > 1 for a discrete leak (dt = {self.dt}); "
                 "pass the dt the graph was made for"
-            )
-        if v_leak != v_reset:
-            raise NIRConversionError(
-                f"{where}: spikefuse's LIF leaks towards its reset potential, but v_leak = "
-                f"{v_leak} differs from v_reset = {v_reset}"
             )
         if _close(node.r, 1.0):
             decay_input = True
@@ -715,7 +747,17 @@ class _Importer:
         else:
             raise NIRConversionError(
                 f"{where}: r = {_describe(node.r)} has no spikefuse equivalent: r = 1 is "
-                f"LIFNode(decay_input=True), r = tau / dt = {tau} is decay_input=False"
+                f"decay_input=True, r = tau / dt = {tau} is decay_input=False"
+            )
+        return tau, decay_input, _uniform(where, "v_leak", node.v_leak)
+
+    def _lif(self, where: str, node: nir.LIF) -> LIFNode:
+        tau, decay_input, v_leak = self._leak(where, node)
+        v_reset = _uniform(where, "v_reset", node.v_reset)
+        if v_leak != v_reset:
+            raise NIRConversionError(
+                f"{where}: spikefuse's LIF leaks towards its reset potential, but v_leak = "
+                f"{v_leak} differs from v_reset = {v_reset}"
             )
         return LIFNode(
             tau=tau,
