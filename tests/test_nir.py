@@ -145,6 +145,28 @@ def test_round_trip_fc_is_exact_with_dt():
     assert np.all(graph.nodes["1"].tau == 1.25) and np.all(graph.nodes["1"].r == 2.5)
 
 
+def test_parametric_lif_exports_its_current_tau():
+    torch.manual_seed(12)
+    model = nn.Sequential(
+        layer.Linear(12, 8, step_mode="m"),
+        neuron.ParametricLIFNode(init_tau=3.0, decay_input=False, v_threshold=0.6, step_mode="m"),
+    )
+    model = scaled(model).double()
+    with torch.no_grad():
+        model[1].w.fill_(-0.9)  # as if trained: tau = 1 / sigmoid(-0.9)
+    tau = 1.0 / torch.sigmoid(torch.tensor(-0.9)).item()
+    graph = export_nir(model, (12,), dt=1.0)
+    node = graph.nodes["1"]
+    assert np.allclose(node.tau, tau) and np.allclose(node.r, tau)
+    imported = import_nir(graph, dt=1.0)
+    assert isinstance(imported[1], neuron.LIFNode) and not imported[1].decay_input
+    x = fc_input()
+    assert 0 < run(model, x).mean() < 1
+    # PLIF multiplies by sigmoid(w) in float32, LIFNode divides by tau: the potentials agree up
+    # to rounding, the spikes here exactly
+    assert torch.equal(run(imported, x), run(model, x))
+
+
 def test_round_trip_through_an_hdf5_file(tmp_path):
     pytest.importorskip("h5py", reason="nir.write needs h5py")
     model = conv_net(lif(True))

@@ -225,10 +225,11 @@ def export_nir(model: nn.Module, input_shape: Sequence[int], *, dt: float) -> ni
     """
     _check_dt(dt)
     shape = tuple(input_shape)
-    if not shape or not all(isinstance(s, int) and s > 0 for s in shape):
+    if not shape or not all(isinstance(s, (int, np.integer)) and s > 0 for s in shape):
         raise NIRConversionError(
             f"export_nir: input_shape must be positive ints (one sample), got {input_shape!r}"
         )
+    shape = tuple(int(s) for s in shape)
     exporter = _Exporter(dt)
     if isinstance(model, NIRGraphModule):
         return exporter.graph_module(model, shape)
@@ -260,7 +261,7 @@ def _leaves(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
     elif isinstance(module, SpikePool):
         yield prefix, module.pool
     elif type(module) is not nn.Identity:
-        yield prefix or type(module).__name__, module
+        yield prefix, module
 
 
 def _chain_edges(names: list[str], sources: list[str], sink: str | None) -> list[tuple[str, str]]:
@@ -403,11 +404,7 @@ class _Exporter:
 
     def _neuron(self, where: str, node: BaseNode, shape: tuple[int, ...]) -> nir.NIRNode:
         definition = node.definition
-        if definition is defs.IF:
-            kind = "IF"
-        elif definition in _LIF_DEFS or definition in _PLIF_DEFS:
-            kind = "LIF"
-        else:
+        if definition is not defs.IF and definition not in {**_LIF_DEFS, **_PLIF_DEFS}:
             raise NIRConversionError(
                 f"{where}: neuron {definition.name!r} has no NIR equivalent (NIR has IF and LIF; "
                 "QIF, EIF, Izhikevich and custom charge equations cannot be expressed)"
@@ -418,20 +415,18 @@ class _Exporter:
                 "equivalent: NIR neurons reset to v_reset; use a hard reset"
             )
         v_threshold, v_reset = node.constants()[:2]  # validated finite floats
-
-        def full(value: float) -> np.ndarray:
-            return np.full(shape, value, dtype=np.float64)
-
-        if kind == "IF":
-            return nir.IF(r=full(1.0 / self.dt), v_threshold=full(v_threshold),
-                          v_reset=full(v_reset))  # fmt: skip
+        fire = {
+            "v_threshold": np.full(shape, v_threshold, dtype=np.float64),
+            "v_reset": np.full(shape, v_reset, dtype=np.float64),
+        }
+        if definition is defs.IF:
+            return nir.IF(r=np.full(shape, 1.0 / self.dt, dtype=np.float64), **fire)
         if definition in _LIF_DEFS:
             tau, decay_input = float(node.tau), _LIF_DEFS[definition]
         else:  # PLIF exports its current tau = 1 / sigmoid(w) as a fixed LIF
-            decay = float(node.learnable_values(torch.device("cpu")))
+            decay = float(node.learnable_values(torch.device("cpu")).detach())
             tau, decay_input = 1.0 / decay, _PLIF_DEFS[definition]
-        leaky = self._leaky(tau, decay_input, v_reset, shape)
-        return nir.LIF(**leaky, v_threshold=full(v_threshold), v_reset=full(v_reset))
+        return nir.LIF(**self._leaky(tau, decay_input, v_reset, shape), **fire)
 
     def _leaky(
         self, tau: float, decay_input: bool, v_leak: float, shape: tuple[int, ...]
@@ -448,7 +443,9 @@ def _common_shape(name: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 def _array(t: Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy().copy()
+    t = t.detach().cpu()
+    # numpy has no bfloat16; float32 holds every bfloat16 value exactly
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
 
 
 def _ints(value: Any, pair: bool) -> int | tuple[int, int]:
