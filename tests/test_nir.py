@@ -21,6 +21,10 @@ from spikefuse.interop.nir import (  # noqa: E402
 )
 
 T, N = 8, 3
+NORSE_MISSING = (
+    "Norse is not installed (pip install --no-deps norse: its torchvision requirement is unused "
+    "by norse.torch, and torchvision's PyPI wheel does not load next to a CPU-only torch)"
+)
 
 
 def conv_net(node, dtype=torch.float64) -> nn.Sequential:
@@ -560,7 +564,7 @@ def test_snntorch_to_spikefuse_gives_the_same_spikes(kind):
 
 @pytest.mark.parametrize("kind", ["conv", "fc"])
 def test_spikefuse_to_norse_gives_the_same_spikes(kind):
-    norse = pytest.importorskip("norse.torch", reason="Norse is not installed")
+    norse = pytest.importorskip("norse.torch", reason=NORSE_MISSING)
 
     if kind == "conv":
         node = lambda: neuron.LIFNode(tau=2.5, v_threshold=0.2, step_mode="m")  # noqa: E731
@@ -585,7 +589,7 @@ def test_spikefuse_to_norse_gives_the_same_spikes(kind):
 
 
 def test_norse_to_spikefuse_gives_the_same_spikes():
-    norse = pytest.importorskip("norse.torch", reason="Norse is not installed")
+    norse = pytest.importorskip("norse.torch", reason=NORSE_MISSING)
     from norse.torch.utils.export_nir import to_nir
 
     torch.manual_seed(10)

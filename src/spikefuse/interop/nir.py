@@ -44,7 +44,15 @@ them uniform. Differences that are not mapped:
 * the initial potential is not part of NIR; spikefuse starts at V_reset (Norse at v_leak,
   snnTorch at 0: the same whenever v_leak = v_reset = 0);
 * surrogate gradients and ``detach_reset`` shape only training; they are not exported, and
-  import takes them as arguments (default: ``surrogate.Sigmoid()``, ``detach_reset=False``).
+  import takes them as arguments (default: ``surrogate.Sigmoid()``, ``detach_reset=False``);
+* ``ParametricLIFNode`` exports its current tau = 1/sigmoid(w) and imports as a fixed LIFNode.
+
+Other simulators read NIR their own way (checked in ``tests/test_nir.py``): snnTorch's import
+fixes dt = 1e-4, maps r dt / tau = 1 to ``Leaky(beta = 1 - dt / tau)`` and resets to zero, which
+is ``decay_input=False`` with ``v_reset=0``; Norse's ``from_nir`` ignores r and v_reset, adds
+an IF's input unscaled and its export writes tau = dt / tau_mem_inv, so models move to and from
+Norse with dt = 1, ``decay_input=True`` and ``v_reset=0``. Imported layers keep the dtype of the
+graph's arrays (float64 arrays give float64 layers; ``model.float()`` converts).
 
 Other nodes: Linear/Conv1d/Conv2d are ``nir.Affine``/``nir.Linear``/``nir.Conv1d``/
 ``nir.Conv2d`` (an eval-mode BatchNorm right after one, also inside a fused block, is folded into
