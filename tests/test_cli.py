@@ -245,3 +245,15 @@ def test_python_m_spikefuse_train_help() -> None:
     assert done.returncode == 0, done.stderr
     assert "usage: spikefuse train" in done.stdout and "--resume" in done.stdout
     assert "--overwrite" in done.stdout
+
+
+def test_cuda_graph_needs_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        train(tmp_path / "a.pt", "--cuda-graph")  # SMALL says --device cpu
+    assert exit_info.value.code == 2
+    assert "--cuda-graph replays steps on a GPU" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        args = ["train", "--limit", "200", "--quiet", "--cuda-graph", "--checkpoint"]
+        assert main([*args, str(tmp_path / "b.pt")]) == 1
+        assert "--cuda-graph needs a CUDA GPU" in capsys.readouterr().err
+        assert not (tmp_path / "b.pt").exists()

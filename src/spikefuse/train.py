@@ -90,6 +90,7 @@ class TrainConfig:
     overwrite: bool = False
     limit: int | None = None
     quiet: bool = False
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         """Reject every value that could crash or poison the run, before anything happens."""
@@ -114,6 +115,8 @@ class TrainConfig:
                 )
         if not isinstance(self.checkpoint, str) or not self.checkpoint:
             raise SpikefuseError(f"--checkpoint must be a file path, got {self.checkpoint!r}")
+        if self.cuda_graph and self.device == "cpu":
+            raise SpikefuseError("--cuda-graph replays steps on a GPU; drop --device cpu")
         if self.resume and self.overwrite:
             raise SpikefuseError(
                 "--resume and --overwrite exclude each other: --resume continues the "
@@ -474,7 +477,8 @@ def restore(
     # mismatch would change the training silently or fail only in the first step.
     for group in optimizer.param_groups:
         for key, default in optimizer.defaults.items():
-            if key != "lr" and group.get(key, default) != default:  # lr: set every epoch
+            # lr: set every epoch; capturable: how this run steps (see set_capturable)
+            if key not in ("lr", "capturable") and group.get(key, default) != default:
                 raise CheckpointError(
                     f"checkpoint '{path}' does not fit the model: optimizer setting "
                     f"{key}={group[key]!r}, expected {default!r}"
@@ -491,6 +495,18 @@ def restore(
                         f"shape {tuple(buffer.shape)} for a parameter of shape "
                         f"{tuple(param.shape)}"
                     )
+
+
+def set_capturable(optimizer: torch.optim.Optimizer, capturable: bool) -> None:
+    """Make a loaded optimizer step as this run does: capturable keeps Adam's step count on
+    the parameters' device (CUDA graphs), otherwise on the CPU."""
+    for group in optimizer.param_groups:
+        group["capturable"] = capturable
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if isinstance(state.get("step"), torch.Tensor):
+                device = param.device if capturable else torch.device("cpu")
+                state["step"] = state["step"].to(device, torch.float32)
 
 
 @contextlib.contextmanager
@@ -636,18 +652,75 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, T: in
     return correct / len(labels)
 
 
+TrainStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images, labels) -> loss
+
+
+class GraphedTrainStep:
+    """Training steps replayed from CUDA graphs (``torch.cuda.graph``), one per batch shape.
+
+    The first step of a shape runs eagerly on a side stream (kernels compiled and loaded, cuDNN
+    plans and optimizer state created: what capture needs); the next one is captured, and from
+    then on a step copies the batch into the graph's static inputs and replays it, with no
+    host work per kernel. The step must start from reset neurons and leave them reset (as
+    :func:`forward` does). The learning rate is baked into a capture: :meth:`invalidate`
+    drops the graphs when it changes.
+    """
+
+    def __init__(self) -> None:
+        self.warmed_up: set[tuple] = set()
+        self.graphs: dict[tuple, tuple] = {}
+
+    def invalidate(self) -> None:
+        self.graphs.clear()
+
+    def __call__(self, step: TrainStep, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``step(x, y)``'s loss, run eagerly (warm-up), captured or replayed."""
+        key = (tuple(x.shape), tuple(y.shape))
+        if key not in self.warmed_up:
+            self.warmed_up.add(key)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = step(x, y)
+            torch.cuda.current_stream().wait_stream(side)
+            return loss
+        entry = self.graphs.get(key)
+        if entry is None:  # capture records the step without running it: replayed below
+            static_x, static_y, graph = x.clone(), y.clone(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_loss = step(static_x, static_y)
+            entry = self.graphs[key] = (graph, static_x, static_y, static_loss)
+        graph, static_x, static_y, static_loss = entry
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        return static_loss
+
+
 def train_epoch(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     data: Digits,
     config: TrainConfig,
     epoch: int,
+    graphed: GraphedTrainStep | None = None,
 ) -> float:
-    """Run one epoch and return the mean training loss."""
+    """Run one epoch and return the mean training loss (steps replayed from CUDA graphs when
+    ``graphed`` is given)."""
     model.train()
     # Cosine decay, computed from the epoch alone so a resumed run needs no scheduler state.
     for group in optimizer.param_groups:
         group["lr"] = config.lr * 0.5 * (1.0 + math.cos(math.pi * epoch / config.epochs))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(forward(model, x, config.T), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    if graphed is not None:
+        graphed.invalidate()  # captured with the last epoch's learning rate
     # Seeded per epoch, so a resumed run sees the same batches as an uninterrupted one.
     order = torch.from_numpy(
         np.random.default_rng([config.seed, epoch]).permutation(len(data.y_train))
@@ -661,10 +734,8 @@ def train_epoch(
     )
     total_loss = 0.0
     for batch, index in enumerate(batches):
-        loss = F.cross_entropy(forward(model, data.x_train[index], config.T), data.y_train[index])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        x, y = data.x_train[index], data.y_train[index]
+        loss = step(x, y) if graphed is None else graphed(step, x, y)
         value = loss.item()
         if not math.isfinite(value):
             raise SpikefuseError(
@@ -684,6 +755,8 @@ def run(config: TrainConfig) -> float:
     ``config.resume`` or ``config.overwrite``, not to exist) before training starts.
     """
     device = resolve_device(config.device)
+    if config.cuda_graph and device.type != "cuda":
+        raise SpikefuseError("--cuda-graph needs a CUDA GPU, and PyTorch sees none")
     backend = describe_backend(config.backend, device)
     checkpoint = Path(config.checkpoint)
     target = checkpoint_target(checkpoint)
@@ -698,7 +771,8 @@ def _train(config: TrainConfig, device: torch.device, backend: str, checkpoint: 
     torch.manual_seed(config.seed)
     data = load_data(config.seed, config.limit).to(device)
     model = build_model(config.neuron, config.backend).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    # capturable: Adam's step count stays on the GPU, so a graph can replay optimizer.step
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, capturable=config.cuda_graph)
     print(
         f"device: {device}, backend: {backend}, neuron: {config.neuron}, T={config.T}, "
         f"train/test samples: {len(data.y_train)}/{len(data.y_test)}",
@@ -709,14 +783,16 @@ def _train(config: TrainConfig, device: torch.device, backend: str, checkpoint: 
     if config.resume:
         payload = load_checkpoint(checkpoint, config)
         restore(model, optimizer, payload, checkpoint)
+        set_capturable(optimizer, config.cuda_graph)  # the checkpoint's run may have differed
         start_epoch = payload["epoch"]
         print(f"resumed from '{checkpoint}' after epoch {start_epoch}", flush=True)
 
+    graphed = GraphedTrainStep() if config.cuda_graph else None
     with cpu_threads(device, 1):
         accuracy = None
         for epoch in range(start_epoch, config.epochs):
             began = time.perf_counter()
-            loss = train_epoch(model, optimizer, data, config, epoch)
+            loss = train_epoch(model, optimizer, data, config, epoch, graphed)
             accuracy = evaluate(model, data.x_test, data.y_test, config.T)
             save_checkpoint(
                 checkpoint,
@@ -789,6 +865,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"use only N samples, {MIN_SAMPLES}..{DIGITS_SAMPLES} (smoke tests)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="replay each training step from a CUDA graph (no per-kernel host work; GPU only)",
+    )
     return p
 
 
