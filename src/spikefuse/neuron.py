@@ -70,6 +70,14 @@ class MemoryModule(nn.Module):
             immutable = value is None or isinstance(value, (int, float))
             self.set_memory(name, value if immutable else copy.deepcopy(value))
 
+    def detach(self) -> None:
+        """Cut every tensor memory from the autograd graph of earlier steps, keeping its value
+        (truncated BPTT; :func:`spikefuse.functional.detach_net` calls it on a whole network)."""
+        for name in self._memory_defaults:
+            value = getattr(self, name)
+            if isinstance(value, Tensor):
+                self.set_memory(name, value.detach())
+
 
 class BaseNode(MemoryModule):
     """A spiking neuron layer running any :class:`~spikefuse.definitions.NeuronDef`.
@@ -141,6 +149,11 @@ class BaseNode(MemoryModule):
         if definition.adaptive:
             self.register_memory("w", float(w_init))
         self.register_memory("v_seq", None)
+
+    @property
+    def supported_backends(self) -> tuple[str, ...]:
+        """The names ``backend`` accepts (SpikingJelly's attribute)."""
+        return BACKEND_NAMES
 
     @property
     def backend(self) -> str:
@@ -274,6 +287,24 @@ class BaseNode(MemoryModule):
             self.set_memory("v_seq", v_seq if self.store_v_seq else None)
             return spikes
         return spikes[0]
+
+    def single_step_forward(self, x: Tensor) -> Tensor:
+        """One step ``[N, *] -> [N, *]`` whatever ``step_mode`` is (SpikingJelly's method)."""
+        return self._forward_in_mode(x, "s")
+
+    def multi_step_forward(self, x_seq: Tensor) -> Tensor:
+        """A sequence ``[T, N, *] -> [T, N, *]`` whatever ``step_mode`` is (SpikingJelly's
+        method; runs the fused multi-step path, not a loop of single steps)."""
+        return self._forward_in_mode(x_seq, "m")
+
+    def _forward_in_mode(self, x: Tensor, mode: str) -> Tensor:
+        if self._step_mode == mode:
+            return self.forward(x)
+        saved, self._step_mode = self._step_mode, mode
+        try:
+            return self.forward(x)
+        finally:
+            self._step_mode = saved
 
     def extra_repr(self) -> str:
         params = ", ".join(f"{p}={getattr(self, p)}" for p in self.definition.params
@@ -435,7 +466,7 @@ class IzhikevichNode(BaseNode):
         v_rest: float = -0.1,
         w_rest: float = 0.0,
         tau_w: float = 2.0,
-        a: float = 1.0,
+        a: float = 0.0,
         b: float = 0.0,
         surrogate_function: Surrogate | None = None,
         detach_reset: bool = False,

@@ -25,6 +25,19 @@ def heaviside(x: torch.Tensor) -> torch.Tensor:
     return (x >= 0).to(x.dtype)
 
 
+def _where(condition: torch.Tensor, a, b) -> torch.Tensor:
+    """torch.where for lambdified Piecewise: constant branches are float64 0-d tensors, so a
+    piecewise-constant derivative (Rect) is not rounded to float32 before the cast to x's dtype
+    (0-d tensors do not promote the dtype of x-dependent branches)."""
+    a, b = (
+        torch.tensor(v, dtype=torch.float64, device=condition.device)
+        if isinstance(v, (int, float))
+        else v
+        for v in (a, b)
+    )
+    return torch.where(condition, a, b)
+
+
 class _SurrogateSpike(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, derivative: Callable[[torch.Tensor], torch.Tensor]):
@@ -59,7 +72,7 @@ class Surrogate(nn.Module):
     @functools.cached_property
     def derivative(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """dΘ/dx evaluated with PyTorch ops (fp64 stays fp64)."""
-        fn = sp.lambdify([x_sym], self.derivative_expr, modules="torch")
+        fn = sp.lambdify([x_sym], self.derivative_expr, modules=[{"where": _where}, "torch"])
         return lambda x: torch.as_tensor(fn(x), dtype=x.dtype, device=x.device).expand_as(x)
 
     def cuda_code(self, x: str) -> str:
@@ -145,12 +158,12 @@ class SoftSign(_AlphaSurrogate):
 
 
 class SuperSpike(_AlphaSurrogate):
-    """Θ'(x) = 1 / (α|x| + 1)² (Zenke & Ganguli)."""
+    """Θ'(x) = α / (1 + |x|)² (Zenke & Ganguli; SpikingJelly's formula: α scales the height)."""
 
     default_alpha = 1.0
 
     def expression(self, x: sp.Symbol) -> sp.Expr:
-        return 1 / (self.alpha * sp.Abs(x) + 1) ** 2
+        return self.alpha / (sp.Abs(x) + 1) ** 2
 
 
 class Erf(_AlphaSurrogate):
@@ -162,11 +175,24 @@ class Erf(_AlphaSurrogate):
         return self.alpha / sp.sqrt(sp.pi) * sp.exp(-(self.alpha**2) * x**2)
 
 
-class Rect(Surrogate):
-    """The DATE'22 paper's rectangular window: Θ'(x) = η for th_l < x < th_r, else 0.
+class Rect(_AlphaSurrogate):
+    """SpikingJelly's rectangular window: Θ'(x) = α for |x| < 1/(2α), else 0 (area 1).
 
-    The window is relative to the threshold (x = H - V_th): the paper's absolute window
-    (-0.25, 0.75) around threshold 0.25 is ``Rect(eta=1., th_l=-0.5, th_r=0.5)``.
+    ``Rect()`` (α = 1) is the DATE'22 paper's window: 1 on (-0.5, 0.5) around the threshold;
+    :class:`RectWindow` takes any height and (asymmetric) window."""
+
+    default_alpha = 1.0
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        return sp.Piecewise((self.alpha, sp.Abs(x) < 1 / (2 * self.alpha)), (0, True))
+
+
+class RectWindow(Surrogate):
+    """A rectangular window of any height and position: Θ'(x) = η for th_l < x < th_r, else 0.
+
+    The window is relative to the threshold (x = H - V_th): the DATE'22 paper's absolute window
+    (-0.25, 0.75) around threshold 0.25 is ``RectWindow(eta=1., th_l=-0.5, th_r=0.5)``
+    (= ``Rect()``). Not a SpikingJelly name.
     """
 
     def __init__(self, eta: float = 1.0, th_l: float = -0.5, th_r: float = 0.5) -> None:
@@ -174,7 +200,7 @@ class Rect(Surrogate):
         self.eta, self.th_l, self.th_r = float(eta), float(th_l), float(th_r)
         if not all(map(math.isfinite, (self.eta, self.th_l, self.th_r))) or self.th_l >= self.th_r:
             raise SpikefuseError(
-                f"Rect: need finite eta and th_l < th_r, got {eta}, {th_l}, {th_r}"
+                f"RectWindow: need finite eta and th_l < th_r, got {eta}, {th_l}, {th_r}"
             )
 
     def hyperparameters(self) -> dict[str, float]:
@@ -185,4 +211,4 @@ class Rect(Surrogate):
         return sp.Piecewise((self.eta, inside), (0, True))
 
 
-ALL = (Sigmoid, ATan, PiecewiseQuadratic, PiecewiseExp, SoftSign, SuperSpike, Erf, Rect)
+ALL = (Sigmoid, ATan, PiecewiseQuadratic, PiecewiseExp, SoftSign, SuperSpike, Erf, Rect, RectWindow)
