@@ -10,6 +10,7 @@ else torch; the repr shows which one ran).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -24,11 +25,15 @@ from .errors import BackendUnavailableError, SpikefuseError
 from .ops import run_neuron
 from .program import NeuronProgram
 from .reference import compute_dtype
-from .surrogate import Sigmoid, Surrogate
+from .surrogate import Sigmoid, Surrogate, runs_in_kernels
 
 log = logging.getLogger("spikefuse")
 STEP_MODES = ("s", "m")
 BACKEND_NAMES = ("auto", "torch", "cuda", "cupy")
+# Methods a SpikingJelly-style subclass overrides with torch code (then only the torch backend
+# runs it, as a per-step loop with autograd through the user's code).
+TORCH_CODE_HOOKS = ("neuronal_charge", "neuronal_fire", "neuronal_reset")
+TORCH_CODE_BACKENDS = ("auto", "torch")
 
 
 class MemoryModule(nn.Module):
@@ -104,7 +109,55 @@ class BaseNode(MemoryModule):
     # parameter -> exclusive lower bound, checked on every call (e.g. tau > 1 keeps 1/tau in (0, 1))
     lower_bounds: Mapping[str, float] = {}
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``BaseNode(definition, params, v_threshold, v_reset, surrogate_function, detach_reset,
+        step_mode, backend, store_v_seq, w_init)`` for a :class:`~spikefuse.definitions.NeuronDef`
+        (every backend); a subclass that overrides ``neuronal_charge`` (SpikingJelly's way) and
+        passes no definition takes SpikingJelly's ``(v_threshold, v_reset, surrogate_function,
+        detach_reset, step_mode, backend, store_v_seq)`` instead (torch backend)."""
+        given_definition = (args and isinstance(args[0], defs.NeuronDef)) or "definition" in kwargs
+        if type(self).overrides_torch_code() and not given_definition:
+            self._init_torch_code(*args, **kwargs)
+        else:
+            self._init_definition(*args, **kwargs)
+
+    @classmethod
+    def overrides_torch_code(cls) -> bool:
+        """Whether the class overrides ``neuronal_charge``/``neuronal_fire``/``neuronal_reset``."""
+        return any(getattr(cls, hook) is not getattr(BaseNode, hook) for hook in TORCH_CODE_HOOKS)
+
+    def _init_torch_code(
+        self,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        surrogate_function: Any = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+        backend: str = "torch",
+        store_v_seq: bool = False,
+    ) -> None:
+        super().__init__(step_mode)
+        for name, value in (("v_threshold", v_threshold), ("v_reset", v_reset)):
+            if not (value is None and name == "v_reset") and not (
+                isinstance(value, (int, float)) and math.isfinite(value)
+            ):
+                raise SpikefuseError(
+                    f"{type(self).__name__}: {name} must be a finite float, got {value!r}"
+                )
+        surrogate_function = Sigmoid() if surrogate_function is None else surrogate_function
+        runs_in_kernels(surrogate_function)  # validates it
+        self.definition = None
+        self.v_threshold = v_threshold
+        self.v_reset = v_reset
+        self.surrogate_function = surrogate_function
+        self.detach_reset = detach_reset
+        self.backend = backend
+        self.store_v_seq = store_v_seq
+        self.last_backend = None
+        self.register_memory("v", 0.0 if v_reset is None else float(v_reset))
+        self.register_memory("v_seq", None)
+
+    def _init_definition(
         self,
         definition: defs.NeuronDef,
         params: Mapping[str, float] | None = None,
@@ -126,11 +179,7 @@ class BaseNode(MemoryModule):
                 f"{definition.name}: missing params {sorted(missing)}, unknown {sorted(extra)}"
             )
         surrogate_function = Sigmoid() if surrogate_function is None else surrogate_function
-        if not isinstance(surrogate_function, Surrogate):
-            raise SpikefuseError(
-                f"surrogate_function must be a spikefuse.surrogate.Surrogate, got "
-                f"{type(surrogate_function).__name__}"
-            )
+        runs_in_kernels(surrogate_function)  # validates it (torch-code surrogates: torch only)
         self.definition = definition
         for name, value in params.items():
             setattr(self, name, value)
@@ -152,8 +201,34 @@ class BaseNode(MemoryModule):
 
     @property
     def supported_backends(self) -> tuple[str, ...]:
-        """The names ``backend`` accepts (SpikingJelly's attribute)."""
-        return BACKEND_NAMES
+        """The names ``backend`` accepts (SpikingJelly's attribute): all for a NeuronDef neuron,
+        'auto' and 'torch' for a neuron whose charge is torch code."""
+        return TORCH_CODE_BACKENDS if type(self).overrides_torch_code() else BACKEND_NAMES
+
+    @property
+    def torch_code(self) -> str | None:
+        """Why this neuron runs as a per-step torch loop (torch backend only), or None when it
+        runs from its NeuronDef on any backend."""
+        if type(self).overrides_torch_code():
+            hooks = [
+                h for h in TORCH_CODE_HOOKS if getattr(type(self), h) is not getattr(BaseNode, h)
+            ]
+            return f"it overrides {', '.join(hooks)} with torch code"
+        if not isinstance(self.surrogate_function, Surrogate):
+            return (
+                f"its surrogate_function ({type(self.surrogate_function).__name__}) is torch code, "
+                "not a spikefuse.surrogate.Surrogate"
+            )
+        return None
+
+    def _torch_code_error(self, reason: str) -> BackendUnavailableError:
+        return BackendUnavailableError(
+            f"{type(self).__name__}: backend 'cuda' cannot run this neuron: {reason}. Only the "
+            "torch backend runs torch code (use backend='torch' or 'auto'). For the fused kernels "
+            "write the charge as a NeuronDef, e.g. BaseNode(NeuronDef('mine', charge='v + x**2'), "
+            "...) or a subclass passing one to BaseNode.__init__, and use a "
+            "spikefuse.surrogate.Surrogate (a derivative expression)"
+        )
 
     @property
     def backend(self) -> str:
@@ -163,6 +238,8 @@ class BaseNode(MemoryModule):
     def backend(self, name: str) -> None:
         if name not in BACKEND_NAMES:
             raise SpikefuseError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
+        if name not in self.supported_backends:
+            raise self._torch_code_error(self.torch_code)
         self._backend = "cuda" if name == "cupy" else name
 
     # ---- what the kernels get ----------------------------------------------------------------
@@ -180,6 +257,9 @@ class BaseNode(MemoryModule):
             self.__dict__["_constants"] = None
 
     def _update_program(self) -> None:
+        if not isinstance(self.surrogate_function, Surrogate):  # torch code: no kernel program
+            self.program = None
+            return
         key = (id(self.surrogate_function), self.v_reset is None, bool(self.detach_reset))
         if key not in self._programs:
             self._programs = {
@@ -265,6 +345,9 @@ class BaseNode(MemoryModule):
         return chosen
 
     def forward(self, x: Tensor) -> Tensor:
+        reason = self.torch_code
+        if reason is not None:
+            return self._torch_code_forward(x, reason)
         x_seq = self._check_input(x)
         constants = self._constants or self.constants()
         backend = self.resolve_backend(x_seq)
@@ -289,13 +372,104 @@ class BaseNode(MemoryModule):
         return spikes[0]
 
     def single_step_forward(self, x: Tensor) -> Tensor:
-        """One step ``[N, *] -> [N, *]`` whatever ``step_mode`` is (SpikingJelly's method)."""
-        return self._forward_in_mode(x, "s")
+        """One step ``[N, *] -> [N, *]`` whatever ``step_mode`` is (SpikingJelly's method).
+
+        Torch-code neurons: ``neuronal_charge`` (V <- H), ``neuronal_adaptation`` (two-state
+        NeuronDefs), ``neuronal_fire`` (S = surrogate(H - V_th)), ``neuronal_reset``."""
+        if self.torch_code is None:
+            return self._forward_in_mode(x, "s")
+        self.v_float_to_tensor(x)
+        self.neuronal_charge(x)
+        if self.definition is not None and self.definition.adaptive:
+            self.neuronal_adaptation()
+        spike = self.neuronal_fire()
+        self.neuronal_reset(spike)
+        return spike
 
     def multi_step_forward(self, x_seq: Tensor) -> Tensor:
         """A sequence ``[T, N, *] -> [T, N, *]`` whatever ``step_mode`` is (SpikingJelly's
-        method; runs the fused multi-step path, not a loop of single steps)."""
-        return self._forward_in_mode(x_seq, "m")
+        method; runs the fused multi-step path, except for torch-code neurons, which loop over
+        :meth:`single_step_forward`)."""
+        if self.torch_code is None:
+            return self._forward_in_mode(x_seq, "m")
+        spikes, v_seq = [], []
+        for x in x_seq:
+            spikes.append(self.single_step_forward(x))
+            if self.store_v_seq:
+                v_seq.append(self.v)
+        self.set_memory("v_seq", torch.stack(v_seq) if self.store_v_seq else None)
+        return torch.stack(spikes)
+
+    def _torch_code_forward(self, x: Tensor, reason: str) -> Tensor:
+        if self.backend == "cuda":
+            raise self._torch_code_error(reason)
+        self._check_input(x)
+        if self.last_backend != "torch" and not torch.compiler.is_compiling():
+            log.info("%s: runs torch code on the torch backend (%s)", type(self).__name__, reason)
+            self.last_backend = "torch"
+        if self.step_mode == "m":
+            return self.multi_step_forward(x)
+        return self.single_step_forward(x)
+
+    # ---- SpikingJelly's torch-code hooks (used only by torch-code neurons) ---------------------
+    def neuronal_charge(self, x: Tensor) -> None:
+        """V <- H[t] = f(V[t-1], X[t]). Override with torch code to define a neuron the
+        SpikingJelly way (torch backend); the default evaluates the NeuronDef's charge."""
+        if self.definition is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement neuronal_charge")
+        charge = _torch_equations(self.definition)[0]
+        w = self.w if self.definition.adaptive else 0.0
+        self.v = charge(self.v, x, w, 0.0, *self._equation_params(x))
+
+    def neuronal_adaptation(self) -> None:
+        """W <- Z[t] = g(H[t], W[t-1]) of a two-state NeuronDef (V holds H here)."""
+        adaptation = _torch_equations(self.definition)[1]
+        self.w = adaptation(self.v, 0.0, self.w, self.v, *self._equation_params(self.v))
+
+    def neuronal_fire(self) -> Tensor:
+        """S[t] = surrogate_function(H[t] - V_th) (V holds H here)."""
+        return self.surrogate_function(self.v - self.v_threshold)
+
+    def neuronal_reset(self, spike: Tensor) -> None:
+        """Hard: V = (1 - S) H + S V_reset; soft: V = H - S V_th (S detached if detach_reset);
+        two-state NeuronDefs add the jump to W with the undetached S."""
+        spike_d = spike.detach() if self.detach_reset else spike
+        if self.v_reset is None:
+            self.v = self.v - spike_d * self.v_threshold
+        else:
+            self.v = (1.0 - spike_d) * self.v + spike_d * self.v_reset
+        if self.definition is not None and self.definition.adaptive:
+            jump = _torch_equations(self.definition)[2]
+            self.w = (
+                self.w + jump(self.v, 0.0, self.w, self.v, *self._equation_params(spike)) * spike
+            )
+
+    def v_float_to_tensor(self, x: Tensor) -> None:
+        """Turn a float state (after reset) into a tensor like ``x``; a tensor state must
+        already match ``x`` (else call ``functional.reset_net``)."""
+        for name in (
+            ("v", "w") if self.definition is not None and self.definition.adaptive else ("v",)
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, Tensor):
+                self.set_memory(name, torch.full_like(x, float(value)))
+            elif (value.shape, value.dtype, value.device) != (x.shape, x.dtype, x.device):
+                raise SpikefuseError(
+                    f"{type(self).__name__}: state {name} is {tuple(value.shape)} {value.dtype} on "
+                    f"{value.device}, but this input needs {tuple(x.shape)} {x.dtype} on "
+                    f"{x.device}; call spikefuse.functional.reset_net(net) after changing batch "
+                    "size, device or dtype"
+                )
+
+    def _equation_params(self, like: Tensor) -> list:
+        """Values of the definition's ``all_params`` (learnable ones as tensors like ``like``)."""
+        constants = iter(self._constants or self.constants())
+        learnable = self.learnable_values(like.device)
+        learned = iter(learnable.to(like.dtype).unbind(0)) if learnable is not None else iter(())
+        return [
+            next(learned) if p in self.learnable_params else next(constants)
+            for p in self.definition.all_params
+        ]
 
     def _forward_in_mode(self, x: Tensor, mode: str) -> Tensor:
         if self._step_mode == mode:
@@ -307,6 +481,12 @@ class BaseNode(MemoryModule):
             self._step_mode = saved
 
     def extra_repr(self) -> str:
+        if self.definition is None:
+            return (
+                f"v_threshold={self.v_threshold}, v_reset={self.v_reset}, "
+                f"detach_reset={self.detach_reset}, step_mode={self.step_mode}, "
+                f"backend={self.backend} (torch code)"
+            )
         params = ", ".join(f"{p}={getattr(self, p)}" for p in self.definition.params
                            if p not in self.learnable_params)  # fmt: skip
         ran = f" (ran: {self.last_backend})" if self.backend == "auto" and self.last_backend else ""
@@ -315,6 +495,17 @@ class BaseNode(MemoryModule):
             f"v_reset={self.v_reset}, detach_reset={self.detach_reset}, "
             f"step_mode={self.step_mode}, backend={self.backend}{ran}"
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_equations(definition: defs.NeuronDef) -> tuple:
+    """charge, adaptation and jump of ``definition`` as torch functions of
+    (v, x, w, h, *all_params), for torch-code neurons."""
+    import sympy as sp
+
+    args = [definition.symbols[n] for n in ("v", "x", "w", "h", *definition.all_params)]
+    exprs = (definition.charge_expr, definition.adaptation_expr, definition.jump_expr)
+    return tuple(sp.lambdify(args, e, modules="torch") for e in exprs)
 
 
 class IFNode(BaseNode):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Callable
 
 import sympy as sp
@@ -212,3 +213,116 @@ class RectWindow(Surrogate):
 
 
 ALL = (Sigmoid, ATan, PiecewiseQuadratic, PiecewiseExp, SoftSign, SuperSpike, Erf, Rect, RectWindow)
+
+
+# ---- SpikingJelly-style surrogates (torch backend only) -----------------------------------------
+class SurrogateFunctionBase(nn.Module):
+    """SpikingJelly's base class for surrogates written in torch code.
+
+    Subclasses implement ``spiking_function(x, **params)`` (usually an autograd Function's
+    ``apply``: Heaviside forward, surrogate backward) and optionally
+    ``primitive_function(x, **params)`` (the smooth function whose derivative is the surrogate,
+    used when ``spiking=False``). Both SpikingJelly constructor styles work:
+    ``super().__init__(alpha, spiking)`` and ``super().__init__(spiking=spiking, alpha=alpha)``
+    (any keyword becomes a parameter attribute).
+
+    Neurons run such a surrogate on the torch backend only (a per-step loop with autograd);
+    for the fused kernels write the derivative as a :class:`Surrogate` (``expression``).
+    """
+
+    def __init__(self, alpha: float | None = None, spiking: bool = True, **params: float):
+        super().__init__()
+        self.spiking = spiking
+        if alpha is not None:
+            params = {"alpha": alpha, **params}
+        self._sg_param_names = tuple(params)
+        for name, value in params.items():
+            setattr(self, name, value)
+
+    def set_spiking_mode(self, spiking: bool) -> None:
+        self.spiking = spiking
+
+    @property
+    def _sg_params(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self._sg_param_names}
+
+    @staticmethod
+    def spiking_function(x: torch.Tensor, **params: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def primitive_function(x: torch.Tensor, **params: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fn = self.spiking_function if self.spiking else self.primitive_function
+        return fn(x, **self._sg_params)
+
+    def extra_repr(self) -> str:
+        return ", ".join(
+            [*(f"{k}={v}" for k, v in self._sg_params.items()), f"spiking={self.spiking}"]
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _instance(cls: type[_AlphaSurrogate], alpha: float) -> _AlphaSurrogate:
+    return cls(alpha)
+
+
+def _functional_form(cls: type[_AlphaSurrogate], name: str) -> type[torch.autograd.Function]:
+    """SpikingJelly's functional form of ``cls``: ``name.apply(x, alpha)`` returns Θ(x) with
+    ``cls(alpha)``'s derivative in backward."""
+
+    def forward(ctx, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.alpha = float(alpha)
+        return heaviside(x)
+
+    def backward(ctx, grad_spike: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        return grad_spike * _instance(cls, ctx.alpha).derivative(x), None
+
+    doc = (
+        f"``{name}.apply(x, alpha)``: Θ(x) forward, :class:`{cls.__name__}`'s derivative backward."
+    )
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward), "__doc__": doc},
+    )
+
+
+sigmoid = _functional_form(Sigmoid, "sigmoid")
+atan = _functional_form(ATan, "atan")
+piecewise_quadratic = _functional_form(PiecewiseQuadratic, "piecewise_quadratic")
+piecewise_exp = _functional_form(PiecewiseExp, "piecewise_exp")
+soft_sign = _functional_form(SoftSign, "soft_sign")
+super_spike = _functional_form(SuperSpike, "super_spike")
+erf = _functional_form(Erf, "erf")
+rect = _functional_form(Rect, "rect")
+
+
+def runs_in_kernels(surrogate_function: object) -> bool:
+    """True for a :class:`Surrogate` (a derivative expression: every backend); False for a
+    surrogate written in torch code (torch backend only): a :class:`SurrogateFunctionBase`
+    (spikefuse's or SpikingJelly's), a Python function or an autograd Function's ``apply``.
+    Anything else raises."""
+    if isinstance(surrogate_function, Surrogate):
+        return True
+    torch_code = (
+        hasattr(surrogate_function, "spiking_function")  # SurrogateFunctionBase, ours or SJ's
+        or isinstance(surrogate_function, (types.FunctionType, functools.partial))
+        or (
+            isinstance(surrogate_function, types.MethodType)
+            and isinstance(surrogate_function.__self__, type)
+            and issubclass(surrogate_function.__self__, torch.autograd.Function)
+        )
+    )
+    if not torch_code:
+        raise SpikefuseError(
+            f"surrogate_function must be a spikefuse.surrogate.Surrogate (any backend), or, for "
+            f"the torch backend only, a SurrogateFunctionBase subclass, a Python function of x "
+            f"returning spikes or an autograd Function's apply; got "
+            f"{type(surrogate_function).__name__}"
+        )
+    return False
