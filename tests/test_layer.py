@@ -19,7 +19,7 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-# ---- Dropout: one mask per sequence until reset() ---------------------------------------------------
+# ---- Dropout: one mask per sequence until reset() ------------------------------------------------
 def test_dropout_multi_step_keeps_one_mask_per_sequence():
     torch.manual_seed(0)
     drop = layer.Dropout(0.5, step_mode="m")
@@ -88,7 +88,7 @@ def test_dropout_bad_p(p):
         layer.Dropout(p)
 
 
-# ---- step mode and shapes ----------------------------------------------------------------------------
+# ---- step mode and shapes ------------------------------------------------------------------------
 def test_step_mode_assignment_is_validated():
     lin = layer.Linear(3, 2)
     with pytest.raises(SpikefuseError, match="step_mode must be 's' or 'm', got 'z'"):
@@ -159,7 +159,7 @@ def test_voting_layer():
         layer.VotingLayer(0)
 
 
-# ---- stateful layers and containers ----------------------------------------------------------------
+# ---- stateful layers and containers --------------------------------------------------------------
 @pytest.mark.parametrize("learnable", [False, True])
 def test_synapse_filter_formula(learnable):
     T, tau = 6, 3.0

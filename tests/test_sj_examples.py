@@ -24,7 +24,7 @@ def train_step(net, loss_fn, *args) -> float:
     return loss.item()
 
 
-# ---- conv_fashion_mnist.py: the Fashion-MNIST CSNN ---------------------------------------------------
+# ---- conv_fashion_mnist.py: the Fashion-MNIST CSNN -----------------------------------------------
 class CSNN(nn.Module):
     def __init__(self, T: int, channels: int, use_cupy=False):
         super().__init__()
@@ -77,7 +77,7 @@ def test_fashion_mnist_csnn_trains():
     functional.reset_net(net)
 
 
-# ---- lif_fc_mnist.py: one LIF layer with a Poisson encoder, single-step loop over T -------------------
+# ---- lif_fc_mnist.py: one LIF layer with a Poisson encoder, single-step loop over T --------------
 class SNN(nn.Module):
     def __init__(self, tau):
         super().__init__()
@@ -112,7 +112,7 @@ def test_lif_fc_mnist_with_poisson_encoder_trains():
     train_step(net, loss_fn, img, label)
 
 
-# ---- parametric_lif_net.py: the DVS128 Gesture net (PLIF, per-sequence dropout, voting) -------------
+# ---- parametric_lif_net.py: the DVS128 Gesture net (PLIF, per-sequence dropout, voting) ----------
 class DVSGestureNet(nn.Module):
     def __init__(self, channels=128, spiking_neuron: callable = None, *args, **kwargs):
         super().__init__()
@@ -170,7 +170,7 @@ def test_dvs_gesture_plif_net_trains():
     assert len(plif) == 7 and all(m.w.grad is not None for m in plif)
 
 
-# ---- rsnn_sequential_fmnist.py: the recurrent and stateful-synapse nets -----------------------------
+# ---- rsnn_sequential_fmnist.py: the recurrent and stateful-synapse nets --------------------------
 class StatefulSynapseNet(nn.Module):
     def __init__(self):
         super().__init__()

@@ -25,7 +25,7 @@ def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item()
 
 
-# ---- surrogates ------------------------------------------------------------------------------------
+# ---- surrogates ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("alpha", [0.25, 1.0, 2.0, 7.5])
 def test_super_spike_is_spikingjellys_for_any_alpha(alpha):
     x = torch.linspace(-4, 4, 2001, dtype=F64)
@@ -46,7 +46,54 @@ def test_rect_is_spikingjellys(alpha):
     assert max_err(window.derivative(x), sg.Rect().derivative(x)) == 0.0
 
 
-# ---- Izhikevich: SpikingJelly's default a = 0 and its update order ---------------------------------
+# SpikingJelly's primitive functions g (spiking=False), written from its documentation.
+PRIMITIVES = {
+    sg.Sigmoid: lambda x, a: torch.sigmoid(a * x),
+    sg.ATan: lambda x, a: torch.atan(math.pi / 2 * a * x) / math.pi + 0.5,
+    sg.PiecewiseQuadratic: lambda x, a: torch.where(
+        x.abs() <= 1 / a,
+        -0.5 * a**2 * x.abs() * x + a * x + 0.5,
+        (x > 0).to(x.dtype),
+    ),
+    sg.PiecewiseExp: lambda x, a: torch.where(
+        x < 0, torch.exp(a * x) / 2, 1 - torch.exp(-a * x) / 2
+    ),
+    sg.SoftSign: lambda x, a: 0.5 * (a * x / (1 + (a * x).abs()) + 1),
+    sg.Erf: lambda x, a: 0.5 * torch.special.erfc(-a * x),
+    sg.Rect: lambda x, a: torch.clamp(a * x + 0.5, 0, 1),
+}
+
+
+@pytest.mark.parametrize("alpha", [0.7, 3.0])
+@pytest.mark.parametrize("cls", list(PRIMITIVES), ids=lambda c: c.__name__)
+def test_spiking_false_gives_the_primitive(cls, alpha):
+    s = cls(alpha=alpha, spiking=False)
+    x = torch.linspace(-3, 3, 1201, dtype=F64).requires_grad_(True)
+    y = s(x)
+    assert max_err(y.detach(), PRIMITIVES[cls](x.detach(), alpha)) <= 1e-12
+    # its autograd derivative is the surrogate (away from kinks)
+    (grad,) = torch.autograd.grad(y.sum(), [x])
+    keep = (x.detach().abs() * alpha - 0.5).abs() > 1e-6  # Rect's window edges
+    keep &= (x.detach().abs() * alpha - 1).abs() > 1e-6  # PiecewiseQuadratic's
+    assert max_err(grad[keep], s.derivative(x.detach())[keep]) <= 1e-12
+    s.set_spiking_mode(True)
+    assert torch.equal(s(x.detach()), (x.detach() >= 0).to(F64))
+
+
+def test_spiking_mode_in_a_neuron_runs_torch_code():
+    node = neuron.IFNode(surrogate_function=sg.Sigmoid(spiking=False), step_mode="m")
+    assert node.torch_code is not None and node.program is None
+    x = torch.rand(3, 2, 4, generator=gen(9), dtype=F64)
+    out = node(x)  # analog outputs g(H - V_th), as in SpikingJelly
+    h = x[0]
+    torch.testing.assert_close(out[0], torch.sigmoid(4 * (h - 1)), rtol=0, atol=1e-12)
+    with pytest.raises(SpikefuseError, match="no primitive function"):
+        sg.SuperSpike(spiking=False)(x)
+    with pytest.raises(SpikefuseError, match="spiking must be a bool"):
+        sg.ATan(spiking="yes")
+
+
+# ---- Izhikevich: SpikingJelly's default a = 0 and its update order -------------------------------
 def izhikevich_reference(x_seq, v_reset, tau=2.0, v_c=0.8, a0=1.0, v_th=1.0, v_rest=-0.1,
                          w_rest=0.0, tau_w=2.0, a=0.0, b=0.0):  # fmt: skip
     """SpikingJelly's IzhikevichNode, step by step: charge, adaptation, fire, reset."""
@@ -75,7 +122,7 @@ def test_izhikevich_default_a_and_formula(v_reset, kwargs):
     assert max_err(node.v, want_v) <= 1e-12 and max_err(node.w, want_w) <= 1e-12
 
 
-# ---- functional ------------------------------------------------------------------------------------
+# ---- functional ----------------------------------------------------------------------------------
 class Counter(nn.Module):
     """A stateful module that is not a spikefuse module (a user's own, or SpikingJelly's)."""
 

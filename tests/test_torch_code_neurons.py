@@ -37,7 +37,7 @@ class SigmoidSpike(torch.autograd.Function):
         return grad * ctx.alpha * s * (1 - s), None
 
 
-# ---- a neuron by its charge in torch code (SpikingJelly's tutorial neuron) -------------------------
+# ---- a neuron by its charge in torch code (SpikingJelly's tutorial neuron) -----------------------
 class SquareIFNode(neuron.BaseNode):
     def neuronal_charge(self, x: torch.Tensor):
         self.v = self.v + x**2
@@ -81,7 +81,8 @@ class LeakyNode(neuron.BaseNode):
     """A SpikingJelly-style neuron with its own __init__ calling BaseNode positionally."""
 
     def __init__(self, tau=2.0, v_threshold=1.0, v_reset=0.0, surrogate_function=None,
-                 detach_reset=False, step_mode="s", backend="torch", store_v_seq=False):  # fmt: skip
+                 detach_reset=False, step_mode="s", backend="torch",
+                 store_v_seq=False):  # fmt: skip
         super().__init__(v_threshold, v_reset, surrogate_function, detach_reset, step_mode,
                          backend, store_v_seq)  # fmt: skip
         self.tau = tau
@@ -135,7 +136,7 @@ def test_base_node_without_definition_or_charge():
         neuron.BaseNode()
 
 
-# ---- surrogates in torch code ----------------------------------------------------------------------
+# ---- surrogates in torch code --------------------------------------------------------------------
 class SJSigmoid(sg.SurrogateFunctionBase):
     """Written as in SpikingJelly (old-style positional super().__init__)."""
 

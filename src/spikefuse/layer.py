@@ -131,7 +131,7 @@ class VotingLayer(_StepMode, nn.Module):
         return f"voting_size={self.voting_size}, step_mode={self.step_mode}"
 
 
-# ---- stateful layers -------------------------------------------------------------------------------
+# ---- stateful layers -----------------------------------------------------------------------------
 class _SteppedModule(MemoryModule):
     """A stateful layer written one step at a time: 's' calls :meth:`single_step_forward`,
     'm' calls :meth:`multi_step_forward` (by default a loop of single steps over T)."""
@@ -245,7 +245,7 @@ class SynapseFilter(_SteppedModule):
         return f"tau={tau}, learnable={self.learnable}, step_mode={self.step_mode}"
 
 
-# ---- containers ------------------------------------------------------------------------------------
+# ---- containers ----------------------------------------------------------------------------------
 def _require_single_step(container: str, modules) -> None:
     for module in modules:
         if getattr(module, "step_mode", "s") != "s":

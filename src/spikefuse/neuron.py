@@ -214,10 +214,10 @@ class BaseNode(MemoryModule):
                 h for h in TORCH_CODE_HOOKS if getattr(type(self), h) is not getattr(BaseNode, h)
             ]
             return f"it overrides {', '.join(hooks)} with torch code"
-        if not isinstance(self.surrogate_function, Surrogate):
+        if not runs_in_kernels(self.surrogate_function):
             return (
-                f"its surrogate_function ({type(self.surrogate_function).__name__}) is torch code, "
-                "not a spikefuse.surrogate.Surrogate"
+                f"its surrogate_function ({type(self.surrogate_function).__name__}) is torch code "
+                "(not a spikefuse.surrogate.Surrogate in spiking mode)"
             )
         return None
 
@@ -257,7 +257,7 @@ class BaseNode(MemoryModule):
             self.__dict__["_constants"] = None
 
     def _update_program(self) -> None:
-        if not isinstance(self.surrogate_function, Surrogate):  # torch code: no kernel program
+        if not runs_in_kernels(self.surrogate_function):  # torch code: no kernel program
             self.program = None
             return
         key = (id(self.surrogate_function), self.v_reset is None, bool(self.detach_reset))

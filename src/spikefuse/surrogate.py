@@ -97,18 +97,39 @@ class Surrogate(nn.Module):
 
 
 class _AlphaSurrogate(Surrogate):
+    """A surrogate with SpikingJelly's ``(alpha, spiking)`` arguments. ``spiking=False``
+    (SpikingJelly's primitive mode) makes forward return the smooth primitive function instead
+    of spikes; neurons then run it as torch code (torch backend only)."""
+
     default_alpha = 1.0
 
-    def __init__(self, alpha: float | None = None) -> None:
+    def __init__(self, alpha: float | None = None, spiking: bool = True) -> None:
         super().__init__()
         self.alpha = float(self.default_alpha if alpha is None else alpha)
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             raise SpikefuseError(
                 f"{type(self).__name__}: alpha must be finite and > 0, got {alpha}"
             )
+        self.set_spiking_mode(spiking)
 
     def hyperparameters(self) -> dict[str, float]:
         return {"alpha": self.alpha}
+
+    def set_spiking_mode(self, spiking: bool) -> None:
+        """SpikingJelly's switch: True for spikes, False for the primitive function."""
+        if not isinstance(spiking, bool):
+            raise SpikefuseError(f"{type(self).__name__}: spiking must be a bool, got {spiking!r}")
+        self.spiking = spiking
+
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        """g(x) with g' = the surrogate (SpikingJelly's primitive)."""
+        raise SpikefuseError(
+            f"{type(self).__name__} has no primitive function (as in SpikingJelly); "
+            "use spiking=True"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.spiking else self.primitive_function(x)
 
 
 class Sigmoid(_AlphaSurrogate):
@@ -120,6 +141,9 @@ class Sigmoid(_AlphaSurrogate):
         s = 1 / (1 + sp.exp(-self.alpha * x))
         return self.alpha * s * (1 - s)
 
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.alpha * x)
+
 
 class ATan(_AlphaSurrogate):
     """Θ'(x) = α / (2 (1 + (π α x / 2)²))."""
@@ -128,6 +152,9 @@ class ATan(_AlphaSurrogate):
 
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / 2 / (1 + (sp.pi / 2 * self.alpha * x) ** 2)
+
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.atan(math.pi / 2 * self.alpha * x) / math.pi + 0.5
 
 
 class PiecewiseQuadratic(_AlphaSurrogate):
@@ -139,6 +166,11 @@ class PiecewiseQuadratic(_AlphaSurrogate):
         a = self.alpha
         return sp.Piecewise((0, sp.Abs(x) > 1 / a), (a - a**2 * sp.Abs(x), True))
 
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.alpha
+        inner = -(a**2) / 2 * x.abs() * x + a * x + 0.5
+        return torch.where(x > 1 / a, 1.0, torch.where(x < -1 / a, 0.0, inner))
+
 
 class PiecewiseExp(_AlphaSurrogate):
     """Θ'(x) = (α/2) exp(-α|x|)."""
@@ -148,6 +180,10 @@ class PiecewiseExp(_AlphaSurrogate):
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / 2 * sp.exp(-self.alpha * sp.Abs(x))
 
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        half_exp = torch.exp(-self.alpha * x.abs()) / 2
+        return torch.where(x < 0, half_exp, 1 - half_exp)
+
 
 class SoftSign(_AlphaSurrogate):
     """Θ'(x) = α / (2 (1 + |αx|)²)."""
@@ -156,6 +192,9 @@ class SoftSign(_AlphaSurrogate):
 
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / (2 * (1 + sp.Abs(self.alpha * x)) ** 2)
+
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.nn.functional.softsign(self.alpha * x) + 1) / 2
 
 
 class SuperSpike(_AlphaSurrogate):
@@ -175,6 +214,9 @@ class Erf(_AlphaSurrogate):
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / sp.sqrt(sp.pi) * sp.exp(-(self.alpha**2) * x**2)
 
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.erfc(-self.alpha * x) / 2
+
 
 class Rect(_AlphaSurrogate):
     """SpikingJelly's rectangular window: Θ'(x) = α for |x| < 1/(2α), else 0 (area 1).
@@ -186,6 +228,9 @@ class Rect(_AlphaSurrogate):
 
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return sp.Piecewise((self.alpha, sp.Abs(x) < 1 / (2 * self.alpha)), (0, True))
+
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(self.alpha * x + 0.5, 0.0, 1.0)
 
 
 class RectWindow(Surrogate):
@@ -303,12 +348,12 @@ rect = _functional_form(Rect, "rect")
 
 
 def runs_in_kernels(surrogate_function: object) -> bool:
-    """True for a :class:`Surrogate` (a derivative expression: every backend); False for a
+    """True for a spiking :class:`Surrogate` (a derivative expression: every backend); False for a
     surrogate written in torch code (torch backend only): a :class:`SurrogateFunctionBase`
     (spikefuse's or SpikingJelly's), a Python function or an autograd Function's ``apply``.
     Anything else raises."""
     if isinstance(surrogate_function, Surrogate):
-        return True
+        return getattr(surrogate_function, "spiking", True)  # primitive mode: torch code
     torch_code = (
         hasattr(surrogate_function, "spiking_function")  # SurrogateFunctionBase, ours or SJ's
         or isinstance(surrogate_function, (types.FunctionType, functools.partial))
