@@ -263,3 +263,40 @@ def test_neuron_math_is_unchanged_for_plif_threshold_edge():
     node = neuron.IFNode(step_mode="m", backend="torch")
     assert node(torch.tensor([[1.0]], dtype=F64)).item() == 1.0
     assert math.isclose(neuron.ParametricLIFNode(init_tau=2.0).w.sigmoid().item(), 0.5)
+
+
+class Accumulator(neuron.MemoryModule):
+    """A stateful module written as in SpikingJelly: a memory and a single_step_forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_memory("acc", 0.0)
+
+    def single_step_forward(self, x):
+        self.acc = self.acc + x
+        return self.acc
+
+
+def test_user_memory_module_the_spikingjelly_way():
+    acc = Accumulator()
+    x = torch.rand(4, 2, 3, generator=gen(10), dtype=F64, requires_grad=True)
+    assert torch.equal(acc(x[0]), x[0])
+    functional.reset_net(acc)
+    assert acc.acc == 0.0
+    acc.step_mode = "m"
+    out = acc(x)
+    torch.testing.assert_close(out, x.cumsum(0), rtol=0, atol=1e-12)
+    functional.detach_net(acc)
+    assert not acc.acc.requires_grad
+    functional.set_step_mode(acc, "s")
+    assert acc.step_mode == "s"
+
+
+def test_chunk_multi_step_forward_carries_state():
+    x = torch.rand(10, 2, 3, generator=gen(11), dtype=F64) * 2
+    node = neuron.LIFNode(step_mode="m", backend="torch")
+    chunked = functional.chunk_multi_step_forward(3, x, node)
+    functional.reset_net(node)
+    assert torch.equal(chunked, node(x))
+    with pytest.raises(SpikefuseError, match="split_size"):
+        functional.chunk_multi_step_forward(0, x, node)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import SpikefuseError
-from .layer import _StepMode, _SteppedModule
+from .layer import _StepMode
+from .neuron import MemoryModule
 
 
 class StatelessEncoder(_StepMode, nn.Module):
@@ -45,7 +46,7 @@ class PoissonEncoder(StatelessEncoder):
         return torch.where(x.isnan(), x, spikes)
 
 
-class StatefulEncoder(_SteppedModule):
+class StatefulEncoder(MemoryModule):
     """Base class of encoders that encode once per sequence: subclasses implement
     :meth:`single_step_encode` (input -> spike train ``[T, *]``).
 

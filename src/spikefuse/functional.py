@@ -64,6 +64,17 @@ def seq_to_ann_forward(x_seq: Tensor, stateless_module: Steps) -> Any:
     return split_time_batch(_chain(stateless_module)(x_seq.flatten(0, 1)), x_seq.shape[:2])
 
 
+def chunk_multi_step_forward(split_size: int, x_seq: Tensor, multi_step_module: nn.Module):
+    """Run a multi-step module on ``x_seq`` [T, *] in chunks of ``split_size`` steps (the state
+    carries over) and concatenate the outputs: less memory for long inference sequences."""
+    if not isinstance(split_size, int) or split_size < 1:
+        raise SpikefuseError(
+            f"chunk_multi_step_forward: split_size must be an int >= 1, got {split_size!r}"
+        )
+    check_sequence(x_seq, "chunk_multi_step_forward")
+    return torch.cat([multi_step_module(chunk) for chunk in torch.split(x_seq, split_size)])
+
+
 def reset_net(net: nn.Module) -> None:
     """Call ``reset()`` on every module of ``net`` that has one (spikefuse's, SpikingJelly's or
     your own stateful modules): call between independent sequences."""

@@ -132,24 +132,7 @@ class VotingLayer(_StepMode, nn.Module):
 
 
 # ---- stateful layers -----------------------------------------------------------------------------
-class _SteppedModule(MemoryModule):
-    """A stateful layer written one step at a time: 's' calls :meth:`single_step_forward`,
-    'm' calls :meth:`multi_step_forward` (by default a loop of single steps over T)."""
-
-    def single_step_forward(self, x: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def multi_step_forward(self, x_seq: Tensor) -> Tensor:
-        check_sequence(x_seq, type(self).__name__)
-        return torch.stack([self.single_step_forward(x) for x in x_seq])
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.step_mode == "m":
-            return self.multi_step_forward(x)
-        return self.single_step_forward(x)
-
-
-class Dropout(_SteppedModule):
+class Dropout(MemoryModule):
     """Dropout whose mask is drawn once per sequence: the elements zeroed at the first step stay
     zeroed (and the others scaled by 1/(1-p)) at every later step, single- or multi-step, until
     :meth:`reset` (SpikingJelly's ``layer.Dropout``). In eval mode it is the identity.
@@ -212,7 +195,7 @@ class Dropout2d(Dropout):
         return F.dropout2d(torch.ones_like(x), self.p, training=True)
 
 
-class SynapseFilter(_SteppedModule):
+class SynapseFilter(MemoryModule):
     """Exponentially decaying synaptic current driven by input spikes S:
     ``I[t] = I[t-1] - (1 - S[t]) I[t-1] / tau + S[t]``, I[-1] = 0 (SpikingJelly's formula).
 
@@ -291,7 +274,7 @@ class StepModeContainer(nn.Sequential):
         return seq_to_ann(super().forward, x)
 
 
-class ElementWiseRecurrentContainer(_SteppedModule):
+class ElementWiseRecurrentContainer(MemoryModule):
     """Element-wise self-connection around ``sub_module``: ``y[t] = sub_module(f(y[t-1], x[t]))``
     with y[-1] = 0, where ``f = element_wise_function`` is called as SpikingJelly's container
     calls it (previous output first). ``sub_module`` must keep the shape and run single-step."""
@@ -320,7 +303,7 @@ class ElementWiseRecurrentContainer(_SteppedModule):
         return f"element_wise_function={self.element_wise_function}, step_mode={self.step_mode}"
 
 
-class LinearRecurrentContainer(_SteppedModule):
+class LinearRecurrentContainer(MemoryModule):
     """Linear self-connection around ``sub_module``: ``i[t] = [x[t], y[t-1]] W^T + b``,
     ``y[t] = sub_module(i[t])``, y[-1] = 0; x[t] is ``[N, *, in_features]`` and y[t]
     ``[N, *, out_features]`` (``rc = nn.Linear(in_features + out_features, in_features)``)."""

@@ -75,6 +75,24 @@ class MemoryModule(nn.Module):
             immutable = value is None or isinstance(value, (int, float))
             self.set_memory(name, value if immutable else copy.deepcopy(value))
 
+    def single_step_forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """One step ``[N, *]`` (SpikingJelly's method; subclasses written step by step define it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement single_step_forward")
+
+    def multi_step_forward(self, x_seq: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """A sequence ``[T, N, *]``: by default a Python loop of :meth:`single_step_forward`
+        over T, stacked (SpikingJelly's default)."""
+        from .functional import check_sequence  # functional imports this module
+
+        check_sequence(x_seq, type(self).__name__)
+        return torch.stack([self.single_step_forward(x, *args, **kwargs) for x in x_seq])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """'s': :meth:`single_step_forward`; 'm': :meth:`multi_step_forward`."""
+        if self.step_mode == "m":
+            return self.multi_step_forward(*args, **kwargs)
+        return self.single_step_forward(*args, **kwargs)
+
     def detach(self) -> None:
         """Cut every tensor memory from the autograd graph of earlier steps, keeping its value
         (truncated BPTT; :func:`spikefuse.functional.detach_net` calls it on a whole network)."""
