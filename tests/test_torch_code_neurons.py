@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from spikefuse import BackendUnavailableError, SpikefuseError, functional, neuron
+from spikefuse import BackendUnavailableError, NeuronDef, SpikefuseError, functional, neuron
 from spikefuse import surrogate as sg
 
 F64 = torch.float64
@@ -266,3 +266,17 @@ def test_subclass_of_a_builtin_neuron_with_torch_charge():
     assert custom.supported_backends == ("auto", "torch")
     assert torch.equal(custom(x), builtin(x))
     torch.testing.assert_close(custom.v, builtin.v.to(F64), rtol=0, atol=1e-12)
+
+
+def test_the_same_neuron_as_a_neuron_def_gets_every_backend():
+    """The README's porting route: SquareIFNode's charge as a NeuronDef, same numbers."""
+    square_if = NeuronDef("square_if", charge="v + x**2")
+    x = (torch.rand(6, 2, 3, generator=gen(6), dtype=F64) * 1.2).requires_grad_(True)
+    kernel_node = neuron.BaseNode(square_if, step_mode="m", backend="torch")
+    assert kernel_node.torch_code is None and "cuda" in kernel_node.supported_backends
+    torch_node = SquareIFNode(step_mode="m")
+    s1, s2 = kernel_node(x), torch_node(x)
+    assert torch.equal(s1, s2)
+    (g1,) = torch.autograd.grad(s1.sum() + kernel_node.v.sum(), [x])
+    (g2,) = torch.autograd.grad(s2.sum() + torch_node.v.sum(), [x])
+    torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
