@@ -25,7 +25,7 @@ class StatelessEncoder(_StepMode, nn.Module):
 
     def __init__(self, step_mode: str = "s") -> None:
         super().__init__()
-        self._init_step_mode(step_mode)
+        self.step_mode = step_mode
 
     def forward(self, x: Tensor) -> Tensor:
         raise NotImplementedError

@@ -52,9 +52,6 @@ class _StepMode:
             raise SpikefuseError(f"step_mode must be 's' or 'm', got {mode!r}")
         self._step_mode = mode
 
-    def _init_step_mode(self, step_mode: str) -> None:
-        self.step_mode = step_mode
-
     def forward(self, x: Tensor) -> Tensor:
         if self.step_mode == "m":
             check_sequence(x, type(self).__name__, self._seq_shape, self._seq_dims)
@@ -71,7 +68,7 @@ def _wrap(base: type[nn.Module], seq_shape: str = "[T, N, *]", min_dim: int = 2)
 
     def __init__(self, *args, step_mode: str = "s", **kwargs) -> None:
         base.__init__(self, *args, **kwargs)
-        self._init_step_mode(step_mode)
+        self.step_mode = step_mode
 
     exact = "*" not in seq_shape
     dims = range(min_dim, min_dim + 1) if exact else range(min_dim, 64)
@@ -98,9 +95,8 @@ AvgPool1d = _wrap(nn.AvgPool1d, "[T, N, C, L]", 4)
 AvgPool2d = _wrap(nn.AvgPool2d, "[T, N, C, H, W]", 5)
 AvgPool3d = _wrap(nn.AvgPool3d, "[T, N, C, D, H, W]", 6)
 MaxPool1d = _wrap(nn.MaxPool1d, "[T, N, C, L]", 4)
-MaxPool2d = _wrap(
-    nn.MaxPool2d, "[T, N, C, H, W]", 5
-)  # return_indices: (out, indices), both [T, N, ...]
+# With return_indices=True the multi-step output is (out, indices), both [T, N, C, H', W'].
+MaxPool2d = _wrap(nn.MaxPool2d, "[T, N, C, H, W]", 5)
 MaxPool3d = _wrap(nn.MaxPool3d, "[T, N, C, D, H, W]", 6)
 AdaptiveAvgPool1d = _wrap(nn.AdaptiveAvgPool1d, "[T, N, C, L]", 4)
 AdaptiveAvgPool2d = _wrap(nn.AdaptiveAvgPool2d, "[T, N, C, H, W]", 5)
@@ -119,7 +115,7 @@ class VotingLayer(_StepMode, nn.Module):
         if not isinstance(voting_size, int) or voting_size < 1:
             raise SpikefuseError(f"VotingLayer: voting_size must be an int >= 1, got {voting_size}")
         self.voting_size = voting_size
-        self._init_step_mode(step_mode)
+        self.step_mode = step_mode
 
     def forward(self, x: Tensor) -> Tensor:
         if self.step_mode == "m":
@@ -154,19 +150,17 @@ class Dropout(MemoryModule):
     def _apply_mask(self, x: Tensor, step: Tensor) -> Tensor:
         if not self.training:
             return x
-        if self.mask is None:
-            self.set_memory("mask", self.create_mask(step))
-        elif (self.mask.shape, self.mask.dtype, self.mask.device) != (
-            step.shape,
-            step.dtype,
-            step.device,  # fmt: skip
-        ):
+        mask = self.mask
+        if mask is None:
+            mask = self.create_mask(step)
+            self.set_memory("mask", mask)
+        elif (mask.shape, mask.dtype, mask.device) != (step.shape, step.dtype, step.device):
             raise SpikefuseError(
-                f"{type(self).__name__}: the mask is {tuple(self.mask.shape)} {self.mask.dtype} on "
-                f"{self.mask.device}, but this input's steps are {tuple(step.shape)} {step.dtype} "
+                f"{type(self).__name__}: the mask is {tuple(mask.shape)} {mask.dtype} on "
+                f"{mask.device}, but this input's steps are {tuple(step.shape)} {step.dtype} "
                 f"on {step.device}; call spikefuse.functional.reset_net(net) between sequences"
             )
-        return x * self.mask
+        return x * mask
 
     def single_step_forward(self, x: Tensor) -> Tensor:
         return self._apply_mask(x, x)
@@ -257,14 +251,13 @@ class StepModeContainer(nn.Sequential):
     container's mode and leaves the contained modules single-step."""
 
     keeps_children_step_mode = True
+    step_mode = _StepMode.step_mode  # the validated property
 
     def __init__(self, stateful: bool, *args: nn.Module) -> None:
         super().__init__(*args)
         _require_single_step("StepModeContainer", self)
         self.stateful = stateful
         self.step_mode = "s"
-
-    step_mode = _StepMode.step_mode
 
     def forward(self, x: Tensor) -> Tensor:
         if self.step_mode == "s":

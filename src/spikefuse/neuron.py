@@ -105,10 +105,19 @@ class MemoryModule(nn.Module):
 class BaseNode(MemoryModule):
     """A spiking neuron layer running any :class:`~spikefuse.definitions.NeuronDef`.
 
-    Use it directly for your own neuron definitions::
+    Use it directly for your own neuron definitions (every backend)::
 
         CUBIC = NeuronDef("cubic", charge="v + (x - k * v**3) / tau", params=("tau", "k"))
         node = BaseNode(CUBIC, params={"tau": 2.0, "k": 0.1}, step_mode="m")
+
+    or subclass it the SpikingJelly way, overriding ``neuronal_charge`` with torch code (then
+    SpikingJelly's constructor ``(v_threshold, v_reset, surrogate_function, detach_reset,
+    step_mode, backend, store_v_seq)`` applies and only the torch backend runs it, as a
+    per-step loop with autograd; see :attr:`torch_code`)::
+
+        class SquareIFNode(BaseNode):
+            def neuronal_charge(self, x):
+                self.v = self.v + x**2
 
     Args:
         definition: the neuron's equations.
