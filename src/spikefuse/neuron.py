@@ -148,10 +148,19 @@ class BaseNode(MemoryModule):
         else:
             self._init_definition(*args, **kwargs)
 
+    # The torch-code hooks a subclass overrides, found once per class (forward checks it).
+    _torch_code_hooks: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._torch_code_hooks = tuple(
+            hook for hook in TORCH_CODE_HOOKS if getattr(cls, hook) is not getattr(BaseNode, hook)
+        )
+
     @classmethod
     def overrides_torch_code(cls) -> bool:
         """Whether the class overrides ``neuronal_charge``/``neuronal_fire``/``neuronal_reset``."""
-        return any(getattr(cls, hook) is not getattr(BaseNode, hook) for hook in TORCH_CODE_HOOKS)
+        return bool(cls._torch_code_hooks)
 
     def _init_torch_code(
         self,
@@ -236,12 +245,12 @@ class BaseNode(MemoryModule):
     def torch_code(self) -> str | None:
         """Why this neuron runs as a per-step torch loop (torch backend only), or None when it
         runs from its NeuronDef on any backend."""
-        if type(self).overrides_torch_code():
-            hooks = [
-                h for h in TORCH_CODE_HOOKS if getattr(type(self), h) is not getattr(BaseNode, h)
-            ]
-            return f"it overrides {', '.join(hooks)} with torch code"
-        if not runs_in_kernels(self.surrogate_function):
+        if self._torch_code_hooks:
+            return f"it overrides {', '.join(self._torch_code_hooks)} with torch code"
+        surrogate = self.surrogate_function
+        if isinstance(surrogate, Surrogate) and getattr(surrogate, "spiking", True):
+            return None  # the common case, checked first: forward asks on every call
+        if not runs_in_kernels(surrogate):
             return (
                 f"its surrogate_function ({type(self.surrogate_function).__name__}) is torch code "
                 "(not a spikefuse.surrogate.Surrogate in spiking mode)"
