@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import sympy as sp
 import torch
 from torch import Tensor, nn
 
@@ -537,8 +538,6 @@ class BaseNode(MemoryModule):
 def _torch_equations(definition: defs.NeuronDef) -> tuple:
     """charge, adaptation and jump of ``definition`` as torch functions of
     (v, x, w, h, *all_params), for torch-code neurons."""
-    import sympy as sp
-
     args = [definition.symbols[n] for n in ("v", "x", "w", "h", *definition.all_params)]
     exprs = (definition.charge_expr, definition.adaptation_expr, definition.jump_expr)
     return tuple(sp.lambdify(args, e, modules="torch") for e in exprs)
