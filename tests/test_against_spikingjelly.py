@@ -3,6 +3,8 @@ SpikingJelly is never a dependency). Same weights and input, float64, torch back
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -111,3 +113,74 @@ def test_encoders_match_spikingjelly():
     ours, theirs = encoding.WeightedPhaseEncoder(5), sj_encoding.WeightedPhaseEncoder(5)
     assert torch.equal(torch.stack([ours(y) for _ in range(5)]),
                        torch.stack([theirs(y) for _ in range(5)]).to(F64))  # fmt: skip
+
+
+def csnn(neuron, layer, surrogate, channels=4):
+    """The Fashion-MNIST CSNN of SpikingJelly's conv_fashion_mnist.py, built from either library."""
+    return torch.nn.Sequential(
+        layer.Conv2d(1, channels, kernel_size=3, padding=1, bias=False),
+        layer.BatchNorm2d(channels),
+        neuron.IFNode(surrogate_function=surrogate.ATan()),
+        layer.MaxPool2d(2, 2),
+        layer.Conv2d(channels, channels, kernel_size=3, padding=1, bias=False),
+        layer.BatchNorm2d(channels),
+        neuron.IFNode(surrogate_function=surrogate.ATan()),
+        layer.MaxPool2d(2, 2),
+        layer.Flatten(),
+        layer.Linear(channels * 7 * 7, channels * 4 * 4, bias=False),
+        layer.Dropout(0.5),
+        neuron.LIFNode(surrogate_function=surrogate.ATan(), detach_reset=True),
+        layer.Linear(channels * 4 * 4, 10, bias=False),
+        neuron.IFNode(surrogate_function=surrogate.ATan()),
+    )
+
+
+def test_csnn_training_step_matches_spikingjelly():
+    ours = csnn(neuron, layer, surrogate).double()
+    theirs = csnn(sj_neuron, sj_layer, sj_surrogate).double()
+    theirs.load_state_dict(ours.state_dict())
+    functional.set_step_mode(ours, "m")
+    sj_functional.set_step_mode(theirs, "m")
+    x = torch.rand(4, 3, 1, 28, 28, generator=torch.Generator().manual_seed(6), dtype=F64) * 3
+    grads = []
+    for net, fn in ((ours, functional), (theirs, sj_functional)):
+        torch.manual_seed(7)  # the same dropout mask
+        out = net(x).mean(0)
+        out.square().sum().backward()
+        grads.append((out.detach(), [p.grad for p in net.parameters()]))
+        fn.reset_net(net)
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=1e-12)
+    for g1, g2 in zip(grads[0][1], grads[1][1], strict=True):
+        torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_torch_code_neuron_matches_spikingjelly():
+    def square_if(base):
+        class SquareIFNode(base):
+            def neuronal_charge(self, x):
+                self.v = self.v + x**2
+
+        return SquareIFNode
+
+    # SpikingJelly 2.0 writes such neurons on SimpleBaseNode (earlier versions on BaseNode)
+    ours = square_if(neuron.SimpleBaseNode)(surrogate_function=surrogate.ATan(), step_mode="m")
+    theirs = square_if(sj_neuron.SimpleBaseNode)(
+        surrogate_function=sj_surrogate.ATan(), step_mode="m"
+    )
+    x = torch.rand(6, 2, 5, generator=torch.Generator().manual_seed(8), dtype=F64)
+    x.requires_grad_(True)
+    s1, s2 = ours(x), theirs(x)
+    assert torch.equal(s1, s2)
+    (g1,) = torch.autograd.grad(s1.sum() + ours.v.sum(), [x])
+    (g2,) = torch.autograd.grad(s2.sum() + theirs.v.sum(), [x])
+    torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(NEURONS))
+def test_neuron_defaults_match_spikingjelly(name):
+    ours = inspect.signature(getattr(neuron, name)).parameters
+    theirs = inspect.signature(getattr(sj_neuron, name)).parameters
+    skip = {"surrogate_function", "backend"}  # spikefuse: None -> Sigmoid(); 'auto'
+    for key, param in theirs.items():
+        if key in ours and key not in skip:
+            assert ours[key].default == param.default, key

@@ -250,3 +250,14 @@ def test_set_step_mode_keeps_container_contents():
     net = nn.Sequential(layer.Linear(2, 2), rec)
     functional.set_step_mode(net, "m")
     assert net[0].step_mode == "m" and rec.step_mode == "m" and inner.step_mode == "s"
+
+
+def test_set_step_mode_keeps_sequence_container_contents():
+    conv = layer.Conv2d(2, 3, 3, padding=1)
+    net = nn.Sequential(
+        layer.SeqToANNContainer(conv, layer.BatchNorm2d(3)),
+        layer.MultiStepContainer(neuron.IFNode()),
+    )
+    functional.set_step_mode(net, "m")
+    assert conv.step_mode == "s" and net[1][0].step_mode == "s"
+    assert net(torch.rand(4, 2, 2, 5, 5, generator=gen(17))).shape == (4, 2, 3, 5, 5)

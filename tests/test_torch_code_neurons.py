@@ -280,3 +280,27 @@ def test_the_same_neuron_as_a_neuron_def_gets_every_backend():
     (g1,) = torch.autograd.grad(s1.sum() + kernel_node.v.sum(), [x])
     (g2,) = torch.autograd.grad(s2.sum() + torch_node.v.sum(), [x])
     torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
+
+
+class SquareSimpleNode(neuron.SimpleBaseNode):
+    def neuronal_charge(self, x):
+        self.v = self.v + x**2
+
+
+def test_simple_base_node_spikingjelly_2():
+    node = SquareSimpleNode(v_reset=0.3, step_mode="m")
+    assert node.v == 0.0  # SpikingJelly 2.0: V starts at 0, not at V_reset
+    x = torch.rand(5, 2, 3, generator=gen(7), dtype=F64) * 1.2
+    s = node(x)
+    v, want = torch.zeros_like(x[0]), []
+    for t in range(5):
+        v = v + x[t] ** 2
+        spike = (v >= 1.0).to(F64)
+        v = (1 - spike) * v + spike * 0.3
+        want.append(spike)
+    assert torch.equal(s, torch.stack(want))
+    torch.testing.assert_close(node.v, v, rtol=0, atol=1e-12)
+    functional.reset_net(node)
+    assert node.v == 0.0 and node.supported_backends == ("auto", "torch")
+    with pytest.raises(NotImplementedError, match="neuronal_charge"):
+        neuron.SimpleBaseNode()(torch.ones(2))

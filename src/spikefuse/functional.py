@@ -94,8 +94,8 @@ def detach_net(net: nn.Module) -> None:
 
 
 def _keep_step_mode(net: nn.Module) -> set[int]:
-    """ids of modules inside containers that keep their children's step mode (SpikingJelly's
-    ``StepModeContainer`` and the recurrent containers); the containers themselves are set."""
+    """ids of modules inside containers that keep their children's step mode (SpikingJelly 2.0's
+    list: the step-mode, sequence and recurrent containers); the containers themselves are set."""
     kept: set[int] = set()
     for module in net.modules():
         if getattr(module, "keeps_children_step_mode", False):
@@ -105,8 +105,9 @@ def _keep_step_mode(net: nn.Module) -> set[int]:
 
 def set_step_mode(net: nn.Module, step_mode: str) -> None:
     """Set ``step_mode`` ('s' or 'm') on every module of ``net`` that has one, except inside
-    ``StepModeContainer``/``ElementWiseRecurrentContainer``/``LinearRecurrentContainer`` (their
-    contents stay single-step). Nothing changes unless every such module accepts the mode."""
+    ``SeqToANNContainer``, ``MultiStepContainer``, ``StepModeContainer``,
+    ``ElementWiseRecurrentContainer`` and ``LinearRecurrentContainer`` (their contents stay
+    single-step). Nothing changes unless every such module accepts the mode."""
     if step_mode not in STEP_MODES:
         raise SpikefuseError(f"step_mode must be 's' or 'm', got {step_mode!r}")
     kept = _keep_step_mode(net)

@@ -27,7 +27,10 @@ def seq_to_ann(module: Callable[[Tensor], Any], x_seq: Tensor) -> Any:
 
 
 class SeqToANNContainer(nn.Sequential):
-    """Runs stateless modules on ``[T, N, *]`` input as if it were a batch of T*N samples."""
+    """Runs stateless modules on ``[T, N, *]`` input as if it were a batch of T*N samples.
+    :func:`spikefuse.functional.set_step_mode` leaves the contained modules single-step."""
+
+    keeps_children_step_mode = True
 
     def forward(self, x_seq: Tensor) -> Tensor:
         return seq_to_ann(super().forward, x_seq)
@@ -234,7 +237,10 @@ def _require_single_step(container: str, modules) -> None:
 
 class MultiStepContainer(nn.Sequential):
     """Runs single-step modules on ``[T, N, *]`` one step at a time (a Python loop over T), e.g.
-    stateful modules without a multi-step mode (SpikingJelly's container of the same name)."""
+    stateful modules without a multi-step mode (SpikingJelly's container of the same name).
+    :func:`spikefuse.functional.set_step_mode` leaves the contained modules single-step."""
+
+    keeps_children_step_mode = True
 
     def __init__(self, *args: nn.Module) -> None:
         super().__init__(*args)

@@ -172,6 +172,8 @@ class BaseNode(MemoryModule):
         step_mode: str = "s",
         backend: str = "torch",
         store_v_seq: bool = False,
+        *,
+        initial_v: float | None = None,
     ) -> None:
         super().__init__(step_mode)
         for name, value in (("v_threshold", v_threshold), ("v_reset", v_reset)):
@@ -191,7 +193,9 @@ class BaseNode(MemoryModule):
         self.backend = backend
         self.store_v_seq = store_v_seq
         self.last_backend = None
-        self.register_memory("v", 0.0 if v_reset is None else float(v_reset))
+        if initial_v is None:  # BaseNode's rule: V starts at V_reset (0 under soft reset)
+            initial_v = 0.0 if v_reset is None else float(v_reset)
+        self.register_memory("v", initial_v)
         self.register_memory("v_seq", None)
 
     def _init_definition(
@@ -532,6 +536,28 @@ class BaseNode(MemoryModule):
             f"v_reset={self.v_reset}, detach_reset={self.detach_reset}, "
             f"step_mode={self.step_mode}, backend={self.backend}{ran}"
         )
+
+
+class SimpleBaseNode(BaseNode):
+    """SpikingJelly 2.0's base class for neurons written in torch code: subclasses implement
+    ``neuronal_charge(self, x)`` (V <- H from X); fire and reset are BaseNode's. As in
+    SpikingJelly, V starts at 0 (not at V_reset) and there is no ``store_v_seq``. Runs on the
+    torch backend as a per-step loop with autograd (see :class:`BaseNode`)."""
+
+    def __init__(
+        self,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        surrogate_function: Any = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+    ) -> None:
+        self._init_torch_code(
+            v_threshold, v_reset, surrogate_function, detach_reset, step_mode, initial_v=0.0
+        )
+
+    def neuronal_charge(self, x: Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement neuronal_charge")
 
 
 @functools.lru_cache(maxsize=64)
