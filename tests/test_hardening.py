@@ -398,15 +398,17 @@ def test_neuron_constants_validated_on_assignment_before_any_change():
 )
 def test_rect_hyperparameters_validated(kwargs):
     with pytest.raises(SpikefuseError, match="Rect"):
-        sg.Rect(**kwargs)
-    s = sg.Rect()
+        sg.RectWindow(**kwargs)
+    s = sg.RectWindow()
     name, value = next(iter(kwargs.items()))
     with pytest.raises(SpikefuseError, match="Rect"):
         setattr(s, name, value)
     assert s.hyperparameters() == {"eta": 1.0, "th_l": -0.5, "th_r": 0.5}
 
 
-@pytest.mark.parametrize("cls", [c for c in sg.ALL if c is not sg.Rect], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", [c for c in sg.ALL if c is not sg.RectWindow], ids=lambda c: c.__name__
+)
 @pytest.mark.parametrize("value", [-1.0, 0.0, NAN, INF, "2"])
 def test_alpha_validated_on_assignment_before_and_after_use(cls, value):
     s = cls()
@@ -450,7 +452,7 @@ def _grad(node, x):
 @pytest.mark.parametrize("cls", sg.ALL, ids=lambda c: c.__name__)
 def test_hyperparameter_change_after_use_takes_effect(cls):
     x = torch.rand(4, 6, dtype=F64, generator=torch.Generator().manual_seed(0)) * 1.5
-    name = "eta" if cls is sg.Rect else "alpha"
+    name = "eta" if cls is sg.RectWindow else "alpha"
     s = cls()
     node = make("lif", surrogate_function=s).double()
     other = make("lif", surrogate_function=s).double()  # a second user of the same surrogate

@@ -169,7 +169,7 @@ SJ_SIGNATURES = {
         v_rest=-0.1,
         w_rest=0.0,
         tau_w=2.0,
-        a=1.0,
+        a=0.0,  # SpikingJelly's default
         b=0.0,
     ),
 }

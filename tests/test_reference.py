@@ -135,7 +135,7 @@ def test_golden_izhikevich(v_reset):
     # t3 soft: v = 0.2248, h = 0.2248 + (0.3248*(-0.5752) - 1.3024)/2 = -0.51981248,
     #          w = 1.3024 + (-0.41981248 - 1.3024)/2 = 0.44129376
     node = neuron.IzhikevichNode(
-        b=0.5, v_reset=v_reset, step_mode="m", backend="torch", store_v_seq=True
+        a=1.0, b=0.5, v_reset=v_reset, step_mode="m", backend="torch", store_v_seq=True
     )
     s = node(torch.tensor([[1.0], [2.0], [0.0]], dtype=F64))
     assert s.flatten().tolist() == [0, 1, 0]

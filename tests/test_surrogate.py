@@ -37,7 +37,11 @@ def soft_sign_d(x, alpha):
 
 
 def super_spike_d(x, alpha):
-    return 1 / (alpha * x.abs() + 1) ** 2
+    return alpha / (x.abs() + 1) ** 2
+
+
+def sj_rect_d(x, alpha):
+    return torch.where(x.abs() < 0.5 / alpha, torch.full_like(x, alpha), torch.zeros_like(x))
 
 
 def erf_d(x, alpha):
@@ -57,6 +61,7 @@ ALPHA_SURROGATES = {
     sg.SoftSign: (soft_sign_d, 2.0),
     sg.SuperSpike: (super_spike_d, 1.0),
     sg.Erf: (erf_d, 2.0),
+    sg.Rect: (sj_rect_d, 1.0),
 }
 
 
@@ -80,7 +85,7 @@ def assert_close(got, want, tol=1e-12):
 
 
 def test_every_surrogate_is_covered():
-    assert set(sg.ALL) == set(ALPHA_SURROGATES) | {sg.Rect}
+    assert set(sg.ALL) == set(ALPHA_SURROGATES) | {sg.RectWindow}
 
 
 @pytest.mark.parametrize("cls", list(ALPHA_SURROGATES), ids=lambda c: c.__name__)
@@ -103,17 +108,17 @@ def test_custom_alpha_formula(cls, alpha):
 
 
 def test_rect_default_and_custom():
-    s = sg.Rect()
+    s = sg.RectWindow()
     assert s.hyperparameters() == {"eta": 1.0, "th_l": -0.5, "th_r": 0.5}
     x = points()
     assert_close(s.derivative(x), rect_d(x, 1.0, -0.5, 0.5))
     # the window is open: exactly on an edge the derivative is 0
     assert s.derivative(torch.tensor([-0.5, 0.5], dtype=torch.float64)).tolist() == [0.0, 0.0]
-    s = sg.Rect(eta=2.5, th_l=-0.25, th_r=0.75)  # the DATE'22 window around threshold 0.25
+    s = sg.RectWindow(eta=2.5, th_l=-0.25, th_r=0.75)  # the DATE'22 window around threshold 0.25
     assert_close(s.derivative(x), rect_d(x, 2.5, -0.25, 0.75))
 
 
-ALL_INSTANCES = [cls() for cls in sg.ALL] + [sg.Sigmoid(alpha=0.5), sg.Rect(eta=3.0)]
+ALL_INSTANCES = [cls() for cls in sg.ALL] + [sg.Sigmoid(alpha=0.5), sg.RectWindow(eta=3.0)]
 
 
 @pytest.mark.parametrize("surrogate", ALL_INSTANCES, ids=lambda s: repr(s))
@@ -164,8 +169,8 @@ def test_invalid_alpha_raises(cls, alpha):
     ],
 )
 def test_invalid_rect_raises(kwargs):
-    with pytest.raises(SpikefuseError, match="Rect"):
-        sg.Rect(**kwargs)
+    with pytest.raises(SpikefuseError, match="RectWindow"):
+        sg.RectWindow(**kwargs)
 
 
 class Triangle(sg.Surrogate):

@@ -1,6 +1,6 @@
 """spikefuse: fast, memory-lean BPTT training of spiking neural networks in PyTorch."""
 
-from . import functional, layer, neuron, surrogate
+from . import encoding, functional, layer, neuron, surrogate
 from .definitions import NeuronDef
 from .errors import BackendUnavailableError, SpikefuseError
 from .fused import fuse
@@ -10,6 +10,7 @@ __all__ = [
     "BackendUnavailableError",
     "NeuronDef",
     "SpikefuseError",
+    "encoding",
     "functional",
     "fuse",
     "layer",

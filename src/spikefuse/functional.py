@@ -1,28 +1,152 @@
-"""Network-level helpers with SpikingJelly's names."""
+"""Network-level helpers with SpikingJelly's names and semantics."""
 
 from __future__ import annotations
 
-from torch import nn
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from .neuron import BaseNode, MemoryModule
+import torch
+from torch import Tensor, nn
+
+from .errors import SpikefuseError
+from .neuron import BACKEND_NAMES, STEP_MODES
+
+Steps = nn.Module | Sequence[nn.Module] | Callable[[Tensor], Any]
+
+
+def check_sequence(x_seq: Tensor, who: str, shape: str = "[T, N, *]", dims: range | None = None):
+    """Raise unless ``x_seq`` is a tensor with a time and a batch dimension (ndim in ``dims``)."""
+    if not isinstance(x_seq, Tensor):
+        raise SpikefuseError(f"{who}: input must be a torch.Tensor, got {type(x_seq).__name__}")
+    if x_seq.dim() not in (dims or range(2, 64)):
+        raise SpikefuseError(
+            f"{who}: multi-step input must be [T, N, *] (here {shape}: T time steps, N "
+            f"samples), got shape {tuple(x_seq.shape)}; pass a sequence, or use step_mode='s' "
+            "for one step"
+        )
+
+
+def split_time_batch(y: Tensor | tuple, time_batch: torch.Size) -> Tensor | tuple:
+    """Split the merged first dimension of ``y`` (or of every tensor of a tuple) into [T, N]."""
+    if isinstance(y, tuple):
+        return tuple(split_time_batch(item, time_batch) for item in y)
+    return y.unflatten(0, time_batch)
+
+
+def _chain(modules: Steps) -> Callable[[Tensor], Any]:
+    if isinstance(modules, (list, tuple, nn.Sequential)):
+
+        def run(x: Tensor) -> Any:
+            for module in modules:
+                x = module(x)
+            return x
+
+        return run
+    return modules
+
+
+def multi_step_forward(x_seq: Tensor, single_step_module: Steps) -> Tensor:
+    """Run single-step module(s) (a module, a list/tuple/Sequential of them, or any callable) on
+    ``x_seq`` [T, N, *] one step at a time and stack the outputs to [T, N, *].
+
+    A Python loop over T: for modules without a multi-step mode (neurons and layers in
+    ``step_mode='m'`` take the whole sequence at once)."""
+    check_sequence(x_seq, "multi_step_forward")
+    step = _chain(single_step_module)
+    return torch.stack([step(x) for x in x_seq])
+
+
+def seq_to_ann_forward(x_seq: Tensor, stateless_module: Steps) -> Any:
+    """Run stateless module(s) on ``x_seq`` [T, N, *] as one batch of T*N samples and split the
+    result back to [T, N, *] (tuple outputs are split element-wise)."""
+    check_sequence(x_seq, "seq_to_ann_forward")
+    return split_time_batch(_chain(stateless_module)(x_seq.flatten(0, 1)), x_seq.shape[:2])
+
+
+def chunk_multi_step_forward(split_size: int, x_seq: Tensor, multi_step_module: nn.Module):
+    """Run a multi-step module on ``x_seq`` [T, *] in chunks of ``split_size`` steps (the state
+    carries over) and concatenate the outputs: less memory for long inference sequences."""
+    if not isinstance(split_size, int) or split_size < 1:
+        raise SpikefuseError(
+            f"chunk_multi_step_forward: split_size must be an int >= 1, got {split_size!r}"
+        )
+    check_sequence(x_seq, "chunk_multi_step_forward")
+    return torch.cat([multi_step_module(chunk) for chunk in torch.split(x_seq, split_size)])
 
 
 def reset_net(net: nn.Module) -> None:
-    """Reset the state of every stateful module in ``net`` (call between sequences)."""
+    """Call ``reset()`` on every module of ``net`` that has one (spikefuse's, SpikingJelly's or
+    your own stateful modules): call between independent sequences."""
     for module in net.modules():
-        if isinstance(module, MemoryModule):
-            module.reset()
+        reset = getattr(module, "reset", None)
+        if callable(reset):
+            reset()
+
+
+def detach_net(net: nn.Module) -> None:
+    """Call ``detach()`` on every module of ``net`` that has one: the state is kept but cut from
+    the autograd graph of earlier steps (truncated BPTT)."""
+    for module in net.modules():
+        detach = getattr(module, "detach", None)
+        if callable(detach):
+            detach()
+
+
+def _keep_step_mode(net: nn.Module) -> set[int]:
+    """ids of modules inside containers that keep their children's step mode (SpikingJelly 2.0's
+    list: the step-mode, sequence and recurrent containers); the containers themselves are set."""
+    kept: set[int] = set()
+    for module in net.modules():
+        if getattr(module, "keeps_children_step_mode", False):
+            kept.update(id(m) for m in module.modules() if m is not module)
+    return kept
 
 
 def set_step_mode(net: nn.Module, step_mode: str) -> None:
-    """Set ``step_mode`` ('s' or 'm') on every spikefuse module of ``net``."""
-    for module in net.modules():
-        if isinstance(module, MemoryModule) or hasattr(module, "step_mode"):
-            module.step_mode = step_mode
+    """Set ``step_mode`` ('s' or 'm') on every module of ``net`` that has one, except inside
+    ``SeqToANNContainer``, ``MultiStepContainer``, ``StepModeContainer``,
+    ``ElementWiseRecurrentContainer`` and ``LinearRecurrentContainer`` (their contents stay
+    single-step). Nothing changes unless every such module accepts the mode."""
+    if step_mode not in STEP_MODES:
+        raise SpikefuseError(f"step_mode must be 's' or 'm', got {step_mode!r}")
+    kept = _keep_step_mode(net)
+    targets = [m for m in net.modules() if hasattr(m, "step_mode") and id(m) not in kept]
+    for module in targets:
+        supported = getattr(module, "supported_step_mode", None)
+        if callable(supported) and step_mode not in supported():
+            raise SpikefuseError(
+                f"set_step_mode: {type(module).__name__} supports step_mode {supported()}, not "
+                f"{step_mode!r}; nothing was changed"
+            )
+    for module in targets:
+        module.step_mode = step_mode
 
 
-def set_backend(net: nn.Module, backend: str) -> None:
-    """Set the neuron backend ('auto', 'torch', 'cuda', 'cupy') of every neuron in ``net``."""
-    for module in net.modules():
-        if isinstance(module, BaseNode):
-            module.backend = backend
+def set_backend(
+    net: nn.Module,
+    backend: str,
+    instance: type[nn.Module] | tuple[type[nn.Module], ...] | None = None,
+) -> None:
+    """Set ``backend`` on every module of ``net`` that is an ``instance`` (default: any module)
+    and has a ``backend``. A module whose ``supported_backends`` lacks ``backend`` keeps its own
+    and a warning names it (SpikingJelly's behaviour); a name that no module supports raises.
+
+    spikefuse neurons support 'auto', 'torch', 'cuda' and 'cupy' (alias of cuda)."""
+    instance = nn.Module if instance is None else instance
+    targets = [m for m in net.modules() if isinstance(m, instance) and hasattr(m, "backend")]
+    known = set(BACKEND_NAMES)
+    for module in targets:
+        known.update(getattr(module, "supported_backends", ()))
+    if backend not in known:
+        raise SpikefuseError(f"unknown backend {backend!r}; choose one of {sorted(known)}")
+    for module in targets:
+        supported = getattr(module, "supported_backends", None)
+        if supported is not None and backend not in supported:
+            warnings.warn(
+                f"set_backend: {type(module).__name__} does not support backend={backend!r} "
+                f"(supported: {tuple(supported)}); it keeps backend={module.backend!r}",
+                stacklevel=2,
+            )
+            continue
+        module.backend = backend

@@ -1,64 +1,336 @@
-"""Stateless layers for multi-step ``[T, N, *]`` data, with SpikingJelly's names.
+"""Layers for single-step ``[N, *]`` and multi-step ``[T, N, *]`` data, with SpikingJelly's names.
 
-In multi-step mode the time and batch dimensions are merged, the torch layer runs once on
-``[T*N, *]`` and the result is split back: one large call instead of a Python loop over T.
+Stateless layers in multi-step mode merge the time and batch dimensions, run the torch layer once
+on ``[T*N, *]`` and split the result back: one large call instead of a Python loop over T.
+Stateful layers (:class:`Dropout`, :class:`SynapseFilter`, the recurrent containers) keep their
+state until :func:`spikefuse.functional.reset_net`, as SpikingJelly's do.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import SpikefuseError
+from .functional import check_sequence, multi_step_forward, seq_to_ann_forward, split_time_batch
+from .neuron import STEP_MODES, MemoryModule
 
 
-def seq_to_ann(module: nn.Module, x_seq: Tensor) -> Tensor:
-    """Apply ``module`` to ``[T, N, *]`` by merging T and N."""
-    if x_seq.dim() < 2:
-        raise SpikefuseError(f"multi-step input must be [T, N, *], got shape {tuple(x_seq.shape)}")
-    y = module(x_seq.flatten(0, 1))
-    return y.unflatten(0, x_seq.shape[:2])
+def seq_to_ann(module: Callable[[Tensor], Any], x_seq: Tensor) -> Any:
+    """Apply ``module`` to ``[T, N, *]`` by merging T and N (tuple outputs are split too)."""
+    return seq_to_ann_forward(x_seq, module)
 
 
 class SeqToANNContainer(nn.Sequential):
-    """Runs stateless modules on ``[T, N, *]`` input as if it were a batch of T*N samples."""
+    """Runs stateless modules on ``[T, N, *]`` input as if it were a batch of T*N samples.
+    :func:`spikefuse.functional.set_step_mode` leaves the contained modules single-step."""
+
+    keeps_children_step_mode = True
 
     def forward(self, x_seq: Tensor) -> Tensor:
         return seq_to_ann(super().forward, x_seq)
 
 
 class _StepMode:
-    """Mixin: ``step_mode='m'`` applies the wrapped torch layer to ``[T, N, *]`` input."""
+    """Mixin: ``step_mode='m'`` applies the wrapped torch layer to ``[T, N, *]`` input.
 
-    def _init_step_mode(self, step_mode: str) -> None:
-        if step_mode not in ("s", "m"):
-            raise SpikefuseError(f"step_mode must be 's' or 'm', got {step_mode!r}")
-        self.step_mode = step_mode
+    ``_seq_dims`` are the input dimensions allowed in multi-step mode (``_seq_shape`` names them).
+    """
+
+    _seq_dims: range = range(2, 64)
+    _seq_shape: str = "[T, N, *]"
+
+    @property
+    def step_mode(self) -> str:
+        return self._step_mode
+
+    @step_mode.setter
+    def step_mode(self, mode: str) -> None:
+        if mode not in STEP_MODES:
+            raise SpikefuseError(f"step_mode must be 's' or 'm', got {mode!r}")
+        self._step_mode = mode
 
     def forward(self, x: Tensor) -> Tensor:
         if self.step_mode == "m":
-            return seq_to_ann(super().forward, x)
+            check_sequence(x, type(self).__name__, self._seq_shape, self._seq_dims)
+            return split_time_batch(super().forward(x.flatten(0, 1)), x.shape[:2])
         return super().forward(x)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, step_mode={self.step_mode}"
 
 
-def _wrap(base: type[nn.Module]) -> type[nn.Module]:
+def _wrap(base: type[nn.Module], seq_shape: str = "[T, N, *]", min_dim: int = 2) -> type:
+    """``base`` with a ``step_mode``; multi-step input must have ``seq_shape`` (ndim from
+    ``min_dim``; a shape without ``*`` has exactly that many dimensions)."""
+
     def __init__(self, *args, step_mode: str = "s", **kwargs) -> None:
         base.__init__(self, *args, **kwargs)
-        self._init_step_mode(step_mode)
+        self.step_mode = step_mode
 
-    doc = f"``torch.nn.{base.__name__}`` with a ``step_mode`` ('s': [N, *], 'm': [T, N, *])."
-    return type(base.__name__, (_StepMode, base), {"__init__": __init__, "__doc__": doc})
+    exact = "*" not in seq_shape
+    dims = range(min_dim, min_dim + 1) if exact else range(min_dim, 64)
+    doc = (
+        f"``torch.nn.{base.__name__}`` with a ``step_mode`` ('s': one step, 'm': a sequence "
+        f"{seq_shape})."
+    )
+    namespace = {"__init__": __init__, "__doc__": doc, "_seq_dims": dims, "_seq_shape": seq_shape}
+    return type(base.__name__, (_StepMode, base), namespace)
 
 
-Linear = _wrap(nn.Linear)
-Conv1d = _wrap(nn.Conv1d)
-Conv2d = _wrap(nn.Conv2d)
-BatchNorm1d = _wrap(nn.BatchNorm1d)
-BatchNorm2d = _wrap(nn.BatchNorm2d)
-AvgPool2d = _wrap(nn.AvgPool2d)
-MaxPool2d = _wrap(nn.MaxPool2d)
-AdaptiveAvgPool2d = _wrap(nn.AdaptiveAvgPool2d)
+Linear = _wrap(nn.Linear, "[T, N, *, in_features]", 3)
+Conv1d = _wrap(nn.Conv1d, "[T, N, C, L]", 4)
+Conv2d = _wrap(nn.Conv2d, "[T, N, C, H, W]", 5)
+Conv3d = _wrap(nn.Conv3d, "[T, N, C, D, H, W]", 6)
+ConvTranspose1d = _wrap(nn.ConvTranspose1d, "[T, N, C, L]", 4)
+ConvTranspose2d = _wrap(nn.ConvTranspose2d, "[T, N, C, H, W]", 5)
+ConvTranspose3d = _wrap(nn.ConvTranspose3d, "[T, N, C, D, H, W]", 6)
+BatchNorm1d = _wrap(nn.BatchNorm1d, "[T, N, C, *]", 3)
+BatchNorm2d = _wrap(nn.BatchNorm2d, "[T, N, C, H, W]", 5)
+BatchNorm3d = _wrap(nn.BatchNorm3d, "[T, N, C, D, H, W]", 6)
+GroupNorm = _wrap(nn.GroupNorm, "[T, N, C, *]", 3)
+AvgPool1d = _wrap(nn.AvgPool1d, "[T, N, C, L]", 4)
+AvgPool2d = _wrap(nn.AvgPool2d, "[T, N, C, H, W]", 5)
+AvgPool3d = _wrap(nn.AvgPool3d, "[T, N, C, D, H, W]", 6)
+MaxPool1d = _wrap(nn.MaxPool1d, "[T, N, C, L]", 4)
+# With return_indices=True the multi-step output is (out, indices), both [T, N, C, H', W'].
+MaxPool2d = _wrap(nn.MaxPool2d, "[T, N, C, H, W]", 5)
+MaxPool3d = _wrap(nn.MaxPool3d, "[T, N, C, D, H, W]", 6)
+AdaptiveAvgPool1d = _wrap(nn.AdaptiveAvgPool1d, "[T, N, C, L]", 4)
+AdaptiveAvgPool2d = _wrap(nn.AdaptiveAvgPool2d, "[T, N, C, H, W]", 5)
+AdaptiveAvgPool3d = _wrap(nn.AdaptiveAvgPool3d, "[T, N, C, D, H, W]", 6)
+Upsample = _wrap(nn.Upsample, "[T, N, C, *]", 4)
 Flatten = _wrap(nn.Flatten)
-Dropout = _wrap(nn.Dropout)
+
+
+class VotingLayer(_StepMode, nn.Module):
+    """Average of each group of ``voting_size`` neighbours on the last dimension:
+    ``[..., C * voting_size] -> [..., C]`` (SpikingJelly's ``avg_pool1d`` with kernel = stride =
+    ``voting_size``; a remainder shorter than ``voting_size`` is dropped)."""
+
+    def __init__(self, voting_size: int = 10, step_mode: str = "s") -> None:
+        super().__init__()
+        if not isinstance(voting_size, int) or voting_size < 1:
+            raise SpikefuseError(f"VotingLayer: voting_size must be an int >= 1, got {voting_size}")
+        self.voting_size = voting_size
+        self.step_mode = step_mode
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.step_mode == "m":
+            check_sequence(x, "VotingLayer", "[T, N, *, C * voting_size]", range(3, 64))
+        y = F.avg_pool1d(x.reshape(-1, 1, x.shape[-1]), self.voting_size, self.voting_size)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"voting_size={self.voting_size}, step_mode={self.step_mode}"
+
+
+# ---- stateful layers -----------------------------------------------------------------------------
+class Dropout(MemoryModule):
+    """Dropout whose mask is drawn once per sequence: the elements zeroed at the first step stay
+    zeroed (and the others scaled by 1/(1-p)) at every later step, single- or multi-step, until
+    :meth:`reset` (SpikingJelly's ``layer.Dropout``). In eval mode it is the identity.
+
+    The mask is a memory: call :func:`spikefuse.functional.reset_net` between sequences.
+    """
+
+    def __init__(self, p: float = 0.5, step_mode: str = "s") -> None:
+        super().__init__(step_mode)
+        if not (isinstance(p, (int, float)) and 0 <= p < 1):
+            raise SpikefuseError(f"{type(self).__name__}: p must be in [0, 1), got {p!r}")
+        self.p = float(p)
+        self.register_memory("mask", None)
+
+    def create_mask(self, x: Tensor) -> Tensor:
+        """A mask for one step shaped like ``x``: 0 with probability p, else 1/(1-p)."""
+        return F.dropout(torch.ones_like(x), self.p, training=True)
+
+    def _apply_mask(self, x: Tensor, step: Tensor) -> Tensor:
+        if not self.training:
+            return x
+        mask = self.mask
+        if mask is None:
+            mask = self.create_mask(step)
+            self.set_memory("mask", mask)
+        elif (mask.shape, mask.dtype, mask.device) != (step.shape, step.dtype, step.device):
+            raise SpikefuseError(
+                f"{type(self).__name__}: the mask is {tuple(mask.shape)} {mask.dtype} on "
+                f"{mask.device}, but this input's steps are {tuple(step.shape)} {step.dtype} "
+                f"on {step.device}; call spikefuse.functional.reset_net(net) between sequences"
+            )
+        return x * mask
+
+    def single_step_forward(self, x: Tensor) -> Tensor:
+        return self._apply_mask(x, x)
+
+    def multi_step_forward(self, x_seq: Tensor) -> Tensor:
+        check_sequence(x_seq, type(self).__name__)
+        return self._apply_mask(x_seq, x_seq[0])
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, step_mode={self.step_mode}"
+
+
+class Dropout2d(Dropout):
+    """:class:`Dropout` that drops whole channels (``torch.nn.functional.dropout2d`` on one step
+    ``[N, C, H, W]``), one mask per sequence until :meth:`reset`. SpikingJelly's default p=0.2."""
+
+    def __init__(self, p: float = 0.2, step_mode: str = "s") -> None:
+        super().__init__(p, step_mode)
+
+    def create_mask(self, x: Tensor) -> Tensor:
+        if x.dim() != 4:
+            raise SpikefuseError(
+                f"Dropout2d: one step must be [N, C, H, W] (a sequence [T, N, C, H, W]), got "
+                f"shape {tuple(x.shape)}"
+            )
+        return F.dropout2d(torch.ones_like(x), self.p, training=True)
+
+
+class SynapseFilter(MemoryModule):
+    """Exponentially decaying synaptic current driven by input spikes S:
+    ``I[t] = I[t-1] - (1 - S[t]) I[t-1] / tau + S[t]``, I[-1] = 0 (SpikingJelly's formula).
+
+    ``learnable=True`` learns 1/tau = sigmoid(w), w initialised from ``tau``. Multi-step mode
+    runs a Python loop over T (this layer is not a fused kernel).
+    """
+
+    def __init__(self, tau: float = 100.0, learnable: bool = False, step_mode: str = "s") -> None:
+        super().__init__(step_mode)
+        if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 1):
+            raise SpikefuseError(f"SynapseFilter: tau must be finite and > 1, got {tau!r}")
+        self.learnable = learnable
+        if learnable:
+            self.w = nn.Parameter(torch.as_tensor(-math.log(tau - 1.0)))
+        else:
+            self.tau = float(tau)
+        self.register_memory("out_i", 0.0)
+
+    def single_step_forward(self, x: Tensor) -> Tensor:
+        out_i = self.out_i
+        if not isinstance(out_i, Tensor):
+            out_i = torch.full_like(x, out_i)
+        inv_tau = self.w.sigmoid() if self.learnable else 1.0 / self.tau
+        out_i = out_i - (1.0 - x) * out_i * inv_tau + x
+        self.set_memory("out_i", out_i)
+        return out_i
+
+    def extra_repr(self) -> str:
+        tau = 1.0 / self.w.detach().sigmoid().item() if self.learnable else self.tau
+        return f"tau={tau}, learnable={self.learnable}, step_mode={self.step_mode}"
+
+
+# ---- containers ----------------------------------------------------------------------------------
+def _require_single_step(container: str, modules) -> None:
+    for module in modules:
+        if getattr(module, "step_mode", "s") != "s":
+            raise SpikefuseError(
+                f"{container}: contained modules must be single-step (step_mode='s'), but "
+                f"{type(module).__name__} has step_mode={module.step_mode!r}"
+            )
+
+
+class MultiStepContainer(nn.Sequential):
+    """Runs single-step modules on ``[T, N, *]`` one step at a time (a Python loop over T), e.g.
+    stateful modules without a multi-step mode (SpikingJelly's container of the same name).
+    :func:`spikefuse.functional.set_step_mode` leaves the contained modules single-step."""
+
+    keeps_children_step_mode = True
+
+    def __init__(self, *args: nn.Module) -> None:
+        super().__init__(*args)
+        _require_single_step("MultiStepContainer", self)
+
+    def forward(self, x_seq: Tensor) -> Tensor:
+        return multi_step_forward(x_seq, super().forward)
+
+
+class StepModeContainer(nn.Sequential):
+    """Gives single-step modules a ``step_mode``: in 'm' mode it runs them step by step if
+    ``stateful`` (:class:`MultiStepContainer`), else on merged ``[T*N, *]``
+    (:class:`SeqToANNContainer`). :func:`spikefuse.functional.set_step_mode` sets the
+    container's mode and leaves the contained modules single-step."""
+
+    keeps_children_step_mode = True
+    step_mode = _StepMode.step_mode  # the validated property
+
+    def __init__(self, stateful: bool, *args: nn.Module) -> None:
+        super().__init__(*args)
+        _require_single_step("StepModeContainer", self)
+        self.stateful = stateful
+        self.step_mode = "s"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.step_mode == "s":
+            return super().forward(x)
+        if self.stateful:
+            return multi_step_forward(x, super().forward)
+        return seq_to_ann(super().forward, x)
+
+
+class ElementWiseRecurrentContainer(MemoryModule):
+    """Element-wise self-connection around ``sub_module``: ``y[t] = sub_module(f(y[t-1], x[t]))``
+    with y[-1] = 0, where ``f = element_wise_function`` is called as SpikingJelly's container
+    calls it (previous output first). ``sub_module`` must keep the shape and run single-step."""
+
+    keeps_children_step_mode = True
+
+    def __init__(
+        self,
+        sub_module: nn.Module,
+        element_wise_function: Callable[[Tensor, Tensor], Tensor],
+        step_mode: str = "s",
+    ) -> None:
+        super().__init__(step_mode)
+        _require_single_step("ElementWiseRecurrentContainer", [sub_module])
+        self.sub_module = sub_module
+        self.element_wise_function = element_wise_function
+        self.register_memory("y", None)
+
+    def single_step_forward(self, x: Tensor) -> Tensor:
+        y = torch.zeros_like(x) if self.y is None else self.y
+        y = self.sub_module(self.element_wise_function(y, x))
+        self.set_memory("y", y)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"element_wise_function={self.element_wise_function}, step_mode={self.step_mode}"
+
+
+class LinearRecurrentContainer(MemoryModule):
+    """Linear self-connection around ``sub_module``: ``i[t] = [x[t], y[t-1]] W^T + b``,
+    ``y[t] = sub_module(i[t])``, y[-1] = 0; x[t] is ``[N, *, in_features]`` and y[t]
+    ``[N, *, out_features]`` (``rc = nn.Linear(in_features + out_features, in_features)``)."""
+
+    keeps_children_step_mode = True
+
+    def __init__(
+        self,
+        sub_module: nn.Module,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        step_mode: str = "s",
+    ) -> None:
+        super().__init__(step_mode)
+        _require_single_step("LinearRecurrentContainer", [sub_module])
+        self.sub_module_out_features = out_features
+        self.rc = nn.Linear(in_features + out_features, in_features, bias)
+        self.sub_module = sub_module
+        self.register_memory("y", None)
+
+    def single_step_forward(self, x: Tensor) -> Tensor:
+        y = self.y
+        if y is None:
+            y = x.new_zeros(*x.shape[:-1], self.sub_module_out_features)
+        y = self.sub_module(self.rc(torch.cat((x, y), dim=-1)))
+        self.set_memory("y", y)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"step_mode={self.step_mode}"

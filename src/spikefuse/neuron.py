@@ -10,11 +10,13 @@ else torch; the repr shows which one ran).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 from collections.abc import Mapping
 from typing import Any
 
+import sympy as sp
 import torch
 from torch import Tensor, nn
 
@@ -24,11 +26,15 @@ from .errors import BackendUnavailableError, SpikefuseError
 from .ops import run_neuron
 from .program import NeuronProgram
 from .reference import compute_dtype
-from .surrogate import Sigmoid, Surrogate, is_finite_real
+from .surrogate import Sigmoid, Surrogate, is_finite_real, runs_in_kernels
 
 log = logging.getLogger("spikefuse")
 STEP_MODES = ("s", "m")
 BACKEND_NAMES = ("auto", "torch", "cuda", "cupy")
+# Methods a SpikingJelly-style subclass overrides with torch code (then only the torch backend
+# runs it, as a per-step loop with autograd through the user's code).
+TORCH_CODE_HOOKS = ("neuronal_charge", "neuronal_fire", "neuronal_reset")
+TORCH_CODE_BACKENDS = ("auto", "torch")
 
 
 def _check_finite(owner: str, name: str, value: Any) -> None:
@@ -84,14 +90,49 @@ class MemoryModule(nn.Module):
             immutable = value is None or isinstance(value, (int, float))
             self.set_memory(name, value if immutable else copy.deepcopy(value))
 
+    def single_step_forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """One step ``[N, *]`` (SpikingJelly's method; subclasses written step by step define it)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement single_step_forward")
+
+    def multi_step_forward(self, x_seq: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """A sequence ``[T, N, *]``: by default a Python loop of :meth:`single_step_forward`
+        over T, stacked (SpikingJelly's default)."""
+        from .functional import check_sequence  # functional imports this module
+
+        check_sequence(x_seq, type(self).__name__)
+        return torch.stack([self.single_step_forward(x, *args, **kwargs) for x in x_seq])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """'s': :meth:`single_step_forward`; 'm': :meth:`multi_step_forward`."""
+        if self.step_mode == "m":
+            return self.multi_step_forward(*args, **kwargs)
+        return self.single_step_forward(*args, **kwargs)
+
+    def detach(self) -> None:
+        """Cut every tensor memory from the autograd graph of earlier steps, keeping its value
+        (truncated BPTT; :func:`spikefuse.functional.detach_net` calls it on a whole network)."""
+        for name in self._memory_defaults:
+            value = getattr(self, name)
+            if isinstance(value, Tensor):
+                self.set_memory(name, value.detach())
+
 
 class BaseNode(MemoryModule):
     """A spiking neuron layer running any :class:`~spikefuse.definitions.NeuronDef`.
 
-    Use it directly for your own neuron definitions::
+    Use it directly for your own neuron definitions (every backend)::
 
         CUBIC = NeuronDef("cubic", charge="v + (x - k * v**3) / tau", params=("tau", "k"))
         node = BaseNode(CUBIC, params={"tau": 2.0, "k": 0.1}, step_mode="m")
+
+    or subclass it the SpikingJelly way, overriding ``neuronal_charge`` with torch code (then
+    SpikingJelly's constructor ``(v_threshold, v_reset, surrogate_function, detach_reset,
+    step_mode, backend, store_v_seq)`` applies and only the torch backend runs it, as a
+    per-step loop with autograd; see :attr:`torch_code`)::
+
+        class SquareIFNode(BaseNode):
+            def neuronal_charge(self, x):
+                self.v = self.v + x**2
 
     Args:
         definition: the neuron's equations.
@@ -110,7 +151,68 @@ class BaseNode(MemoryModule):
     # parameter -> exclusive lower bound, checked on every call (e.g. tau > 1 keeps 1/tau in (0, 1))
     lower_bounds: Mapping[str, float] = {}
 
-    def __init__(
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``BaseNode(definition, params, v_threshold, v_reset, surrogate_function, detach_reset,
+        step_mode, backend, store_v_seq, w_init)`` for a :class:`~spikefuse.definitions.NeuronDef`
+        (every backend); a subclass that overrides ``neuronal_charge`` (SpikingJelly's way) and
+        passes no definition takes SpikingJelly's ``(v_threshold, v_reset, surrogate_function,
+        detach_reset, step_mode, backend, store_v_seq)`` instead (torch backend)."""
+        given_definition = (args and isinstance(args[0], defs.NeuronDef)) or "definition" in kwargs
+        if type(self).overrides_torch_code() and not given_definition:
+            self._init_torch_code(*args, **kwargs)
+        else:
+            self._init_definition(*args, **kwargs)
+
+    # The torch-code hooks a subclass overrides, found once per class (forward checks it).
+    _torch_code_hooks: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._torch_code_hooks = tuple(
+            hook for hook in TORCH_CODE_HOOKS if getattr(cls, hook) is not getattr(BaseNode, hook)
+        )
+
+    @classmethod
+    def overrides_torch_code(cls) -> bool:
+        """Whether the class overrides ``neuronal_charge``/``neuronal_fire``/``neuronal_reset``."""
+        return bool(cls._torch_code_hooks)
+
+    def _init_torch_code(
+        self,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        surrogate_function: Any = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+        backend: str = "torch",
+        store_v_seq: bool = False,
+        *,
+        initial_v: float | None = None,
+    ) -> None:
+        super().__init__(step_mode)
+        for name, value in (("v_threshold", v_threshold), ("v_reset", v_reset)):
+            if not (value is None and name == "v_reset") and not (
+                isinstance(value, (int, float)) and math.isfinite(value)
+            ):
+                raise SpikefuseError(
+                    f"{type(self).__name__}: {name} must be a finite float, got {value!r}"
+                )
+        surrogate_function = Sigmoid() if surrogate_function is None else surrogate_function
+        runs_in_kernels(surrogate_function)  # validates it
+        self.definition = None
+        self.v_threshold = v_threshold
+        self.v_reset = v_reset
+        self.surrogate_function = surrogate_function
+        self.detach_reset = detach_reset
+        self.backend = backend
+        self.store_v_seq = store_v_seq
+        self.last_backend = None
+        if initial_v is None:  # BaseNode's rule: V starts at V_reset (0 under soft reset)
+            initial_v = 0.0 if v_reset is None else float(v_reset)
+        self.register_memory("v", initial_v)
+        self.register_memory("v_seq", None)
+
+    def _init_definition(
         self,
         definition: defs.NeuronDef,
         params: Mapping[str, float] | None = None,
@@ -133,6 +235,7 @@ class BaseNode(MemoryModule):
             )
         surrogate_function = Sigmoid() if surrogate_function is None else surrogate_function
         _check_finite(type(self).__name__, "w_init", w_init)
+        runs_in_kernels(surrogate_function)  # validates it (torch-code surrogates: torch only)
         self.definition = definition
         for name, value in params.items():
             setattr(self, name, value)
@@ -152,6 +255,37 @@ class BaseNode(MemoryModule):
         self.register_memory("v_seq", None)
 
     @property
+    def supported_backends(self) -> tuple[str, ...]:
+        """The names ``backend`` accepts (SpikingJelly's attribute): all for a NeuronDef neuron,
+        'auto' and 'torch' for a neuron whose charge is torch code."""
+        return TORCH_CODE_BACKENDS if type(self).overrides_torch_code() else BACKEND_NAMES
+
+    @property
+    def torch_code(self) -> str | None:
+        """Why this neuron runs as a per-step torch loop (torch backend only), or None when it
+        runs from its NeuronDef on any backend."""
+        if self._torch_code_hooks:
+            return f"it overrides {', '.join(self._torch_code_hooks)} with torch code"
+        surrogate = self.surrogate_function
+        if isinstance(surrogate, Surrogate) and getattr(surrogate, "spiking", True):
+            return None  # the common case, checked first: forward asks on every call
+        if not runs_in_kernels(surrogate):
+            return (
+                f"its surrogate_function ({type(self.surrogate_function).__name__}) is torch code "
+                "(not a spikefuse.surrogate.Surrogate in spiking mode)"
+            )
+        return None
+
+    def _torch_code_error(self, reason: str) -> BackendUnavailableError:
+        return BackendUnavailableError(
+            f"{type(self).__name__}: backend 'cuda' cannot run this neuron: {reason}. Only the "
+            "torch backend runs torch code (use backend='torch' or 'auto'). For the fused kernels "
+            "write the charge as a NeuronDef, e.g. BaseNode(NeuronDef('mine', charge='v + x**2'), "
+            "...) or a subclass passing one to BaseNode.__init__, and use a "
+            "spikefuse.surrogate.Surrogate (a derivative expression)"
+        )
+
+    @property
     def backend(self) -> str:
         return self._backend
 
@@ -159,17 +293,16 @@ class BaseNode(MemoryModule):
     def backend(self, name: str) -> None:
         if name not in BACKEND_NAMES:
             raise SpikefuseError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
+        if name not in self.supported_backends:
+            raise self._torch_code_error(self.torch_code)
         self._backend = "cuda" if name == "cupy" else name
 
     # ---- what the kernels get ----------------------------------------------------------------
     _PROGRAM_FIELDS = ("surrogate_function", "v_reset", "detach_reset")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "surrogate_function" and not isinstance(value, Surrogate):
-            raise SpikefuseError(
-                f"surrogate_function must be a spikefuse.surrogate.Surrogate, got "
-                f"{type(value).__name__}"
-            )
+        if name == "surrogate_function":
+            runs_in_kernels(value)  # validates it (torch-code surrogates: torch backend only)
         if "program" not in self.__dict__:  # in __init__: constants() validates them all
             super().__setattr__(name, value)
             return
@@ -187,6 +320,9 @@ class BaseNode(MemoryModule):
             self.set_memory("v_seq", None)
 
     def _update_program(self) -> None:
+        if not runs_in_kernels(self.surrogate_function):  # torch code: no kernel program
+            self.__dict__["program"] = None
+            return
         self.__dict__["program"] = NeuronProgram(
             self.definition,
             self.surrogate_function,
@@ -198,12 +334,13 @@ class BaseNode(MemoryModule):
 
     def surrogate_changed(self) -> None:
         """Called by the surrogate when one of its hyper-parameters changes."""
-        if self.program.surrogate_key != self.surrogate_function.key:
+        if self.program is None or self.program.surrogate_key != self.surrogate_function.key:
             self._update_program()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.surrogate_function.add_user(self)  # the surrogate does not pickle its users
+        if isinstance(self.surrogate_function, Surrogate):  # it does not pickle its users
+            self.surrogate_function.add_user(self)
 
     def _validated_constants(self, changes: Mapping[str, Any]) -> list[float]:
         """V_th, V_reset (0 for soft reset) and the non-learnable parameters, with ``changes``
@@ -301,6 +438,9 @@ class BaseNode(MemoryModule):
                 )
 
     def forward(self, x: Tensor) -> Tensor:
+        reason = self.torch_code
+        if reason is not None:
+            return self._torch_code_forward(x, reason)
         x_seq = self._check_input(x)
         constants = self._constants or self.constants()
         backend = self.resolve_backend(x_seq)
@@ -325,7 +465,122 @@ class BaseNode(MemoryModule):
         self.set_memory("v_seq", v_seq if self.store_v_seq and multi_step else None)
         return spikes if multi_step else spikes[0]
 
+    def single_step_forward(self, x: Tensor) -> Tensor:
+        """One step ``[N, *] -> [N, *]`` whatever ``step_mode`` is (SpikingJelly's method).
+
+        Torch-code neurons: ``neuronal_charge`` (V <- H), ``neuronal_adaptation`` (two-state
+        NeuronDefs), ``neuronal_fire`` (S = surrogate(H - V_th)), ``neuronal_reset``."""
+        if self.torch_code is None:
+            return self._forward_in_mode(x, "s")
+        self.v_float_to_tensor(x)
+        self.neuronal_charge(x)
+        if self.definition is not None and self.definition.adaptive:
+            self.neuronal_adaptation()
+        spike = self.neuronal_fire()
+        self.neuronal_reset(spike)
+        return spike
+
+    def multi_step_forward(self, x_seq: Tensor) -> Tensor:
+        """A sequence ``[T, N, *] -> [T, N, *]`` whatever ``step_mode`` is (SpikingJelly's
+        method; runs the fused multi-step path, except for torch-code neurons, which loop over
+        :meth:`single_step_forward`)."""
+        if self.torch_code is None:
+            return self._forward_in_mode(x_seq, "m")
+        spikes, v_seq = [], []
+        for x in x_seq:
+            spikes.append(self.single_step_forward(x))
+            if self.store_v_seq:
+                v_seq.append(self.v)
+        self.set_memory("v_seq", torch.stack(v_seq) if self.store_v_seq else None)
+        return torch.stack(spikes)
+
+    def _torch_code_forward(self, x: Tensor, reason: str) -> Tensor:
+        if self.backend == "cuda":
+            raise self._torch_code_error(reason)
+        self._check_input(x)
+        if self.last_backend != "torch" and not torch.compiler.is_compiling():
+            log.info("%s: runs torch code on the torch backend (%s)", type(self).__name__, reason)
+            self.last_backend = "torch"
+        if self.step_mode == "m":
+            return self.multi_step_forward(x)
+        return self.single_step_forward(x)
+
+    # ---- SpikingJelly's torch-code hooks (used only by torch-code neurons) ---------------------
+    def neuronal_charge(self, x: Tensor) -> None:
+        """V <- H[t] = f(V[t-1], X[t]). Override with torch code to define a neuron the
+        SpikingJelly way (torch backend); the default evaluates the NeuronDef's charge."""
+        if self.definition is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement neuronal_charge")
+        charge = _torch_equations(self.definition)[0]
+        w = self.w if self.definition.adaptive else 0.0
+        self.v = charge(self.v, x, w, 0.0, *self._equation_params(x))
+
+    def neuronal_adaptation(self) -> None:
+        """W <- Z[t] = g(H[t], W[t-1]) of a two-state NeuronDef (V holds H here)."""
+        adaptation = _torch_equations(self.definition)[1]
+        self.w = adaptation(self.v, 0.0, self.w, self.v, *self._equation_params(self.v))
+
+    def neuronal_fire(self) -> Tensor:
+        """S[t] = surrogate_function(H[t] - V_th) (V holds H here)."""
+        return self.surrogate_function(self.v - self.v_threshold)
+
+    def neuronal_reset(self, spike: Tensor) -> None:
+        """Hard: V = (1 - S) H + S V_reset; soft: V = H - S V_th (S detached if detach_reset);
+        two-state NeuronDefs add the jump to W with the undetached S."""
+        spike_d = spike.detach() if self.detach_reset else spike
+        if self.v_reset is None:
+            self.v = self.v - spike_d * self.v_threshold
+        else:
+            self.v = (1.0 - spike_d) * self.v + spike_d * self.v_reset
+        if self.definition is not None and self.definition.adaptive:
+            jump = _torch_equations(self.definition)[2]
+            self.w = (
+                self.w + jump(self.v, 0.0, self.w, self.v, *self._equation_params(spike)) * spike
+            )
+
+    def v_float_to_tensor(self, x: Tensor) -> None:
+        """Turn a float state (after reset) into a tensor like ``x``; a tensor state must
+        already match ``x`` (else call ``functional.reset_net``)."""
+        for name in (
+            ("v", "w") if self.definition is not None and self.definition.adaptive else ("v",)
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, Tensor):
+                self.set_memory(name, torch.full_like(x, float(value)))
+            elif (value.shape, value.dtype, value.device) != (x.shape, x.dtype, x.device):
+                raise SpikefuseError(
+                    f"{type(self).__name__}: state {name} is {tuple(value.shape)} {value.dtype} on "
+                    f"{value.device}, but this input needs {tuple(x.shape)} {x.dtype} on "
+                    f"{x.device}; call spikefuse.functional.reset_net(net) after changing batch "
+                    "size, device or dtype"
+                )
+
+    def _equation_params(self, like: Tensor) -> list:
+        """Values of the definition's ``all_params`` (learnable ones as tensors like ``like``)."""
+        constants = iter(self._constants or self.constants())
+        learnable = self.learnable_values(like.device, like.dtype)
+        learned = iter(learnable.unbind(0)) if learnable is not None else iter(())
+        return [
+            next(learned) if p in self.learnable_params else next(constants)
+            for p in self.definition.all_params
+        ]
+
+    def _forward_in_mode(self, x: Tensor, mode: str) -> Tensor:
+        if self._step_mode == mode:
+            return self.forward(x)
+        saved, self._step_mode = self._step_mode, mode
+        try:
+            return self.forward(x)
+        finally:
+            self._step_mode = saved
+
     def extra_repr(self) -> str:
+        if self.definition is None:
+            return (
+                f"v_threshold={self.v_threshold}, v_reset={self.v_reset}, "
+                f"detach_reset={self.detach_reset}, step_mode={self.step_mode}, "
+                f"backend={self.backend} (torch code)"
+            )
         params = ", ".join(f"{p}={getattr(self, p)}" for p in self.definition.params
                            if p not in self.learnable_params)  # fmt: skip
         ran = f" (ran: {self.last_backend})" if self.backend == "auto" and self.last_backend else ""
@@ -334,6 +589,37 @@ class BaseNode(MemoryModule):
             f"v_reset={self.v_reset}, detach_reset={self.detach_reset}, "
             f"step_mode={self.step_mode}, backend={self.backend}{ran}"
         )
+
+
+class SimpleBaseNode(BaseNode):
+    """SpikingJelly 2.0's base class for neurons written in torch code: subclasses implement
+    ``neuronal_charge(self, x)`` (V <- H from X); fire and reset are BaseNode's. As in
+    SpikingJelly, V starts at 0 (not at V_reset) and there is no ``store_v_seq``. Runs on the
+    torch backend as a per-step loop with autograd (see :class:`BaseNode`)."""
+
+    def __init__(
+        self,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        surrogate_function: Any = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+    ) -> None:
+        self._init_torch_code(
+            v_threshold, v_reset, surrogate_function, detach_reset, step_mode, initial_v=0.0
+        )
+
+    def neuronal_charge(self, x: Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement neuronal_charge")
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_equations(definition: defs.NeuronDef) -> tuple:
+    """charge, adaptation and jump of ``definition`` as torch functions of
+    (v, x, w, h, *all_params), for torch-code neurons."""
+    args = [definition.symbols[n] for n in ("v", "x", "w", "h", *definition.all_params)]
+    exprs = (definition.charge_expr, definition.adaptation_expr, definition.jump_expr)
+    return tuple(sp.lambdify(args, e, modules="torch") for e in exprs)
 
 
 class IFNode(BaseNode):
@@ -485,7 +771,7 @@ class IzhikevichNode(BaseNode):
         v_rest: float = -0.1,
         w_rest: float = 0.0,
         tau_w: float = 2.0,
-        a: float = 1.0,
+        a: float = 0.0,
         b: float = 0.0,
         surrogate_function: Surrogate | None = None,
         detach_reset: bool = False,

@@ -7,8 +7,10 @@ hand-written CUDA. Formulas and defaults follow SpikingJelly where it has the sa
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -32,6 +34,19 @@ def heaviside(x: torch.Tensor) -> torch.Tensor:
 
     A NaN input is never a valid "no spike": the NaN reaches the spikes, where it is visible."""
     return torch.where(x.isnan(), x, (x >= 0).to(x.dtype))
+
+
+def _where(condition: torch.Tensor, a, b) -> torch.Tensor:
+    """torch.where for lambdified Piecewise: constant branches are float64 0-d tensors, so a
+    piecewise-constant derivative (Rect) is not rounded to float32 before the cast to x's dtype
+    (0-d tensors do not promote the dtype of x-dependent branches)."""
+    a, b = (
+        torch.tensor(v, dtype=torch.float64, device=condition.device)
+        if isinstance(v, (int, float))
+        else v
+        for v in (a, b)
+    )
+    return torch.where(condition, a, b)
 
 
 class _SurrogateSpike(torch.autograd.Function):
@@ -115,7 +130,7 @@ class Surrogate(nn.Module):
         if built is None or built.values != values:
             self.check_hyperparameters(dict(values))  # user subclasses may not check in __init__
             expr = self.expression(x_sym).evalf()
-            fn = sp.lambdify([x_sym], expr, modules="torch")
+            fn = sp.lambdify([x_sym], expr, modules=[{"where": _where}, "torch"])
 
             def function(x: torch.Tensor) -> torch.Tensor:
                 return torch.as_tensor(fn(x), dtype=x.dtype, device=x.device).expand_as(x)
@@ -154,13 +169,18 @@ class Surrogate(nn.Module):
 
 
 class _AlphaSurrogate(Surrogate):
+    """A surrogate with SpikingJelly's ``(alpha, spiking)`` arguments. ``spiking=False``
+    (SpikingJelly's primitive mode) makes forward return the smooth primitive function instead
+    of spikes; neurons then run it as torch code (torch backend only)."""
+
     default_alpha = 1.0
 
-    def __init__(self, alpha: float | None = None) -> None:
+    def __init__(self, alpha: float | None = None, spiking: bool = True) -> None:
         super().__init__()
         alpha = self.default_alpha if alpha is None else alpha
         self.check_hyperparameters({"alpha": alpha})
         self.alpha = float(alpha)
+        self.set_spiking_mode(spiking)
 
     def hyperparameters(self) -> dict[str, float]:
         return {"alpha": self.alpha}
@@ -172,6 +192,22 @@ class _AlphaSurrogate(Surrogate):
                 f"{type(self).__name__}: alpha must be finite and > 0, got {alpha!r}"
             )
 
+    def set_spiking_mode(self, spiking: bool) -> None:
+        """SpikingJelly's switch: True for spikes, False for the primitive function."""
+        if not isinstance(spiking, bool):
+            raise SpikefuseError(f"{type(self).__name__}: spiking must be a bool, got {spiking!r}")
+        self.spiking = spiking
+
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        """g(x) with g' = the surrogate (SpikingJelly's primitive)."""
+        raise SpikefuseError(
+            f"{type(self).__name__} has no primitive function (as in SpikingJelly); "
+            "use spiking=True"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.spiking else self.primitive_function(x)
+
 
 class Sigmoid(_AlphaSurrogate):
     """Θ'(x) = α·σ(αx)(1 - σ(αx))."""
@@ -182,6 +218,9 @@ class Sigmoid(_AlphaSurrogate):
         s = 1 / (1 + sp.exp(-self.alpha * x))
         return self.alpha * s * (1 - s)
 
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.alpha * x)
+
 
 class ATan(_AlphaSurrogate):
     """Θ'(x) = α / (2 (1 + (π α x / 2)²))."""
@@ -190,6 +229,9 @@ class ATan(_AlphaSurrogate):
 
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / 2 / (1 + (sp.pi / 2 * self.alpha * x) ** 2)
+
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.atan(math.pi / 2 * self.alpha * x) / math.pi + 0.5
 
 
 class PiecewiseQuadratic(_AlphaSurrogate):
@@ -201,6 +243,11 @@ class PiecewiseQuadratic(_AlphaSurrogate):
         a = self.alpha
         return sp.Piecewise((0, sp.Abs(x) > 1 / a), (a - a**2 * sp.Abs(x), True))
 
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.alpha
+        inner = -(a**2) / 2 * x.abs() * x + a * x + 0.5
+        return torch.where(x > 1 / a, 1.0, torch.where(x < -1 / a, 0.0, inner))
+
 
 class PiecewiseExp(_AlphaSurrogate):
     """Θ'(x) = (α/2) exp(-α|x|)."""
@@ -209,6 +256,10 @@ class PiecewiseExp(_AlphaSurrogate):
 
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / 2 * sp.exp(-self.alpha * sp.Abs(x))
+
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        half_exp = torch.exp(-self.alpha * x.abs()) / 2
+        return torch.where(x < 0, half_exp, 1 - half_exp)
 
 
 class SoftSign(_AlphaSurrogate):
@@ -219,14 +270,17 @@ class SoftSign(_AlphaSurrogate):
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / (2 * (1 + sp.Abs(self.alpha * x)) ** 2)
 
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.nn.functional.softsign(self.alpha * x) + 1) / 2
+
 
 class SuperSpike(_AlphaSurrogate):
-    """Θ'(x) = 1 / (α|x| + 1)² (Zenke & Ganguli)."""
+    """Θ'(x) = α / (1 + |x|)² (Zenke & Ganguli; SpikingJelly's formula: α scales the height)."""
 
     default_alpha = 1.0
 
     def expression(self, x: sp.Symbol) -> sp.Expr:
-        return 1 / (self.alpha * sp.Abs(x) + 1) ** 2
+        return self.alpha / (sp.Abs(x) + 1) ** 2
 
 
 class Erf(_AlphaSurrogate):
@@ -237,12 +291,31 @@ class Erf(_AlphaSurrogate):
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / sp.sqrt(sp.pi) * sp.exp(-(self.alpha**2) * x**2)
 
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.erfc(-self.alpha * x) / 2
 
-class Rect(Surrogate):
-    """The DATE'22 paper's rectangular window: Θ'(x) = η for th_l < x < th_r, else 0.
 
-    The window is relative to the threshold (x = H - V_th): the paper's absolute window
-    (-0.25, 0.75) around threshold 0.25 is ``Rect(eta=1., th_l=-0.5, th_r=0.5)``.
+class Rect(_AlphaSurrogate):
+    """SpikingJelly's rectangular window: Θ'(x) = α for |x| < 1/(2α), else 0 (area 1).
+
+    ``Rect()`` (α = 1) is the DATE'22 paper's window: 1 on (-0.5, 0.5) around the threshold;
+    :class:`RectWindow` takes any height and (asymmetric) window."""
+
+    default_alpha = 1.0
+
+    def expression(self, x: sp.Symbol) -> sp.Expr:
+        return sp.Piecewise((self.alpha, sp.Abs(x) < 1 / (2 * self.alpha)), (0, True))
+
+    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(self.alpha * x + 0.5, 0.0, 1.0)
+
+
+class RectWindow(Surrogate):
+    """A rectangular window of any height and position: Θ'(x) = η for th_l < x < th_r, else 0.
+
+    The window is relative to the threshold (x = H - V_th): the DATE'22 paper's absolute window
+    (-0.25, 0.75) around threshold 0.25 is ``RectWindow(eta=1., th_l=-0.5, th_r=0.5)``
+    (= ``Rect()``). Not a SpikingJelly name.
     """
 
     def __init__(self, eta: float = 1.0, th_l: float = -0.5, th_r: float = 0.5) -> None:
@@ -257,7 +330,7 @@ class Rect(Surrogate):
         eta, th_l, th_r = values["eta"], values["th_l"], values["th_r"]
         if not (all(map(is_finite_real, values.values())) and eta > 0 and th_l < th_r):
             raise SpikefuseError(
-                f"Rect: need finite eta > 0 and th_l < th_r, got eta={eta!r}, th_l={th_l!r}, "
+                f"RectWindow: need finite eta > 0 and th_l < th_r, got eta={eta!r}, th_l={th_l!r}, "
                 f"th_r={th_r!r}"
             )
 
@@ -266,4 +339,117 @@ class Rect(Surrogate):
         return sp.Piecewise((self.eta, inside), (0, True))
 
 
-ALL = (Sigmoid, ATan, PiecewiseQuadratic, PiecewiseExp, SoftSign, SuperSpike, Erf, Rect)
+ALL = (Sigmoid, ATan, PiecewiseQuadratic, PiecewiseExp, SoftSign, SuperSpike, Erf, Rect, RectWindow)
+
+
+# ---- SpikingJelly-style surrogates (torch backend only) -----------------------------------------
+class SurrogateFunctionBase(nn.Module):
+    """SpikingJelly's base class for surrogates written in torch code.
+
+    Subclasses implement ``spiking_function(x, **params)`` (usually an autograd Function's
+    ``apply``: Heaviside forward, surrogate backward) and optionally
+    ``primitive_function(x, **params)`` (the smooth function whose derivative is the surrogate,
+    used when ``spiking=False``). Both SpikingJelly constructor styles work:
+    ``super().__init__(alpha, spiking)`` and ``super().__init__(spiking=spiking, alpha=alpha)``
+    (any keyword becomes a parameter attribute).
+
+    Neurons run such a surrogate on the torch backend only (a per-step loop with autograd);
+    for the fused kernels write the derivative as a :class:`Surrogate` (``expression``).
+    """
+
+    def __init__(self, alpha: float | None = None, spiking: bool = True, **params: float):
+        super().__init__()
+        self.spiking = spiking
+        if alpha is not None:
+            params = {"alpha": alpha, **params}
+        self._sg_param_names = tuple(params)
+        for name, value in params.items():
+            setattr(self, name, value)
+
+    def set_spiking_mode(self, spiking: bool) -> None:
+        self.spiking = spiking
+
+    @property
+    def _sg_params(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self._sg_param_names}
+
+    @staticmethod
+    def spiking_function(x: torch.Tensor, **params: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def primitive_function(x: torch.Tensor, **params: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fn = self.spiking_function if self.spiking else self.primitive_function
+        return fn(x, **self._sg_params)
+
+    def extra_repr(self) -> str:
+        return ", ".join(
+            [*(f"{k}={v}" for k, v in self._sg_params.items()), f"spiking={self.spiking}"]
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _instance(cls: type[_AlphaSurrogate], alpha: float) -> _AlphaSurrogate:
+    return cls(alpha)
+
+
+def _functional_form(cls: type[_AlphaSurrogate], name: str) -> type[torch.autograd.Function]:
+    """SpikingJelly's functional form of ``cls``: ``name.apply(x, alpha)`` returns Θ(x) with
+    ``cls(alpha)``'s derivative in backward."""
+
+    def forward(ctx, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.alpha = float(alpha)
+        return heaviside(x)
+
+    def backward(ctx, grad_spike: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        return grad_spike * _instance(cls, ctx.alpha).derivative(x), None
+
+    doc = (
+        f"``{name}.apply(x, alpha)``: Θ(x) forward, :class:`{cls.__name__}`'s derivative backward."
+    )
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward), "__doc__": doc},
+    )
+
+
+sigmoid = _functional_form(Sigmoid, "sigmoid")
+atan = _functional_form(ATan, "atan")
+piecewise_quadratic = _functional_form(PiecewiseQuadratic, "piecewise_quadratic")
+piecewise_exp = _functional_form(PiecewiseExp, "piecewise_exp")
+soft_sign = _functional_form(SoftSign, "soft_sign")
+super_spike = _functional_form(SuperSpike, "super_spike")
+erf = _functional_form(Erf, "erf")
+rect = _functional_form(Rect, "rect")
+
+
+def runs_in_kernels(surrogate_function: object) -> bool:
+    """True for a spiking :class:`Surrogate` (a derivative expression: every backend); False for a
+    surrogate written in torch code (torch backend only): a :class:`SurrogateFunctionBase`
+    (spikefuse's or SpikingJelly's), a Python function or an autograd Function's ``apply``.
+    Anything else raises."""
+    if isinstance(surrogate_function, Surrogate):
+        return getattr(surrogate_function, "spiking", True)  # primitive mode: torch code
+    torch_code = (
+        hasattr(surrogate_function, "spiking_function")  # SurrogateFunctionBase, ours or SJ's
+        or isinstance(surrogate_function, (types.FunctionType, functools.partial))
+        or (
+            isinstance(surrogate_function, types.MethodType)
+            and isinstance(surrogate_function.__self__, type)
+            and issubclass(surrogate_function.__self__, torch.autograd.Function)
+        )
+    )
+    if not torch_code:
+        raise SpikefuseError(
+            f"surrogate_function must be a spikefuse.surrogate.Surrogate (any backend), or, for "
+            f"the torch backend only, a SurrogateFunctionBase subclass, a Python function of x "
+            f"returning spikes or an autograd Function's apply; got "
+            f"{type(surrogate_function).__name__}"
+        )
+    return False

@@ -51,7 +51,7 @@ def paper_lif(**kwargs) -> LIFNode:
         decay_input=False,
         v_threshold=0.25,
         v_reset=0.0,
-        surrogate_function=surrogate.Rect(eta=1.0, th_l=-0.5, th_r=0.5),
+        surrogate_function=surrogate.RectWindow(eta=1.0, th_l=-0.5, th_r=0.5),
         step_mode="m",
     )
     options.update(kwargs)

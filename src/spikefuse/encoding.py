@@ -1,0 +1,141 @@
+"""Encoders that turn analog input into spikes, with SpikingJelly's names and semantics.
+
+Stateless encoders (:class:`PoissonEncoder`) draw every call anew. Stateful encoders encode the
+input once, at their first call after :meth:`reset`, into a spike train ``[T, *]`` and return
+its step ``t % T`` at the t-th call (in multi-step mode one step per element of the input's
+first dimension); :func:`spikefuse.functional.reset_net` resets them between samples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import SpikefuseError
+from .layer import _StepMode
+from .neuron import MemoryModule
+
+
+class StatelessEncoder(_StepMode, nn.Module):
+    """Base class of encoders without state: ``encoder(x)`` returns spikes shaped like ``x``
+    (the same in both step modes)."""
+
+    def __init__(self, step_mode: str = "s") -> None:
+        super().__init__()
+        self.step_mode = step_mode
+
+    def forward(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"step_mode={self.step_mode}"
+
+
+class PoissonEncoder(StatelessEncoder):
+    """Spikes with firing probability ``x``: S = 1 where U <= x, U uniform on [0, 1)
+    (SpikingJelly's rule; x is meant to lie in [0, 1]: above 1 always fires, below 0 never).
+    NaN input gives NaN output (it is not turned into a valid spike)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
+            raise SpikefuseError("PoissonEncoder: input must be a floating-point torch.Tensor")
+        spikes = torch.rand_like(x).le(x).to(x.dtype)
+        return torch.where(x.isnan(), x, spikes)
+
+
+class StatefulEncoder(MemoryModule):
+    """Base class of encoders that encode once per sequence: subclasses implement
+    :meth:`single_step_encode` (input -> spike train ``[T, *]``).
+
+    Memories: ``spike`` (the train, None until the first call) and ``t`` (the next step)."""
+
+    def __init__(self, T: int, step_mode: str = "s") -> None:
+        super().__init__(step_mode)
+        if not isinstance(T, int) or isinstance(T, bool) or T < 1:
+            raise SpikefuseError(f"{type(self).__name__}: T must be an int >= 1, got {T!r}")
+        self.T = T
+        self.register_memory("spike", None)
+        self.register_memory("t", 0)
+
+    def single_step_encode(self, x: Tensor) -> Tensor:
+        """The spike train ``[T, *x.shape]`` for input ``x``."""
+        raise NotImplementedError
+
+    def single_step_forward(self, x: Tensor | None = None) -> Tensor:
+        if self.spike is None:
+            if x is None:
+                raise SpikefuseError(f"{type(self).__name__}: the first call needs the input")
+            self.set_memory("spike", self.single_step_encode(x))
+        t = self.t
+        self.set_memory("t", (t + 1) % self.T)
+        return self.spike[t]
+
+    def extra_repr(self) -> str:
+        return f"T={self.T}, step_mode={self.step_mode}"
+
+
+class PeriodicEncoder(StatefulEncoder):
+    """Returns ``spike[t % T]`` at the t-th call for a given train ``spike`` [T, *]
+    (T = ``spike.shape[0]``); the input is ignored. :meth:`reset` restarts at t = 0 and keeps
+    the train."""
+
+    def __init__(self, spike: Tensor, step_mode: str = "s") -> None:
+        if not isinstance(spike, Tensor) or spike.dim() < 1:
+            raise SpikefuseError("PeriodicEncoder: spike must be a tensor [T, *]")
+        super().__init__(spike.shape[0], step_mode)
+        self._memory_defaults["spike"] = spike
+        self.set_memory("spike", spike)
+
+    def single_step_encode(self, x: Tensor) -> Tensor:
+        return self.spike
+
+
+class LatencyEncoder(StatefulEncoder):
+    """One spike per element, the earlier the larger x in [0, 1]: at step
+    ``t_f = round((T - 1)(1 - x))`` ('linear') or ``round(T - 1 - ln(α x + 1))`` with
+    α = e^(T-1) - 1 ('log'), so t_f(0) = T - 1 and t_f(1) = 0."""
+
+    def __init__(self, T: int, enc_function: str = "linear", step_mode: str = "s") -> None:
+        super().__init__(T, step_mode)
+        if enc_function not in ("linear", "log"):
+            raise SpikefuseError(
+                f"LatencyEncoder: enc_function must be 'linear' or 'log', got {enc_function!r}"
+            )
+        self.enc_function = enc_function
+        if enc_function == "log":
+            self.alpha = math.exp(T - 1.0) - 1.0
+
+    def single_step_encode(self, x: Tensor) -> Tensor:
+        if not bool(((x >= 0) & (x <= 1)).all()):  # also rejects NaN
+            raise SpikefuseError("LatencyEncoder: input must lie in [0, 1] (and not be NaN)")
+        if self.enc_function == "log":
+            t_f = (self.T - 1.0 - torch.log(self.alpha * x + 1.0)).round().long()
+        else:
+            t_f = ((self.T - 1.0) * (1.0 - x)).round().long()
+        return F.one_hot(t_f, num_classes=self.T).to(x.dtype).movedim(-1, 0)
+
+
+class WeightedPhaseEncoder(StatefulEncoder):
+    """Binary expansion over K phases (Kim et al. 2018): phase k (1..K) spikes if bit k of x
+    is set, so ``x = Σ_k 2^-k S[k]`` for x in [0, 1 - 2^-K]."""
+
+    def __init__(self, K: int, step_mode: str = "s") -> None:
+        super().__init__(K, step_mode)
+
+    def single_step_encode(self, x: Tensor) -> Tensor:
+        if not bool(((x >= 0) & (x <= 1 - 2.0 ** (-self.T))).all()):  # also rejects NaN
+            raise SpikefuseError(
+                f"WeightedPhaseEncoder: input must lie in [0, 1 - 2^-K] = [0, {1 - 2.0**-self.T}]"
+            )
+        rest = x.clone()
+        spikes = []
+        weight = 0.5
+        for _ in range(self.T):
+            spike = (rest >= weight).to(x.dtype)
+            rest = rest - weight * spike
+            spikes.append(spike)
+            weight *= 0.5
+        return torch.stack(spikes)

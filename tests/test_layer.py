@@ -1,0 +1,263 @@
+"""spikefuse.layer against SpikingJelly's semantics (written out from its documentation):
+per-sequence dropout masks, step-mode validation, shapes in multi-step mode, the added layers
+and containers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from spikefuse import SpikefuseError, functional, layer, neuron
+
+F64 = torch.float64
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- Dropout: one mask per sequence until reset() ------------------------------------------------
+def test_dropout_multi_step_keeps_one_mask_per_sequence():
+    torch.manual_seed(0)
+    drop = layer.Dropout(0.5, step_mode="m")
+    x = torch.ones(6, 4, 50)
+    y = drop(x)
+    # every step has the same zero pattern, the kept elements are scaled by 1 / (1 - p)
+    assert torch.equal(y, y[:1].expand_as(y))
+    assert set(y.unique().tolist()) == {0.0, 2.0}
+    # a second call before reset() reuses the mask (the sequence goes on)
+    assert torch.equal(drop(x), y)
+    functional.reset_net(drop)
+    assert drop.mask is None
+    y2 = drop(x)
+    assert not torch.equal(y2, y)  # a new mask after reset (2^200 patterns)
+    assert torch.equal(y2, y2[:1].expand_as(y2))
+
+
+def test_dropout_single_step_keeps_mask_across_calls():
+    torch.manual_seed(1)
+    drop = layer.Dropout(0.3)
+    x = torch.ones(4, 40)
+    first = drop(x)
+    for _ in range(3):
+        assert torch.equal(drop(x * 3.0), first * 3.0)
+    functional.reset_net(drop)
+    assert not torch.equal(drop(x), first)
+
+
+def test_dropout_single_and_multi_step_agree():
+    x = torch.randn(5, 3, 8, generator=gen(2))
+    torch.manual_seed(3)
+    multi = layer.Dropout(0.4, step_mode="m")(x)
+    torch.manual_seed(3)
+    single = layer.Dropout(0.4)
+    assert torch.equal(torch.stack([single(x[t]) for t in range(5)]), multi)
+
+
+def test_dropout_eval_is_identity_and_draws_no_mask():
+    drop = layer.Dropout(0.5, step_mode="m").eval()
+    x = torch.randn(3, 2, 5, generator=gen(4))
+    assert drop(x) is x and drop.mask is None
+
+
+def test_dropout_mask_shape_change_needs_reset():
+    drop = layer.Dropout(0.5, step_mode="m")
+    drop(torch.ones(2, 3, 4))
+    with pytest.raises(SpikefuseError, match="reset_net"):
+        drop(torch.ones(2, 5, 4))
+
+
+def test_dropout2d_drops_whole_channels_per_sequence():
+    torch.manual_seed(5)
+    drop = layer.Dropout2d(p=0.5, step_mode="m")
+    assert layer.Dropout2d().p == 0.2  # SpikingJelly's default
+    y = drop(torch.ones(4, 3, 16, 5, 5))
+    per_channel = y.flatten(3)
+    assert torch.equal(per_channel.amin(-1), per_channel.amax(-1))  # a channel is all 0 or all 2
+    assert torch.equal(y, y[:1].expand_as(y))
+    with pytest.raises(SpikefuseError, match=r"\[N, C, H, W\]"):
+        layer.Dropout2d(step_mode="m")(torch.ones(4, 3, 16))
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, math.nan, "0.5"])
+def test_dropout_bad_p(p):
+    with pytest.raises(SpikefuseError, match="p must be in"):
+        layer.Dropout(p)
+
+
+# ---- step mode and shapes ------------------------------------------------------------------------
+def test_step_mode_assignment_is_validated():
+    lin = layer.Linear(3, 2)
+    with pytest.raises(SpikefuseError, match="step_mode must be 's' or 'm', got 'z'"):
+        lin.step_mode = "z"
+    assert lin.step_mode == "s"
+    lin.step_mode = "m"
+    assert lin.step_mode == "m"
+
+
+def test_linear_multi_step_rejects_two_dims():
+    lin = layer.Linear(4, 2, step_mode="m")
+    with pytest.raises(SpikefuseError, match=r"\[T, N, \*\].*got shape \(5, 4\)"):
+        lin(torch.randn(5, 4))
+    assert lin(torch.randn(5, 3, 4)).shape == (5, 3, 2)
+
+
+@pytest.mark.parametrize(
+    "make,shape",
+    [
+        (lambda: layer.Conv3d(2, 3, 3, padding=1), (2, 4, 4, 4)),
+        (lambda: layer.BatchNorm3d(2), (2, 3, 3, 3)),
+        (lambda: layer.GroupNorm(2, 4), (4, 5, 5)),
+        (lambda: layer.AvgPool1d(2), (2, 6)),
+        (lambda: layer.MaxPool1d(2), (2, 6)),
+        (lambda: layer.AvgPool3d(2), (2, 4, 4, 4)),
+        (lambda: layer.MaxPool3d(2), (2, 4, 4, 4)),
+        (lambda: layer.AdaptiveAvgPool1d(3), (2, 7)),
+        (lambda: layer.AdaptiveAvgPool3d(2), (2, 5, 5, 5)),
+        (lambda: layer.ConvTranspose1d(2, 3, 3, stride=2), (2, 5)),
+        (lambda: layer.ConvTranspose2d(2, 3, 3, stride=2), (2, 5, 5)),
+        (lambda: layer.ConvTranspose3d(2, 3, 3, stride=2), (2, 3, 3, 3)),
+        (lambda: layer.Upsample(scale_factor=2, mode="nearest"), (2, 3, 3)),
+    ],
+)
+def test_wrapped_layers_multi_step_equals_per_step(make, shape):
+    torch.manual_seed(6)
+    single, multi = make().eval(), make().eval()
+    multi.load_state_dict(single.state_dict())
+    multi.step_mode = "m"
+    x = torch.randn(3, 2, *shape, generator=gen(7), dtype=F64)
+    single.double(), multi.double()
+    want = torch.stack([single(x[t]) for t in range(3)])
+    torch.testing.assert_close(multi(x), want, rtol=0, atol=1e-12)
+    with pytest.raises(SpikefuseError, match=r"multi-step input must be \[T, N, \*\]"):
+        multi(torch.randn(4, dtype=F64))
+
+
+def test_maxpool2d_return_indices_multi_step():
+    pool = layer.MaxPool2d(2, return_indices=True, step_mode="m")
+    x = torch.randn(3, 2, 4, 6, 6, generator=gen(8))
+    out, idx = pool(x)
+    want = [nn.MaxPool2d(2, return_indices=True)(x[t]) for t in range(3)]
+    assert out.shape == (3, 2, 4, 3, 3) and idx.shape == (3, 2, 4, 3, 3)
+    assert torch.equal(out, torch.stack([w[0] for w in want]))
+    assert torch.equal(idx, torch.stack([w[1] for w in want]))
+    assert torch.equal(nn.MaxUnpool2d(2)(out[0], idx[0]), nn.MaxUnpool2d(2)(*want[0]))
+
+
+def test_voting_layer():
+    vote = layer.VotingLayer(voting_size=3)
+    x = torch.arange(14.0).reshape(2, 7)  # remainder 1 is dropped
+    torch.testing.assert_close(vote(x), torch.tensor([[1.0, 4.0], [8.0, 11.0]]))
+    assert layer.VotingLayer().voting_size == 10
+    multi = layer.VotingLayer(2, step_mode="m")
+    xs = torch.randn(4, 3, 10, generator=gen(9))
+    torch.testing.assert_close(multi(xs), xs.unflatten(-1, (5, 2)).mean(-1))
+    with pytest.raises(SpikefuseError, match="voting_size"):
+        layer.VotingLayer(0)
+
+
+# ---- stateful layers and containers --------------------------------------------------------------
+@pytest.mark.parametrize("learnable", [False, True])
+def test_synapse_filter_formula(learnable):
+    T, tau = 6, 3.0
+    s = (torch.rand(T, 2, 5, generator=gen(10)) > 0.5).to(F64)
+    syn = layer.SynapseFilter(tau=tau, learnable=learnable, step_mode="m").double()
+    out = syn(s)
+    # learnable: 1/tau = sigmoid(w), w = -ln(tau - 1) rounded to the parameter's float32
+    inv_tau = syn.w.detach().sigmoid() if learnable else 1 / tau
+    i, want = torch.zeros(2, 5, dtype=F64), []
+    for t in range(T):  # I[t] = I[t-1] - (1 - S[t]) I[t-1] / tau + S[t]
+        i = i - (1 - s[t]) * i * inv_tau + s[t]
+        want.append(i)
+    torch.testing.assert_close(out, torch.stack(want), rtol=0, atol=1e-12)
+    functional.reset_net(syn)
+    assert syn.out_i == 0.0
+    assert layer.SynapseFilter().tau == 100.0
+    if learnable:
+        out.sum().backward()
+        assert syn.w.grad is not None
+
+
+def test_multi_step_container_runs_single_step_modules():
+    torch.manual_seed(11)
+    node = neuron.LIFNode()
+    container = layer.MultiStepContainer(nn.Linear(3, 4), node)
+    x = torch.randn(5, 2, 3, generator=gen(12))
+    out = container(x)
+    functional.reset_net(container)
+    ref = neuron.LIFNode(step_mode="m")
+    want = ref(container[0](x))
+    assert torch.equal(out, want)
+    with pytest.raises(SpikefuseError, match="single-step"):
+        layer.MultiStepContainer(neuron.IFNode(step_mode="m"))
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_step_mode_container(stateful):
+    torch.manual_seed(13)
+    inner = [nn.Linear(3, 4), neuron.IFNode()] if stateful else [nn.Linear(3, 4), nn.ReLU()]
+    container = layer.StepModeContainer(stateful, *inner)
+    net = nn.Sequential(container)
+    functional.set_step_mode(net, "m")
+    assert container.step_mode == "m" and all(getattr(m, "step_mode", "s") == "s" for m in inner)
+    x = torch.randn(4, 2, 3, generator=gen(14))
+    out = net(x)
+    functional.reset_net(net)
+    functional.set_step_mode(net, "s")
+    want = torch.stack([net(x[t]) for t in range(4)])
+    assert torch.equal(out, want)
+
+
+def test_element_wise_recurrent_container():
+    # SpikingJelly's example: an IF neuron fed back its own spikes, x[0] = 1.5 then 0
+    net = layer.ElementWiseRecurrentContainer(
+        neuron.IFNode(v_reset=None), element_wise_function=lambda y, x: x + y
+    )
+    x = torch.zeros(8, 1)
+    x[0] = 1.5
+    out = [net(x[t]).item() for t in range(8)]
+    # v: 1.5 -> spike, v = 0.5; then input = previous spike (1): v = 1.5 -> spike again ...
+    assert out == [1.0] * 8
+    functional.reset_net(net)
+    assert net.y is None
+    multi = layer.ElementWiseRecurrentContainer(
+        neuron.IFNode(v_reset=None), lambda y, x: x + y, step_mode="m"
+    )
+    assert multi(x).flatten().tolist() == out
+
+
+def test_linear_recurrent_container():
+    torch.manual_seed(15)
+    sub = nn.Sequential(nn.Linear(4, 2), neuron.LIFNode())
+    net = layer.LinearRecurrentContainer(sub, in_features=4, out_features=2, step_mode="m")
+    x = torch.rand(6, 3, 4, generator=gen(16))
+    out = net(x)
+    functional.reset_net(net)
+    y, want = torch.zeros(3, 2), []
+    for t in range(6):  # i[t] = [x[t], y[t-1]] W^T + b, y[t] = sub(i[t])
+        y = sub(net.rc(torch.cat([x[t], y], -1)))
+        want.append(y)
+    assert torch.equal(out, torch.stack(want))
+    assert net.rc.in_features == 6 and net.rc.out_features == 4
+
+
+def test_set_step_mode_keeps_container_contents():
+    inner = neuron.IFNode()
+    rec = layer.ElementWiseRecurrentContainer(inner, lambda y, x: x + y)
+    net = nn.Sequential(layer.Linear(2, 2), rec)
+    functional.set_step_mode(net, "m")
+    assert net[0].step_mode == "m" and rec.step_mode == "m" and inner.step_mode == "s"
+
+
+def test_set_step_mode_keeps_sequence_container_contents():
+    conv = layer.Conv2d(2, 3, 3, padding=1)
+    net = nn.Sequential(
+        layer.SeqToANNContainer(conv, layer.BatchNorm2d(3)),
+        layer.MultiStepContainer(neuron.IFNode()),
+    )
+    functional.set_step_mode(net, "m")
+    assert conv.step_mode == "s" and net[1][0].step_mode == "s"
+    assert net(torch.rand(4, 2, 2, 5, 5, generator=gen(17))).shape == (4, 2, 3, 5, 5)
