@@ -18,6 +18,7 @@ Usage: python scripts/gpu_check.py [--quick] [--out DIR]. Exit code 1 if anythin
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import sys
 import time
@@ -192,7 +193,7 @@ def run_bn_neuron(make, backend, y, gamma, beta, upstream, batch_stats):
     gamma, beta = gamma.detach().clone().requires_grad_(), beta.detach().clone().requires_grad_()
     spec = BNSpec(gamma, beta, torch.zeros(c, device="cuda"), torch.ones(c, device="cuda") * 1.5,
                   batch_stats, None, 1e-5)  # fmt: skip
-    learnable = node.learnable_values(y.device)
+    learnable = node.learnable_values(y.device)  # float32: what the kernels read
     stats = bn_statistics(y, spec)
     s = BNNeuronFunction.apply(y, gamma, beta, learnable, stats, spec, neuron_call, True)
     (s.float() * upstream).sum().backward()
@@ -296,8 +297,11 @@ def _check_fused_blocks(log, T: int) -> bool:
         functional.reset_net(net)
         # parameters in module order (the fused blocks name them differently)
         grads = {f"param{i}": p.grad.clone() for i, p in enumerate(net.parameters())}
+        # BatchNorm's running statistics after the step (same module order in both models)
+        stats = {f"buffer{i}": b.clone() for i, b in enumerate(net.buffers())
+                 if b.dtype.is_floating_point}  # fmt: skip
         net.zero_grad(set_to_none=True)
-        return {"out": out.detach(), "grad_x": xs.grad, **grads}
+        return {"out": out.detach(), "grad_x": xs.grad, **grads, **stats}
 
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
@@ -306,7 +310,8 @@ def _check_fused_blocks(log, T: int) -> bool:
     worst = max(rel_err(got[k], w) for k, w in want.items())
     ok = worst < 1e-4
     log(f"fused blocks vs unfused, T={T}, fp32: worst normalised error {worst:.2e} over the output, "
-        f"x and {len(want) - 2} parameter gradients: {'PASS' if ok else 'FAIL'}")  # fmt: skip
+        f"x, the parameter gradients and running statistics ({len(want) - 2}): "
+        f"{'PASS' if ok else 'FAIL'}")  # fmt: skip
     got16 = step(fused, True)
     worst16 = max(rel_err(got16[k], w) for k, w in want.items())
     log(
@@ -316,9 +321,108 @@ def _check_fused_blocks(log, T: int) -> bool:
     return ok
 
 
+def _sj_small(backend: str = "cuda") -> nn.Module:
+    """A small network written the SpikingJelly way (Sigmoid surrogate, flat Sequential)."""
+
+    def lif():
+        return neuron.LIFNode(tau=4 / 3, decay_input=False, v_threshold=0.25, v_reset=0.0,
+                              surrogate_function=surrogate.Sigmoid(), step_mode="m",
+                              backend=backend)  # fmt: skip
+
+    return nn.Sequential(
+        layer.Conv2d(3, 16, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(16, step_mode="m"), lif(), layer.AvgPool2d(2, step_mode="m"),
+        layer.Conv2d(16, 32, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(32, step_mode="m"), lif(), layer.AvgPool2d(2, step_mode="m"),
+        layer.Flatten(step_mode="m"),
+        layer.Linear(32 * 4 * 4, 64, bias=False, step_mode="m"),
+        layer.BatchNorm1d(64, step_mode="m"), lif(),
+        layer.Linear(64, 10, step_mode="m"),
+    ).cuda()  # fmt: skip
+
+
+def _loss_and_grads(net, x, labels, amp):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp, cache_enabled=False):
+        loss = torch.nn.functional.cross_entropy(net(x).mean(0).float(), labels)
+    loss.backward()
+    functional.reset_net(net)
+    return loss
+
+
+def check_graphs_and_compile(log) -> bool:
+    """Whole training steps captured in a CUDA graph and models under torch.compile give the
+    eager results: loss and every parameter gradient, unfused and fused, fp32 and bf16
+    autocast; compile with fullgraph=True (no graph break), aot_eager (same kernels) checked,
+    inductor reported."""
+    from spikefuse.bench.common import cuda_graphed
+
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    ok = True
+    x = torch.rand(6, 8, 3, 16, 16, device="cuda")
+    labels = torch.randint(0, 10, (8,), device="cuda")
+    for fused, amp in itertools.product((False, True), (False, True)):
+        torch.manual_seed(0)
+        base = _sj_small()
+        base = fuse(base) if fused else base
+        name = f"{'fused' if fused else 'unfused'} {'bf16 autocast' if amp else 'fp32'}"
+        eager = copy.deepcopy(base)
+        loss_e = _loss_and_grads(eager, x, labels, amp)
+        want = {"loss": loss_e.detach(), **{n: p.grad for n, p in eager.named_parameters()}}
+
+        graphed = copy.deepcopy(base)
+        result = {}
+
+        def step(net=graphed, result=result, amp=amp):
+            for p in net.parameters():
+                p.grad = None
+            result["loss"] = _loss_and_grads(net, x, labels, amp).detach()
+
+        try:
+            replay = cuda_graphed(step)
+            replay()
+            torch.cuda.synchronize()
+            got = {"loss": result["loss"], **{n: p.grad for n, p in graphed.named_parameters()}}
+            err = max(rel_err(got[k], w) for k, w in want.items())
+            good = err <= 1e-5
+            log(f"CUDA graph, {name}: replayed training step vs eager, worst normalised error "
+                f"{err:.2e} over the loss and {len(want) - 1} gradients: "
+                f"{'PASS' if good else 'FAIL'}")  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            good = False
+            log(f"CUDA graph, {name}: FAIL ({type(exc).__name__}: {str(exc)[:300]})")
+        ok &= good
+        for backend in ("aot_eager", "inductor"):
+            torch.compiler.reset()
+            compiled_model = copy.deepcopy(base)
+            try:
+                compiled = torch.compile(compiled_model, fullgraph=True, backend=backend)
+                losses = [_loss_and_grads(compiled, x, labels, amp) for _ in range(2)]
+                for p in compiled_model.parameters():  # the gradient of the second step only
+                    p.grad = None
+                loss_c = _loss_and_grads(compiled, x, labels, amp)
+                got = {"loss": loss_c.detach(),
+                       **{n: p.grad for n, p in compiled_model.named_parameters()}}  # fmt: skip
+                err = max(rel_err(got[k], w) for k, w in want.items())
+                checked = backend == "aot_eager"
+                good = err <= 1e-5 or not checked
+                verdict = ("PASS" if good else "FAIL") if checked else "reported"
+                log(f"torch.compile(fullgraph=True, backend={backend}), {name}: vs eager worst "
+                    f"normalised error {err:.2e} (steps {len(losses) + 1}): {verdict}")  # fmt: skip
+            except Exception as exc:  # noqa: BLE001
+                good = False
+                log(f"torch.compile(fullgraph=True, backend={backend}), {name}: FAIL "
+                    f"({type(exc).__name__}: {str(exc)[:300]})")  # fmt: skip
+            ok &= good
+    torch.compiler.reset()
+    torch.backends.cudnn.allow_tf32 = tf32
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="LIF and Izhikevich, two surrogates")
+    parser.add_argument("--only-graphs", action="store_true", help="only graph capture and compile")
     parser.add_argument("--out", type=Path, default=Path("gpu_check_results"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -329,6 +433,8 @@ def main() -> int:
         log_file.write(msg + "\n")
 
     log(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    if args.only_graphs:
+        return 0 if check_graphs_and_compile(log) else 1
     nodes = {k: NODES[k] for k in ("LIF", "Izhikevich")} if args.quick else NODES
     surrogates = (surrogate.Sigmoid, surrogate.Rect) if args.quick else surrogate.ALL
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
@@ -377,7 +483,8 @@ def main() -> int:
         )
     report_registers(log)
     extra_ok = (check_device_placement(log) & check_determinism(log)
-                & check_affine_kernels(log, nodes) & check_fused_blocks(log))  # fmt: skip
+                & check_affine_kernels(log, nodes) & check_fused_blocks(log)
+                & check_graphs_and_compile(log))  # fmt: skip
     log(f"GPU check on {torch.cuda.get_device_name(0)}: {passed} variants passed, {failed} failed "
         f"({len(SHAPES)} shapes each), extra checks {'PASS' if extra_ok else 'FAIL'}, "
         f"{time.perf_counter() - t0:.0f} s")  # fmt: skip

@@ -3,7 +3,7 @@
     python scripts/profile_e2e.py [--model medium] [--variants fused] [--dtypes fp32 bf16]
     python scripts/profile_e2e.py --memory      # the largest live allocations at the peak
 
-Per variant and dtype: ms/iter and peak MiB as the benchmark measures them, then either the
+Per variant and dtype: ms/step and peak MiB as the benchmark measures them, then either the
 torch.profiler table of the kernels of 3 iterations (sorted by GPU time) or, with ``--memory``,
 the allocations alive at the traced peak of one iteration and the code that made them.
 """
@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from spikefuse.bench import e2e
-from spikefuse.bench.common import MIB, time_ms
+from spikefuse.bench.common import MIB, time_step
 
 
 def peak_allocations(step, top: int = 14) -> None:
@@ -58,13 +58,15 @@ def main() -> None:
     for dtype in args.dtypes:
         for variant in args.variants:
             torch.manual_seed(0)
-            net = e2e.build(variant, args.model, device)
-            step = e2e.training_step(net, device, 10, 64, e2e.DTYPES[dtype])
-            ms = time_ms(step, device, warmup=5, iters=20)
+            step = e2e.setup_variant(variant, args.model, device, 10, 64, e2e.DTYPES[dtype])
+            t = time_step(step, device, warmup=5, iters=20)
             torch.cuda.reset_peak_memory_stats()
             step()
             peak = torch.cuda.max_memory_allocated() / MIB
-            print(f"\n=== {args.model} {variant} {dtype}: {ms:.2f} ms/iter, peak {peak:.0f} MiB")
+            print(
+                f"\n=== {args.model} {variant} {dtype}: {t.synced:.2f} ms/step synchronised, "
+                f"{t.queued:.2f} back to back, host {t.host:.2f}; peak {peak:.0f} MiB"
+            )
             if args.memory:
                 peak_allocations(step)
             else:
@@ -76,7 +78,7 @@ def main() -> None:
                     sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70
                 )
                 print(table)
-            del net, step
+            del step
             torch.cuda.empty_cache()
 
 

@@ -157,12 +157,65 @@ def test_checkpoint_errors_are_spikefuse_errors(tmp_path: Path) -> None:
 
 
 def test_invalid_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert train(tmp_path / "x.pt", "--limit", "5") == 1
+    # --limit is now checked with the other options while parsing (a usage error, status 2),
+    # not once the data is loaded (status 1).
+    with pytest.raises(SystemExit) as info:
+        train(tmp_path / "x.pt", "--limit", "5")
+    assert info.value.code == 2
     assert "--limit must be between 10 and 1797" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         train(tmp_path / "x.pt", "--epochs", "0")
     assert info.value.code == 2
     assert not (tmp_path / "x.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+        (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+        (["--epochs", "-2"], "--epochs must be a whole number >= 1, got -2"),
+        (["--batch-size", "0"], "--batch-size must be a whole number >= 1, got 0"),
+        (["--T", "0"], "--T must be a whole number >= 1, got 0"),
+        (["--limit", "5000"], "--limit must be between 10 and 1797, got 5000"),
+        (["--seed", "-1"], "--seed must be between 0 and 4294967295, got -1"),
+        (["--seed", str(2**32)], "--seed must be between 0 and 4294967295, got 4294967296"),
+        (["--checkpoint", ""], "--checkpoint must be a file path, got ''"),
+        (["--overwrite"], "argument --overwrite: not allowed with argument --resume"),
+        (["--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
+    ],
+)
+def test_bad_option_values_are_usage_errors(
+    tmp_path: Path,
+    checkpoint: Path,
+    capsys: pytest.CaptureFixture[str],
+    options: list[str],
+    message: str,
+) -> None:
+    # With --resume, a bad value once overwrote a good checkpoint with NaN weights (--lr inf),
+    # or failed after loading it with a raw traceback (--lr -1, --seed -1).
+    path = tmp_path / "digits.pt"
+    path.write_bytes(checkpoint.read_bytes())
+    with pytest.raises(SystemExit) as info:
+        train(path, "--epochs", "2", "--resume", *options)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"spikefuse train: error: {message}" in err and "Traceback" not in err
+    assert path.read_bytes() == checkpoint.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["digits.pt"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("lr", float("nan")), ("epochs", 0), ("T", 2.0), ("seed", -1), ("neuron", "x")],
+)
+def test_train_config_validates_its_fields(field: str, value: object) -> None:
+    with pytest.raises(SpikefuseError, match=f"--{field}"):
+        TrainConfig(**{field: value})
+    with pytest.raises(SpikefuseError, match="exclude each other"):
+        TrainConfig(resume=True, overwrite=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine with no GPU")
@@ -191,3 +244,4 @@ def test_python_m_spikefuse_train_help() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "usage: spikefuse train" in done.stdout and "--resume" in done.stdout
+    assert "--overwrite" in done.stdout

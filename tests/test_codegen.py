@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import struct
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
@@ -102,17 +103,16 @@ def test_argument_struct_matches_the_packed_bytes():
     fields = [line.split("//")[0].strip().rstrip(";") for line in struct_src.strip().splitlines()]
     pointers = [f for f in fields if "*" in f]
     floats = [n.strip() for f in fields if f.startswith("float ") for n in f[6:].split(",")]
-    assert len(pointers) == 25 and fields[len(pointers)] == "long long T, N, channels, inner"
-    assert floats == ["v_init", "w_init", *kernel.constant_names]
-    packed = kernel.pack_args({"x_seq": 7, "grad_w0": 9}, 3, 5, 0.5, 0.25, [1.0] * 9, (6, 8))
-    assert len(packed) == 25 * 8 + 32 + 4 * 12  # 12 floats: an even count, no padding
+    assert len(pointers) == 26 and fields[len(pointers)] == "long long T, N, channels, inner"
+    assert floats == ["v_init", "w_init", "inv_count", *kernel.constant_names]
+    packed = kernel.pack_args(
+        {"x_seq": 7, "grad_w0": 9}, 3, 5, 0.5, 0.25, [1.0] * 9, (6, 8), inv_count=0.125
+    )
+    assert len(packed) == 26 * 8 + 32 + 4 * 12  # 12 floats: an even count, no padding
     assert int.from_bytes(packed[:8], "little") == 7 and packed[8:16] == bytes(8)
-    assert [int.from_bytes(packed[200 + 8 * i : 208 + 8 * i], "little") for i in range(4)] == [
-        3,
-        5,
-        6,
-        8,
-    ]
+    ints = [int.from_bytes(packed[208 + 8 * i : 216 + 8 * i], "little") for i in range(4)]
+    assert ints == [3, 5, 6, 8]
+    assert struct.unpack_from("<3f", packed, 240) == (0.5, 0.25, 0.125)
 
 
 def test_reserved_parameter_names_are_refused():

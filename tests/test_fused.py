@@ -332,7 +332,8 @@ def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def test_saved_memory_per_block():
-    """Fused: the conv outputs y (fp32) + 4 per-channel vectors each; spikes are recomputed.
+    """Fused: the conv outputs y (fp32) + mean and invstd per channel each (gamma and beta are the
+    parameters themselves, stored anyway); spikes are recomputed.
 
     Unfused: conv1 saves nothing new (its input is the model input), BN1 saves y1, the neuron
     saves H1 (its initial state is the constant V_reset: nothing); conv2 saves the fp32 spikes
@@ -347,7 +348,7 @@ def test_saved_memory_per_block():
     )  # fmt: skip
     x = torch.randn(t, b, 3, h, w)
     n = t * b * c * h * w  # elements of one conv output
-    vectors = 4 * c * 4  # scale, shift, mean, invstd
+    vectors = 2 * c * 4  # mean, invstd
     fused_bytes = saved_bytes(fuse(model), x)
     assert fused_bytes == 2 * (4 * n + vectors)
     unfused_bytes = saved_bytes(model, x)
@@ -407,7 +408,7 @@ def test_saved_memory_with_pooling():
     )  # fmt: skip
     x = torch.randn(t, b, 3, 8, 8)
     n1, n2, n3 = t * b * c * 64, t * b * c * 16, t * b * f
-    vectors = 4 * 4 * (c + c + f)
+    vectors = 2 * 4 * (c + c + f)  # mean and invstd per channel
     fused = fuse(model)
     assert sum(isinstance(m, SpikePool) for m in fused.modules()) == 2
     assert saved_bytes(fused, x) == 4 * (n1 + n2 + n3) + vectors
@@ -422,7 +423,7 @@ def test_bf16_autocast_keeps_bf16_output_and_halves_saved_y():
         saved = saved_bytes(block, x)
     assert s.dtype == torch.bfloat16
     assert set(s.unique().tolist()) <= {0.0, 1.0}
-    y_bf16, vectors = 2 * T * B * 8 * 8 * 8, 4 * 8 * 4
+    y_bf16, vectors = 2 * T * B * 8 * 8 * 8, 2 * 8 * 4  # mean, invstd
     autocast_copies = 2 * x.numel() + 2 * block.synapse.weight.numel()  # the conv's bf16 operands
     assert saved == y_bf16 + vectors + autocast_copies
     s32 = block(x)
@@ -499,7 +500,8 @@ def test_vanilla_baseline_computes_the_same_network():
     """The benchmark's plain-PyTorch LIF network equals the spikefuse one with equal weights."""
     torch.manual_seed(0)
     vanilla = e2e.vanilla_model("small").double()
-    ours = e2e.spikefuse_model("small", backend="torch").double()
+    # with the vanilla network's surrogate: the paper's rectangle
+    ours = e2e.spikefuse_model("small", backend="torch", make_surrogate=surrogate.Rect).double()
     randomize_bn(vanilla)
     with torch.no_grad():
         for p_ours, p_vanilla in zip(ours.parameters(), vanilla.parameters(), strict=True):

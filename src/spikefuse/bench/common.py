@@ -1,9 +1,12 @@
 """Shared helpers for the benchmarks: timing, peak memory, result tables, CSV and PNG output.
 
-Timing is the median over measured iterations after a warm-up; on CUDA each iteration is
-bracketed by CUDA events (so host-side launch overhead that overlaps GPU work is not counted
-twice), on CPU by ``time.perf_counter``. Memory is the peak of ``torch.cuda.max_memory_allocated``
-over the measured iterations (CPU runs report no memory figure).
+Three times per step, each the median over measured steps after a warm-up (see
+:func:`time_step`): the headline ``ms`` is what a training loop that synchronises once per step
+sees (CUDA events around each step, ``synchronize`` after it: host time is not hidden behind
+queued work); ``queued_ms`` is the same steps issued back to back (the GPU's pace when the host
+keeps ahead); ``host_ms`` is the host time to issue one step. ``host_ms`` close to ``ms`` means
+the step is host-bound. Memory is the peak of ``torch.cuda.max_memory_allocated`` over the
+measured iterations (CPU runs report no memory figure).
 """
 
 from __future__ import annotations
@@ -25,14 +28,18 @@ MIB = 1024 * 1024
 class BenchResult:
     """One row of a benchmark table.
 
-    ``ms`` is the median milliseconds per call, ``peak_mib`` the peak allocated MiB (NaN when
-    not measured, e.g. on CPU), ``error`` the failure message of a variant that could not run.
+    ``ms`` is the median milliseconds per step with a synchronize after each (the headline),
+    ``queued_ms`` the median of back-to-back steps, ``host_ms`` the median host time to issue a
+    step, ``peak_mib`` the peak allocated MiB (NaN when not measured, e.g. on CPU), ``error``
+    the failure message of a variant that could not run.
     """
 
     bench: str
     variant: str
     dtype: str
     ms: float = math.nan
+    queued_ms: float = math.nan
+    host_ms: float = math.nan
     peak_mib: float = math.nan
     error: str = ""
     note: str = ""
@@ -47,29 +54,71 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, iters: int) -> float:
-    """Median wall time of ``fn()`` in milliseconds over ``iters`` calls after ``warmup`` calls."""
+@dataclass(frozen=True)
+class Timing:
+    """Medians in milliseconds per step (see the module docstring)."""
+
+    synced: float
+    queued: float
+    host: float
+
+
+def time_step(fn: Callable[[], object], device: torch.device, *, warmup: int, iters: int) -> Timing:
+    """Time ``fn()`` (one step) ``iters`` times after ``warmup`` calls, three ways.
+
+    Synchronised: CUDA events around each call and a ``synchronize`` after it (the headline);
+    the host time of each such call is read with ``perf_counter`` before the synchronize.
+    Queued: ``iters`` more calls issued back to back, events around each, one synchronize at
+    the end. On the CPU all three are the wall time of a call.
+    """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
     for _ in range(warmup):
         fn()
     synchronize(device)
-    times: list[float] = []
-    if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        for start, end in zip(starts, ends, strict=True):
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
-    else:
+    if device.type != "cuda":
+        times = []
         for _ in range(iters):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        ms = statistics.median(times)
+        return Timing(ms, ms, ms)
+    synced, host = [], []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize(device)
+        synced.append(start.elapsed_time(end))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends, strict=True):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    queued = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+    return Timing(statistics.median(synced), statistics.median(queued), statistics.median(host))
+
+
+def cuda_graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
+    """``step`` captured whole in a CUDA graph (PyTorch's own ``torch.cuda.graph``); returns
+    the replay. Warm-up runs on a side stream first (kernels compiled and loaded, optimizer
+    state and cuDNN plans created), as capture requires."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def peak_mib(fn: Callable[[], object], device: torch.device, *, iters: int = 1) -> float:
@@ -109,7 +158,8 @@ def measure(
     result = BenchResult(bench=bench, variant=variant, dtype=dtype, note=note)
     try:
         step = setup()
-        result.ms = time_ms(step, device, warmup=warmup, iters=iters)
+        timing = time_step(step, device, warmup=warmup, iters=iters)
+        result.ms, result.queued_ms, result.host_ms = timing.synced, timing.queued, timing.host
         result.peak_mib = peak_mib(step, device, iters=min(iters, 3))
     except Exception as exc:  # noqa: BLE001 - a failing variant must not end the benchmark
         message = str(exc).strip().splitlines()
@@ -122,7 +172,7 @@ def measure(
 
 def format_table(results: Sequence[BenchResult], *, baseline: str | None = None) -> str:
     """A fixed-width text table; with ``baseline``, speed-up and memory ratios per dtype."""
-    header = ["bench", "variant", "dtype", "ms/iter", "peak MiB"]
+    header = ["bench", "variant", "dtype", "ms/step", "queued", "host", "peak MiB"]
     if baseline is not None:
         header += ["speedup", "mem ratio"]
     rows = [header]
@@ -131,7 +181,8 @@ def format_table(results: Sequence[BenchResult], *, baseline: str | None = None)
         if not r.ok:
             rows.append([r.bench, r.variant, r.dtype, "FAILED: " + r.error])
             continue
-        row = [r.bench, r.variant, r.dtype, f"{r.ms:.2f}", _fmt(r.peak_mib, ".0f")]
+        row = [r.bench, r.variant, r.dtype, f"{r.ms:.2f}", _fmt(r.queued_ms, ".2f"),
+               _fmt(r.host_ms, ".2f"), _fmt(r.peak_mib, ".0f")]  # fmt: skip
         if baseline is not None:
             b = base.get(r.dtype)
             row += [
@@ -174,7 +225,7 @@ def plot_results(path: Path, results: Sequence[BenchResult], title: str) -> None
     variants = list(dict.fromkeys(r.variant for r in results))
     dtypes = list(dict.fromkeys(r.dtype for r in results))
     by_key = {(r.variant, r.dtype): r for r in results if r.ok}
-    metrics = [("ms", "ms / iteration")]
+    metrics = [("ms", "ms / step (synchronised)")]
     if any(not math.isnan(r.peak_mib) for r in by_key.values()):
         metrics.append(("peak_mib", "peak allocated MiB"))
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)

@@ -11,9 +11,13 @@ followed by BatchNorm and the paper's LIF)::
 
 Variants: ``vanilla`` (plain PyTorch: Conv/BN on the merged T·B batch, a Python loop over T for
 the LIF with a rectangular-surrogate autograd function), ``vanilla-compile`` (``torch.compile``
-of it), ``spikefuse`` (spikefuse layers and neurons; cuda backend on GPUs) and ``fused``
-(:func:`spikefuse.fused.fuse` of that model). Reports median ms per iteration (CUDA events) and
-peak allocated MiB, for fp32 and bf16 autocast; writes ``e2e_<model>.csv`` and ``.png``.
+of it), ``spikefuse`` (the network as a SpikingJelly user writes it: ``layer.Conv2d`` →
+``layer.BatchNorm2d`` → ``neuron.LIFNode(tau=4/3, decay_input=False, v_threshold=0.25,
+surrogate_function=surrogate.Sigmoid())``, ``layer.AvgPool2d``, ...; cuda backend on GPUs) and
+``fused`` (:func:`spikefuse.fuse` of that model); ``+graph`` replays the whole training step
+captured in a CUDA graph, ``+compile`` runs ``torch.compile(model)``. Reports ms per step
+(synchronised, back to back, host issue time; see :mod:`spikefuse.bench.common`) and peak
+allocated MiB, for fp32 and bf16 autocast; writes ``e2e_<model>.csv`` and ``.png``.
 
     python -m spikefuse bench e2e --model medium
     python -m spikefuse bench e2e --device cpu --T 2 --batch 2 --iters 2   # smoke test
@@ -22,7 +26,6 @@ peak allocated MiB, for fp32 and bf16 autocast; writes ``e2e_<model>.csv`` and `
 from __future__ import annotations
 
 import argparse
-import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -30,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import functional, layer
-from ..fused import fuse, paper_lif
-from .common import BenchResult, format_table, measure, plot_results, write_csv
+from .. import functional, layer, neuron, surrogate
+from ..fused import fuse
+from .common import BenchResult, cuda_graphed, format_table, measure, plot_results, write_csv
 
 # Paper's LIF (Table I): u[t] = ALPHA u[t-1] (1 - s[t-1]) + x[t]; s = [u >= TH];
 # surrogate derivative ETA inside (TH - HALF_WIDTH, TH + HALF_WIDTH).
@@ -45,7 +48,16 @@ MODELS: dict[str, tuple[tuple[int | str, ...], tuple[int, ...]]] = {
     "large": ((128, 128, 128, POOL, 256, 256, 256, POOL, 512, 512, 512, POOL), (1024, 512)),
 }
 NUM_CLASSES, IMAGE_SIZE, IN_CHANNELS = 10, 32, 3
-VARIANTS = ("vanilla", "vanilla-compile", "spikefuse", "fused")
+VARIANTS = (
+    "vanilla",
+    "vanilla-compile",
+    "spikefuse",
+    "spikefuse+graph",
+    "spikefuse+compile",
+    "fused",
+    "fused+graph",
+    "fused+compile",
+)
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -123,16 +135,27 @@ def vanilla_model(name: str) -> nn.Sequential:
     })  # fmt: skip
 
 
-def spikefuse_model(name: str, backend: str) -> nn.Sequential:
-    """The same network from spikefuse layers and :func:`~spikefuse.fused.paper_lif` neurons."""
+def sj_lif(backend: str, make_surrogate: Callable[[], surrogate.Surrogate]) -> neuron.LIFNode:
+    """The paper's LIF as a SpikingJelly user writes it: decay 1 - 1/tau = 0.25, threshold
+    0.25, hard reset to 0."""
+    return neuron.LIFNode(tau=4.0 / 3.0, decay_input=False, v_threshold=0.25, v_reset=0.0,
+                          surrogate_function=make_surrogate(), step_mode="m",
+                          backend=backend)  # fmt: skip
+
+
+def spikefuse_model(
+    name: str, backend: str, make_surrogate: Callable[[], surrogate.Surrogate] = surrogate.Sigmoid
+) -> nn.Sequential:
+    """The same network from spikefuse layers and :func:`sj_lif` neurons (by default with
+    SpikingJelly's default surrogate, Sigmoid with alpha = 4)."""
     return network(name, {
         "conv": lambda i, o: [
             layer.Conv2d(i, o, 3, padding=1, bias=False, step_mode="m"),
-            layer.BatchNorm2d(o, step_mode="m"), paper_lif(backend=backend),
+            layer.BatchNorm2d(o, step_mode="m"), sj_lif(backend, make_surrogate),
         ],
         "fc": lambda i, o: [
             layer.Linear(i, o, bias=False, step_mode="m"),
-            layer.BatchNorm1d(o, step_mode="m"), paper_lif(backend=backend),
+            layer.BatchNorm1d(o, step_mode="m"), sj_lif(backend, make_surrogate),
         ],
         "pool": lambda: [layer.AvgPool2d(2, step_mode="m")],
         "flatten": lambda: [layer.Flatten(step_mode="m")],
@@ -141,16 +164,18 @@ def spikefuse_model(name: str, backend: str) -> nn.Sequential:
 
 
 def build(variant: str, model: str, device: torch.device) -> nn.Module:
+    """The variant's model (``+graph`` is applied to its training step, not here)."""
     backend = "cuda" if device.type == "cuda" else "torch"
-    if variant == "vanilla":
-        return vanilla_model(model)
-    if variant == "vanilla-compile":
-        return torch.compile(vanilla_model(model))
-    if variant == "spikefuse":
-        return spikefuse_model(model, backend)
-    if variant == "fused":
-        return fuse(spikefuse_model(model, backend), inplace=True)
-    raise ValueError(f"unknown variant {variant!r}")
+    base, _, mode = variant.partition("+")
+    if base == "vanilla":
+        net = vanilla_model(model)
+        return torch.compile(net) if variant == "vanilla-compile" else net
+    if base not in ("spikefuse", "fused"):
+        raise ValueError(f"unknown variant {variant!r}")
+    net = spikefuse_model(model, backend)
+    if base == "fused":
+        net = fuse(net, inplace=True)
+    return torch.compile(net) if mode == "compile" else net
 
 
 def training_step(
@@ -165,10 +190,10 @@ def training_step(
 
     def step() -> None:
         x = images.unsqueeze(0).expand(T, -1, -1, -1, -1)  # the same image at every step
-        autocast = (
-            torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
-        )
-        with autocast:
+        # No autocast weight cache: CUDA graph capture needs it off (same speed here: each
+        # weight is cast once per step anyway).
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None,
+                            cache_enabled=False):  # fmt: skip
             loss = F.cross_entropy(net(x).mean(0), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -176,6 +201,13 @@ def training_step(
         functional.reset_net(net)
 
     return step
+
+
+def setup_variant(
+    variant: str, model: str, device: torch.device, T: int, batch: int, amp: torch.dtype | None
+) -> Callable[[], None]:
+    step = training_step(build(variant, model, device), device, T, batch, amp)
+    return cuda_graphed(step) if variant.endswith("+graph") else step
 
 
 def run(
@@ -197,14 +229,12 @@ def run(
                 f"e2e-{model}",
                 variant,
                 dtype,
-                lambda v=variant, d=dtype: training_step(
-                    build(v, model, device), device, T, batch, DTYPES[d]
-                ),
+                lambda v=variant, d=dtype: setup_variant(v, model, device, T, batch, DTYPES[d]),
                 device,
                 warmup=warmup,
                 iters=iters,
             )
-            if variant == "vanilla-compile":
+            if "compile" in variant:
                 torch.compiler.reset()  # drop compiled graphs (and the models they hold)
             print(format_table([result]).splitlines()[-1], flush=True)
             results.append(result)

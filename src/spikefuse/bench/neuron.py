@@ -2,14 +2,16 @@
 
 ``python -m spikefuse bench neuron [--T 2 4 8 16 32] [--dtypes float32 float16 bfloat16]``
 
-Each step is ``spikes = f(x); spikes.backward(g)`` with a fixed random upstream gradient. Times are
-medians of CUDA-event intervals after warm-up. "GB/s" is the floor traffic of five passes over
-[T, N] in the storage dtype (read x, write spikes; read x again, read the gradient, write grad x)
-divided by the time, next to the device's measured copy bandwidth. "extra MiB" is the peak
-allocation above the inputs during the step. "cuda kernels only" calls the backend's fptt and
-bptt directly (no module, no autograd): the difference to "cuda" is host-side overhead that the
-GPU waits for. A second table compares every one-state neuron and Izhikevich with LIF on the
-cuda backend.
+Each step is ``spikes = f(x); spikes.backward(g)`` with a fixed random upstream gradient. Times
+are medians after warm-up: synchronised per step (the headline), back to back and host issue
+time (see :mod:`spikefuse.bench.common`). "GB/s" is the floor traffic of five passes over [T, N]
+in the storage dtype (read x, write spikes; read x again, read the gradient, write grad x)
+divided by the back-to-back time, next to the device's measured copy bandwidth. "extra MiB" is
+the peak allocation above the inputs during the step. "cuda kernels only" calls the backend's
+fptt and bptt directly (no module, no autograd): the difference to "cuda" is host-side overhead
+that the GPU waits for; "cuda graphed" replays the module's step captured in a CUDA graph,
+"cuda compiled" runs ``torch.compile(node)``. A second table compares every one-state neuron and
+Izhikevich with LIF on the cuda backend.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from .. import neuron
 from ..cuda import backend as cuda_backend
-from .common import MIB, BenchResult, format_table, time_ms, write_csv
+from .common import MIB, BenchResult, cuda_graphed, format_table, time_step, write_csv
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -58,7 +60,7 @@ def copy_bandwidth_gbs(device: torch.device) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second), 1 GiB buffers."""
     src = torch.empty(1 << 28, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, warmup=5, iters=30)
+    ms = time_step(lambda: dst.copy_(src), device, warmup=5, iters=30).queued
     return 2 * src.numel() * 4 / ms / 1e6
 
 
@@ -89,18 +91,24 @@ class _KernelsOnly:
         return out.spikes
 
 
-def _measure(bench, variant, dtype, model, x, g, device, floor_bytes, warmup, iters) -> BenchResult:
+def _measure(bench, variant, dtype, model, x, g, device, floor_bytes, warmup, iters,
+             graphed=False) -> BenchResult:  # fmt: skip
     r = BenchResult(bench=bench, variant=variant, dtype=dtype)
     try:
+        if graphed:  # a leaf of its own: x's gradient node already belongs to the eager runs
+            x = x.detach().clone().requires_grad_()
         step = _step(model, x, g)
-        r.ms = time_ms(step, device, warmup=warmup, iters=iters)
+        if graphed:
+            step = cuda_graphed(step)
+        timing = time_step(step, device, warmup=warmup, iters=iters)
+        r.ms, r.queued_ms, r.host_ms = timing.synced, timing.queued, timing.host
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
         r.peak_mib = (torch.cuda.max_memory_allocated(device) - base) / MIB
-        r.note = f"{floor_bytes / r.ms / 1e6:.0f} GB/s"
+        r.note = f"{floor_bytes / r.queued_ms / 1e6:.0f} GB/s"
     except Exception as exc:  # noqa: BLE001 - one failing variant must not end the run
         r.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}"
     return r
@@ -142,13 +150,29 @@ def main(argv: list[str] | None = None) -> int:
                 node.reset()
                 return node(x)
 
-            variants = [("torch loop", lif_loop), ("cuda", cuda_lif),
-                        ("cuda kernels only", _KernelsOnly(node, g))]  # fmt: skip
+            graph_node = neuron.LIFNode(tau=2.0, step_mode="m", backend="cuda")
+
+            def graphed_lif(x, node=graph_node):
+                node.reset()
+                return node(x)
+
+            variants = [("torch loop", lif_loop, False), ("cuda", cuda_lif, False),
+                        ("cuda graphed", graphed_lif, True),
+                        ("cuda kernels only", _KernelsOnly(node, g), False)]  # fmt: skip
             if not args.no_compile:
-                variants.insert(1, ("torch.compile loop", compiled))
-            for variant, model in variants:
+                variants.insert(1, ("torch.compile loop", compiled, False))
+                compiled_node = torch.compile(
+                    neuron.LIFNode(tau=2.0, step_mode="m", backend="cuda")
+                )
+
+                def compiled_lif(x, node=compiled_node):
+                    node.reset()
+                    return node(x)
+
+                variants.insert(4, ("cuda compiled", compiled_lif, False))
+            for variant, model, graphed in variants:
                 r = _measure(f"LIF T={T}", variant, dtype_name, model, x, g, device, floor,
-                             args.warmup, args.iters)  # fmt: skip
+                             args.warmup, args.iters, graphed)  # fmt: skip
                 results.append(r)
                 print(format_table([r]).splitlines()[-1], r.note, flush=True)
             del x, g

@@ -124,14 +124,21 @@ def _current_stream(index: int) -> int:
 
 def _launch(kernel: NeuronKernel, forward: bool, device: torch.device, blocks: int,
             pointers: dict[str, int], T: int, N: int, init: list[float],
-            constants: list[float], channels: tuple[int, int] = (1, 1)) -> None:  # fmt: skip
+            constants: list[float], channels: tuple[int, int] = (1, 1),
+            inv_count: float = 0.0) -> None:  # fmt: skip
     """Launch one direction's kernel with its ``Args`` struct on the current stream."""
-    args = kernel.pack_args(pointers, T, N, init[0], init[1], constants, channels)
+    args = kernel.pack_args(pointers, T, N, init[0], init[1], constants, channels, inv_count)
     current = torch.cuda.current_device()
     index = device.index if device.index is not None else current
     key = (kernel, forward, index)
     entry = _functions.get(key)
     if entry is None:
+        if torch.cuda.is_current_stream_capturing():  # loading a module is not capturable
+            raise BackendUnavailableError(
+                f"spikefuse: kernel {kernel.kernel_prefix} is not loaded on cuda:{index} yet and "
+                "cannot be compiled during CUDA graph capture; run the captured step once "
+                "eagerly first (the usual warm-up before torch.cuda.graph)"
+            )
         entry = _functions[key] = compiled(kernel, forward, index)
     buffer = ctypes.create_string_buffer(args, len(args))
     params = _OnePointer(ctypes.addressof(buffer))  # kernelParams: one pointer, to the struct
@@ -307,21 +314,35 @@ def _per_channel_sum(per_neuron: torch.Tensor, channels: tuple[int, int]) -> tor
     return per_neuron.view(per_neuron.shape[0], -1, c, inner).sum(dim=(1, 3))
 
 
+def _bn_pointers(mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> dict[str, int]:  # fmt: skip
+    return {
+        "bn_mean": mean.data_ptr(),
+        "bn_invstd": invstd.data_ptr(),
+        "bn_weight": _ptr(weight),
+        "bn_bias": _ptr(bias),
+    }
+
+
 def affine_fptt(
     program: NeuronProgram,
     y: torch.Tensor,
-    scale: torch.Tensor,
-    shift: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
     learnable: torch.Tensor | None,
     constants: list[float],
     v_init: float,
     save_for_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """spikes = neuron(y * scale[c] + shift[c]) for y [T, B, C, *] in one launch.
+    """spikes = neuron(BN(y)) for y [T, B, C, *] in one launch.
 
-    The neuron starts from the constant ``v_init``. Returns the spikes (y's dtype and
-    layout) and, with ``save_for_backward``, the chunk checkpoints (see :func:`saved_like`;
-    chunks of ``AFFINE_CHUNK[dtype]`` steps).
+    BN(y) = y * scale[c] + shift[c] with scale = invstd * weight, shift = bias - mean * scale
+    (weight None: 1, bias None: 0); the vectors are float32 [C]. The neuron starts from the
+    constant ``v_init``. Returns the spikes (y's dtype and layout) and, with
+    ``save_for_backward``, the chunk checkpoints (see :func:`saved_like`; chunks of
+    ``AFFINE_CHUNK[dtype]`` steps).
     """
     _check(y)
     y, channels = channel_layout(y)
@@ -335,8 +356,7 @@ def affine_fptt(
             "spike_seq": spikes.data_ptr(),
             "v_ckpt": _ptr(v_ckpt),
             "learnable": _ptr(learnable),
-            "in_scale": scale.data_ptr(),
-            "in_shift": shift.data_ptr(),
+            **_bn_pointers(mean, invstd, weight, bias),
         }
         kernel = kernel_for(program, y.dtype, vec, affine=True)
         _launch(kernel, True, y.device, _blocks(N, vec), pointers, T, N, [v_init, 0.0],
@@ -352,21 +372,26 @@ def affine_bptt(
     learnable: torch.Tensor | None,
     constants: list[float],
     v_init: float,
-    scale: torch.Tensor,
-    shift: torch.Tensor,
-    mean: torch.Tensor | None = None,
-    coef: tuple[torch.Tensor, torch.Tensor] | None = None,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    totals: torch.Tensor | None = None,
+    inv_count: float = 0.0,
     *,
     grad_y: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """BPTT of :func:`affine_fptt` in one launch, recomputing the neuron from y chunk by chunk.
 
-    With g = dL/dX (X = y * scale + shift), returns ``(dL/dy, sum_g, sum_g_yc, grad_learnable)``:
+    With g = dL/dX (X = BN(y)), returns ``(dL/dy, sums, grad_learnable)``:
 
-    * ``grad_y=True``: dL/dy = scale[c] g + coef_y[c] y + coef_0[c] (``coef`` None: 0), in y's
-      dtype and layout; the other three are None.
-    * ``grad_y=False``: the per-channel sums [C] (float32) sum_g = Σ g and
-      sum_g_yc = Σ g (y - mean[c]) over (T, B, *S), and dL/d(learnable) [P] (or None).
+    * ``grad_y=False`` (pass 1): ``sums`` [2, C] float32, the per-channel sums over (T, B, *S)
+      of g and of g (y - mean[c]), and dL/d(learnable) [P] (or None); dL/dy is None.
+    * ``grad_y=True`` (pass 2): dL/dy in y's dtype and layout, = scale g with running
+      statistics (``totals`` None), or with batch statistics BatchNorm's full backward
+      scale g + coef_y y + coef_0, coef_y = -scale invstd m_gy invstd, coef_0 = -scale m_g -
+      mean coef_y, from ``totals`` [2, C] (pass 1's sums over all processes) times
+      ``inv_count`` (m_g, m_gy). The other two are None.
     """
     _check(y)
     y, channels = channel_layout(y)
@@ -378,8 +403,9 @@ def affine_bptt(
     vec = _vec(N, y, grad_spikes, vec=AFFINE_BPTT_VEC)
     blocks = _blocks(N, vec)
     partial = None
-    if program.learnable and not grad_y:
-        partial = y.new_zeros((len(program.learnable), blocks), dtype=torch.float32)
+    if program.learnable and not grad_y:  # every block writes its column
+        shape = (len(program.learnable), blocks)
+        partial = y.new_empty(shape, dtype=torch.float32) if N else y.new_zeros(shape)
     if N:
         pointers = {
             "x_seq": y.data_ptr(),
@@ -388,18 +414,15 @@ def affine_bptt(
             "grad_spike_seq": grad_spikes.data_ptr(),
             "grad_x_seq": _ptr(out),
             "grad_learnable_partial": _ptr(partial),
-            "in_scale": scale.data_ptr(),
-            "in_shift": shift.data_ptr(),
-            "in_mean": _ptr(mean),
             "grad_sum": 0 if sums is None else sums[0].data_ptr(),
             "grad_dot": 0 if sums is None else sums[1].data_ptr(),
-            "grad_coef_y": 0 if coef is None else coef[0].data_ptr(),
-            "grad_coef_0": 0 if coef is None else coef[1].data_ptr(),
+            "bn_total_g": 0 if totals is None else totals[0].data_ptr(),
+            "bn_total_gy": 0 if totals is None else totals[1].data_ptr(),
+            **_bn_pointers(mean, invstd, weight, bias),
         }
         kernel = kernel_for(program, y.dtype, vec, affine=True)
         _launch(kernel, False, y.device, blocks, pointers, T, N, [v_init, 0.0], constants,
-                channels)  # fmt: skip
+                channels, inv_count)  # fmt: skip
     if grad_y:
-        return out, None, None, None
-    sum_g, sum_g_yc = _per_channel_sum(sums, channels)
-    return None, sum_g, sum_g_yc, None if partial is None else partial.sum(dim=1)
+        return out, None, None
+    return None, _per_channel_sum(sums, channels), None if partial is None else partial.sum(dim=1)

@@ -13,9 +13,10 @@ Learnable-parameter gradients are reduced per block into a [P, blocks] buffer, s
 in a fixed order (same bits on every run).
 
 Channel-affine variants fold BatchNorm in (fused blocks): the neuron's input is
-X = Y * scale[c] + shift[c] (one FMA), and backward writes either dL/dY (dL/dX mapped by a
-per-channel affine) or the per-neuron sums over t of dL/dX and dL/dX * (Y - mean[c]) that
-BatchNorm's backward reduces per channel.
+X = Y * scale[c] + shift[c] (one FMA; each thread computes scale and shift from BatchNorm's mean,
+1/std, gamma and beta), and backward writes either the per-neuron sums over t of dL/dX and
+dL/dX * (Y - mean[c]) that BatchNorm's backward reduces per channel (pass 1), or dL/dY, with
+BatchNorm's coefficients computed per thread from those channel totals (pass 2).
 
 Both kernels take one argument, an ``Args`` struct (layout in :data:`ARG_POINTERS`), so a launch
 packs a single buffer. Extension path (as in SpikingJelly's kernel templates): subclass
@@ -85,15 +86,18 @@ ARG_POINTERS = (
     ("float*", "grad_v0", "dL/dV[-1] [N], or null"),
     ("float*", "grad_w0", "dL/dW[-1] [N], or null"),
     ("float*", "grad_learnable_partial", "per-block sums of dL/dp [P, blocks], or null"),
-    # Channel-affine kernels only (BatchNorm folded in): x_seq holds Y and the neuron's input is
-    # X = Y * in_scale[c] + in_shift[c], with c = (n / inner) % channels.
-    ("const float*", "in_scale", "[C]"),
-    ("const float*", "in_shift", "[C]"),
-    ("const float*", "in_mean", "[C] centre of Y in grad_dot, or null (0)"),
+    # Channel-affine kernels only (BatchNorm folded in): x_seq holds Y, and the neuron's input is
+    # X = Y * scale[c] + shift[c], scale = invstd * gamma, shift = beta - mean * scale, with
+    # c = (n / inner) % channels. Backward pass 1 writes the per-neuron sums; pass 2 reads their
+    # per-channel totals (divided by the count through inv_count) and writes dL/dY.
+    ("const float*", "bn_mean", "[C] per-channel mean of Y"),
+    ("const float*", "bn_invstd", "[C] 1 / sqrt(var + eps)"),
+    ("const float*", "bn_weight", "[C] gamma, or null (1)"),
+    ("const float*", "bn_bias", "[C] beta, or null (0)"),
     ("float*", "grad_sum", "sum over t of dL/dX [N], or null"),
-    ("float*", "grad_dot", "sum over t of dL/dX (Y - in_mean[c]) [N], or null"),
-    ("const float*", "grad_coef_y", "[C], or null (0): grad_x_seq gets dL/dY ="),
-    ("const float*", "grad_coef_0", "[C], or null (0):   in_scale dL/dX + coef_y Y + coef_0"),
+    ("float*", "grad_dot", "sum over t of dL/dX (Y - bn_mean[c]) [N], or null"),
+    ("const float*", "bn_total_g", "[C] channel total of grad_sum, or null: running statistics"),
+    ("const float*", "bn_total_gy", "[C] channel total of grad_dot"),
 )
 POINTER_NAMES = tuple(name for _, name, _ in ARG_POINTERS)
 
@@ -157,7 +161,7 @@ class NeuronKernel:
         if clash:
             raise ValueError(f"{name}: parameter names {sorted(clash)} are reserved by the kernels")
         # Args as bytes: pointers, T, N, channels, inner (8 bytes each), then floats; padded to 8.
-        n_floats = 2 + len(self.constant_names)
+        n_floats = 3 + len(self.constant_names)
         self.arg_layout = struct.Struct(f"<{len(ARG_POINTERS)}Q4q{n_floats}f{4 * (n_floats % 2)}x")
 
     # ---- neuron snippets (CUDA float expressions) -------------------------------------------
@@ -205,17 +209,19 @@ class NeuronKernel:
         return f"{self.kernel_prefix}_bptt"
 
     def pack_args(self, pointers: dict[str, int], T: int, N: int, v_init: float,
-                  w_init: float, constants: list[float],
-                  channels: tuple[int, int] = (1, 1)) -> bytes:  # fmt: skip
+                  w_init: float, constants: list[float], channels: tuple[int, int] = (1, 1),
+                  inv_count: float = 0.0) -> bytes:  # fmt: skip
         """The ``Args`` struct as bytes; absent pointers are null. ``channels`` is
-        (channels, inner) of the channel-affine kernels: c = (n / inner) % channels."""
+        (channels, inner) of the channel-affine kernels: c = (n / inner) % channels;
+        ``inv_count`` scales ``bn_total_*`` to per-channel means (1 / elements per channel)."""
         ptrs = [pointers.get(name, 0) for name in POINTER_NAMES]
-        return self.arg_layout.pack(*ptrs, T, N, *channels, v_init, w_init, *constants)
+        return self.arg_layout.pack(*ptrs, T, N, *channels, v_init, w_init, inv_count, *constants)
 
     def _args_struct(self) -> str:
         lines = [f"    {ctype} {name};  // {doc}" for ctype, name, doc in ARG_POINTERS]
         lines.append("    long long T, N, channels, inner;")
         lines.append("    float v_init, w_init;  // initial V and W where v0 / w0 are null")
+        lines.append("    float inv_count;  // affine backward: 1 / elements per channel")
         lines += [f"    float {n};" for n in self.constant_names]
         return "struct Args {\n" + "\n".join(lines) + "\n};"
 
@@ -315,14 +321,25 @@ __device__ __forceinline__ float step(float& v, float& w, const float x, const P
         if not self.affine:
             return ""
         names = ["in_a[VEC]", "in_b[VEC]"]
-        loads = ["in_a[k] = a.in_scale[c];", "in_b[k] = a.in_shift[c];"]
+        # The same float32 operations, in the same order, as the torch composite's scale/shift.
+        loads = [
+            "const float mean = a.bn_mean[c], invstd = a.bn_invstd[c];",
+            "in_a[k] = a.bn_weight ? invstd * a.bn_weight[c] : invstd;",
+            "in_b[k] = a.bn_bias ? -mean * in_a[k] + a.bn_bias[c] : -mean * in_a[k];",
+        ]
         if backward:
             names += ["in_m[VEC]", "coef_y[VEC]", "coef_0[VEC]", "sum_g[VEC]", "sum_gy[VEC]"]
+            # BatchNorm's backward through the batch statistics, from the channel totals:
+            # dL/dY = scale g + coef_y Y + coef_0 (see spikefuse.fused.bn_neuron).
             loads += [
-                "in_m[k] = a.in_mean ? a.in_mean[c] : 0.0f;",
-                "coef_y[k] = a.grad_coef_y ? a.grad_coef_y[c] : 0.0f;",
-                "coef_0[k] = a.grad_coef_0 ? a.grad_coef_0[c] : 0.0f;",
-                "sum_g[k] = sum_gy[k] = 0.0f;",
+                "in_m[k] = mean;",
+                "coef_y[k] = coef_0[k] = sum_g[k] = sum_gy[k] = 0.0f;",
+                "if (a.bn_total_g) {",
+                "    const float mean_g = a.bn_total_g[c] * a.inv_count;",
+                "    const float mean_gxhat = a.bn_total_gy[c] * invstd * a.inv_count;",
+                "    coef_y[k] = -in_a[k] * invstd * mean_gxhat;",
+                "    coef_0[k] = -in_a[k] * mean_g - mean * coef_y[k];",
+                "}",
             ]
         body = "\n".join(f"        {line}" for line in loads)
         return f"""

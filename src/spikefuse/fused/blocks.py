@@ -7,14 +7,22 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.utils import _pair
 
 from .. import layer, surrogate
 from ..errors import SpikefuseError
 from ..neuron import BaseNode, LIFNode
-from ..ops import forbid_double_backward
+from ..ops import forbid_double_backward, run_neuron
 from ..reference import compute_dtype
-from .bn_neuron import BNNeuronFunction, BNSpec, NeuronCall, bn_neuron_forward, bn_statistics
+from .bn_neuron import (
+    BNNeuronFunction,
+    BNSpec,
+    NeuronCall,
+    bn_neuron_forward,
+    bn_statistics,
+    is_distributed,
+)
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
 
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
@@ -159,6 +167,7 @@ class FusedBlock(nn.Module):
         return y.unflatten(0, x.shape[:2])
 
     def _bn_spec(self) -> BNSpec | None:
+        """This call's BatchNorm side; counts the batch (call it only once the call can run)."""
         bn = self.bn
         if bn is None:
             return None
@@ -167,8 +176,8 @@ class FusedBlock(nn.Module):
         if bn.training and bn.track_running_stats:
             bn.num_batches_tracked.add_(1)
             momentum = bn.momentum
-            if momentum is None:  # cumulative moving average, as in torch's BatchNorm
-                momentum = 1.0 / float(bn.num_batches_tracked)
+            if momentum is None:  # cumulative moving average, as in torch's BatchNorm, but
+                momentum = 1.0 / bn.num_batches_tracked  # on the device: no host sync
         return BNSpec(
             weight=bn.weight,
             bias=bn.bias,
@@ -182,10 +191,12 @@ class FusedBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_input(x)
+        if torch.compiler.is_compiling():
+            return self._traced_forward(x)
         y = self._synapse_forward(x)
         neuron = NeuronCall.from_node(self.node, y)  # may raise: before BN's state changes
-        bn = self._bn_spec()
         learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
+        bn = self._bn_spec()
         weight = bn.weight if bn is not None else None
         bias = bn.bias if bn is not None else None
         grads = (y, weight, bias, learnable)
@@ -198,6 +209,30 @@ class FusedBlock(nn.Module):
         return mark_recomputable(
             spikes, lambda: bn_neuron_forward(y, stats, neuron, learnable, False)[0]
         )
+
+    def _traced_forward(self, x: Tensor) -> Tensor:
+        """What ``torch.compile`` traces: the unfused computation, in ops it can see through.
+
+        The synapse, torch's BatchNorm over (T, B, spatial) (the same statistics and running
+        averages) and the neuron's custom op (opaque to the compiler, no graph break). The
+        eager path's memory savings rely on autograd hooks that the compiler cannot trace;
+        compiled, the compiler decides what is saved for backward.
+        """
+        if is_distributed(self.process_group):
+            raise SpikefuseError(
+                "FusedBlock: under torch.compile the fused BatchNorm is not synchronised across "
+                "processes; run the fused model eagerly (or CUDA-graph it) under torch.distributed"
+            )
+        y = self._kind.forward(self.synapse, x.flatten(0, 1))
+        if self.bn is not None:  # torch's own BatchNorm on the merged [T*B, C, *] batch
+            y = _BatchNorm.forward(self.bn, y)
+        y = y.unflatten(0, x.shape[:2])
+        neuron = NeuronCall.from_node(self.node, y)
+        learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
+        init = [neuron.v_init, 0.0]  # every call starts from the reset state, as in eager
+        spikes, _, _, _ = run_neuron(neuron.program, neuron.backend, y, None, None, learnable,
+                                     list(neuron.constants), init, False)  # fmt: skip
+        return spikes
 
 
 def _channels_last(recipe: Recipe) -> Recipe:
@@ -280,16 +315,16 @@ class SpikePool(nn.Module):
         self._window = _window_size(pool)
 
     def _pool(self, merged: Tensor) -> Tensor:
-        if self._window is not None:
+        if self._window is not None and not torch.compiler.is_compiling():
             return WindowAvgPool.apply(merged, *self._window)
-        return self._kind.forward(self.pool, merged)
+        return self._kind.forward(self.pool, merged)  # the compiler generates its own kernels
 
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) or x.dim() != 5:
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise SpikefuseError(f"SpikePool: expected input [T, B, C, H, W], got {shape}")
         merged = x.flatten(0, 1)
-        recipe = recipe_of(merged)
+        recipe = None if torch.compiler.is_compiling() else recipe_of(merged)
         if recipe is None:
             return self._pool(merged).unflatten(0, x.shape[:2])
         with saving_recomputed(merged, recipe):

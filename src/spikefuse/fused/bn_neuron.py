@@ -13,17 +13,20 @@ Saved for backward: ``y`` and the per-channel vectors only. Backward recomputes 
 neuron's forward, runs the neuron's BPTT to get ``g = dL/dx`` and finishes BatchNorm's backward
 with two per-channel sums (all-reduced across processes when torch.distributed is initialised)::
 
-    sum_g[c]    = Σ g,       sum_gxh[c] = Σ g * xhat,      xhat = (y - mean) * invstd
-    dL/dgamma   = sum_gxh,   dL/dbeta   = sum_g             (local sums: DDP averages them)
-    dL/dy       = scale * (g - Σ_all g / n - xhat * Σ_all g xhat / n)    (batch statistics)
-    dL/dy       = scale * g                                              (running statistics)
+    sum_g[c]    = Σ g,       sum_gy[c] = Σ g * (y - mean)
+    dL/dgamma   = sum_gy * invstd,   dL/dbeta = sum_g           (local sums: DDP averages them)
+    dL/dy       = scale g + coef_y y + coef_0                    (batch statistics)
+        coef_y  = -scale invstd m_gy invstd,  coef_0 = -scale m_g - mean coef_y
+        m_g     = Σ_all g / n,  m_gy = Σ_all g (y - mean) / n
+    dL/dy       = scale * g                                      (running statistics)
 
 with n the number of elements per channel over all processes. All element-wise work sits in
 three functions: :func:`bn_neuron_forward` (affine + neuron forward), :func:`bn_neuron_backward`
 (pass 1, the paper's Alg. 2: affine + neuron recompute + BPTT + the two per-channel sums) and
 :func:`bn_input_grad` (pass 2, Alg. 3: dL/dy). With the cuda backend each is one launch of a
-channel-affine kernel (the affine in its prologue, the sums or dL/dy in its epilogue); with the
-torch backend they are composed from the reference neuron and torch ops.
+channel-affine kernel, which computes scale, shift and the coefficients per thread from the
+per-channel vectors (so a block costs no small per-channel torch ops beyond the statistics);
+with the torch backend they are composed from the reference neuron and torch ops.
 """
 
 from __future__ import annotations
@@ -110,17 +113,32 @@ class NeuronCall:
 
 @dataclass(frozen=True)
 class BNStats:
-    """Per-channel vectors [C] (compute dtype) of one BatchNorm call: x = y * scale + shift.
+    """Per-channel vectors [C] (compute dtype) of one BatchNorm call: x = y * scale + shift with
+    scale = invstd * weight and shift = bias - mean * scale.
 
-    ``count`` is the number of elements per channel the statistics were taken over (all
-    processes; a 0-dim tensor when distributed), 0 for running statistics.
+    ``weight``/``bias`` are gamma/beta in the compute dtype (None: 1 and 0). ``count`` is the
+    number of elements per channel the statistics were taken over (all processes; a 0-dim
+    tensor when distributed), 0 for running statistics.
     """
 
     mean: Tensor
     invstd: Tensor
-    scale: Tensor
-    shift: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
     count: int | Tensor
+
+    @property
+    def scale(self) -> Tensor:
+        return self.invstd if self.weight is None else self.invstd * self.weight
+
+    def shift(self, scale: Tensor) -> Tensor:
+        shift = -self.mean * scale
+        return shift if self.bias is None else shift + self.bias
+
+    @property
+    def vectors(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """(mean, invstd, weight, bias): what the channel-affine kernels read."""
+        return self.mean, self.invstd, self.weight, self.bias
 
 
 def _per_channel(v: Tensor, ndim: int) -> Tensor:
@@ -137,8 +155,8 @@ def _neuron_input(y: Tensor, stats: BNStats | None) -> Tensor:
     if stats is None:
         return y
     cd = compute_dtype(y.dtype)
-    nd = y.dim()
-    return torch.addcmul(_per_channel(stats.shift, nd), y.to(cd), _per_channel(stats.scale, nd))
+    nd, scale = y.dim(), stats.scale
+    return torch.addcmul(_per_channel(stats.shift(scale), nd), y.to(cd), _per_channel(scale, nd))
 
 
 def bn_neuron_forward(
@@ -154,9 +172,8 @@ def bn_neuron_forward(
     affine = neuron.affine_backend
     if stats is not None and affine is not None:
         spikes, ckpt = affine.affine_fptt(
-            neuron.program, y, stats.scale, stats.shift, learnable, list(neuron.constants),
-            neuron.v_init, save,
-        )  # fmt: skip
+            neuron.program, y, *stats.vectors, learnable, neuron.constants, neuron.v_init, save
+        )
         return spikes, ((ckpt,) if save else None)
     spikes, saved = neuron.forward(_neuron_input(y, stats), learnable, save)
     return spikes.to(y.dtype), saved
@@ -169,39 +186,38 @@ def bn_neuron_backward(
     learnable: Tensor | None,
     grad_spikes: Tensor,
     saved: tuple | None,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward pass 1 (the paper's Alg. 2): recompute the neuron from y, BPTT, per-channel sums.
 
-    Returns ``(g, sum_g, sum_gxhat, grad_learnable)``: the two local per-channel sums [C]
-    (None without BN), the gradient of the neuron's learnable parameters [P] and, optionally,
-    g = dL/dx [T, B, C, *] in the compute dtype for pass 2 to reuse. The cuda backend returns
-    g = None (pass 2 recomputes it: no [T, N] buffer is written); without BN g is always given.
+    Returns ``(g, sums, grad_learnable)``: the local per-channel sums [2, C] of g and of
+    g (y - mean) (None without BN), the gradient of the neuron's learnable parameters [P] and,
+    optionally, g = dL/dx [T, B, C, *] in the compute dtype for pass 2 to reuse. The cuda
+    backend returns g = None (pass 2 recomputes it: no [T, N] buffer is written); without BN
+    g is always given.
     """
     affine = neuron.affine_backend
     if stats is not None and affine is not None:
         # saved is (checkpoints,): affine forwards always keep theirs (None for short T)
-        _, sum_g, sum_g_yc, grad_learnable = affine.affine_bptt(
-            neuron.program, y, grad_spikes, saved[0], learnable, list(neuron.constants),
-            neuron.v_init, stats.scale, stats.shift, stats.mean, grad_y=False,
+        _, sums, grad_learnable = affine.affine_bptt(
+            neuron.program, y, grad_spikes, saved[0], learnable, neuron.constants,
+            neuron.v_init, *stats.vectors, grad_y=False,
         )  # fmt: skip
-        return None, sum_g, sum_g_yc * stats.invstd, grad_learnable
+        return None, sums, grad_learnable
     x = _neuron_input(y, stats)
     g, grad_learnable = neuron.input_grad(x, learnable, grad_spikes, saved)
     if stats is None:
-        return g, None, None, grad_learnable
+        return g, None, grad_learnable
     dims = _reduce_dims(y.dim())
-    sum_g = g.sum(dims)
-    xc = y.to(g.dtype) - _per_channel(stats.mean, y.dim())
-    sum_gxhat = xc.mul_(g).sum(dims) * stats.invstd
-    return g, sum_g, sum_gxhat, grad_learnable
+    yc = y.to(g.dtype) - _per_channel(stats.mean, y.dim())
+    return g, torch.stack([g.sum(dims), yc.mul_(g).sum(dims)]), grad_learnable
 
 
 def bn_input_grad(
     g: Tensor | None,
     y: Tensor,
     stats: BNStats,
-    coef_y: Tensor | None,
-    coef_0: Tensor | None,
+    totals: Tensor | None,
+    inv_count: float,
     neuron: NeuronCall,
     learnable: Tensor | None,
     grad_spikes: Tensor,
@@ -209,29 +225,33 @@ def bn_input_grad(
 ) -> Tensor:
     """Backward pass 2 (the paper's Alg. 3): dL/dy in y's dtype.
 
-    dL/dy = g * scale[c] + y * coef_y[c] + coef_0[c] (the last two terms only with batch
-    statistics). Uses pass 1's g when given, overwriting it (so float32 needs no new buffer),
-    else recomputes g from y.
+    dL/dy = g * scale[c], plus with batch statistics (``totals``: pass 1's sums over all
+    processes, times ``inv_count`` their means) the terms coef_y[c] y + coef_0[c] of the
+    module docstring. Uses pass 1's g when given, overwriting it (so float32 needs no new
+    buffer), else recomputes g from y.
     """
     affine = neuron.affine_backend
     if affine is not None:
-        coef = None if coef_y is None else (coef_y, coef_0)
-        grad_y, *_ = affine.affine_bptt(
-            neuron.program, y, grad_spikes, saved[0], learnable, list(neuron.constants),
-            neuron.v_init, stats.scale, stats.shift, None, coef, grad_y=True,
+        grad_y, _, _ = affine.affine_bptt(
+            neuron.program, y, grad_spikes, saved[0], learnable, neuron.constants,
+            neuron.v_init, *stats.vectors, totals, inv_count, grad_y=True,
         )  # fmt: skip
         return grad_y
     if g is None:
         g, _ = neuron.input_grad(_neuron_input(y, stats), learnable, grad_spikes, saved)
-    ndim = y.dim()
-    grad_y = g.mul_(_per_channel(stats.scale, ndim))
-    if coef_y is not None:
+    ndim, scale = y.dim(), stats.scale
+    grad_y = g.mul_(_per_channel(scale, ndim))
+    if totals is not None:  # the kernels' formula (codegen's channel loads), per channel
+        mean_g = totals[0] * inv_count
+        mean_gxhat = totals[1] * stats.invstd * inv_count
+        coef_y = -scale * stats.invstd * mean_gxhat
+        coef_0 = -scale * mean_g - stats.mean * coef_y
         grad_y.addcmul_(y, _per_channel(coef_y, ndim)).add_(_per_channel(coef_0, ndim))
     return grad_y.to(y.dtype)
 
 
 # ---- statistics, synchronised across processes ------------------------------------------------
-def _distributed(group: dist.ProcessGroup | None) -> bool:
+def is_distributed(group: dist.ProcessGroup | None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
@@ -263,7 +283,7 @@ def batch_stats(
         mean = var = y.new_zeros(y.shape[2], dtype=compute_dtype(y.dtype))
     else:
         mean, var = _local_mean_var(y)
-    if not _distributed(group):
+    if not is_distributed(group):
         return mean, var, count
     n = float(count)
     packed = torch.cat(
@@ -283,7 +303,7 @@ def batch_stats(
 
 def all_reduce_sums(sums: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     """Sum a small per-channel tensor over processes, in place (no-op when not distributed)."""
-    if _distributed(group):
+    if is_distributed(group):
         dist.all_reduce(sums, group=group)
     return sums
 
@@ -294,7 +314,8 @@ class BNSpec:
 
     ``batch_stats`` says whether statistics come from the batch (training, or no running
     statistics) or from ``running_mean``/``running_var``; ``momentum`` is the running-average
-    factor of this call (None: do not update the running statistics).
+    factor of this call: a float, a 0-dim tensor (torch's cumulative average, 1 /
+    num_batches_tracked, kept on the device) or None (do not update the running statistics).
     """
 
     weight: Tensor | None
@@ -302,9 +323,32 @@ class BNSpec:
     running_mean: Tensor | None
     running_var: Tensor | None
     batch_stats: bool
-    momentum: float | None
+    momentum: float | Tensor | None
     eps: float
     group: dist.ProcessGroup | None = None
+
+
+# counts tensors for batch_norm_gather_stats_with_counts, by (device, count, dtype)
+_COUNTS: dict[tuple, Tensor] = {}
+
+
+def _count_tensor(count: int, like: Tensor) -> Tensor:
+    key = (like.device, count, like.dtype)
+    counts = _COUNTS.get(key)
+    if counts is None:
+        counts = like.new_full((1,), float(count))
+        # not cached while a CUDA graph is being captured: it would belong to the graph's pool
+        if not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
+            _COUNTS[key] = counts
+    return counts
+
+
+def _check_count(count: int, y: Tensor) -> None:
+    if count <= 1:
+        raise SpikefuseError(
+            f"BatchNorm in training needs more than 1 value per channel, got {count} "
+            f"(input shape {tuple(y.shape)})"
+        )
 
 
 @torch.no_grad()
@@ -312,27 +356,36 @@ def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
     """The per-channel vectors to normalise y with; updates the running statistics in training.
 
     No autograd here: BNNeuronFunction's backward carries the gradient through the statistics.
+    On one CUDA process this is two launches: ``batch_norm_stats`` (Welford, any storage dtype
+    and layout) and, when the running statistics are updated, the running-average update of
+    ``batch_norm_gather_stats_with_counts`` (unbiased variance, torch's BatchNorm formula).
     """
     cd = compute_dtype(y.dtype)
-    if bn.batch_stats:
-        mean, var, count = batch_stats(y, bn.group)
-        if isinstance(count, int) and count <= 1:
-            raise SpikefuseError(
-                f"BatchNorm in training needs more than 1 value per channel, got {count} "
-                f"(input shape {tuple(y.shape)})"
-            )
-        if bn.momentum is not None and bn.running_mean is not None:
-            unbiased = var * (count / (count - 1))
-            bn.running_mean.lerp_(mean.to(bn.running_mean.dtype), bn.momentum)
-            bn.running_var.lerp_(unbiased.to(bn.running_var.dtype), bn.momentum)
-    else:
-        mean, var, count = bn.running_mean.to(cd), bn.running_var.to(cd), 0
-    invstd = torch.rsqrt(var + bn.eps)
-    scale = invstd * bn.weight.to(cd) if bn.weight is not None else invstd
-    shift = -mean * scale
-    if bn.bias is not None:
-        shift += bn.bias.to(cd)
-    return BNStats(mean, invstd, scale, shift, count)
+    weight = None if bn.weight is None else bn.weight.detach().to(cd)
+    bias = None if bn.bias is None else bn.bias.detach().to(cd)
+    if not bn.batch_stats:
+        mean, var = bn.running_mean.to(cd), bn.running_var.to(cd)
+        return BNStats(mean, torch.rsqrt(var + bn.eps), weight, bias, 0)
+    update = bn.momentum is not None and bn.running_mean is not None
+    if y.is_cuda and not isinstance(bn.momentum, Tensor) and not is_distributed(bn.group):
+        count = y.numel() // y.shape[2]
+        _check_count(count, y)
+        flat = y.flatten(0, 1)
+        mean, invstd = torch.batch_norm_stats(flat, bn.eps)
+        if update:
+            torch.batch_norm_gather_stats_with_counts(
+                flat, mean[None], invstd[None], bn.running_mean, bn.running_var, bn.momentum,
+                bn.eps, _count_tensor(count, mean),
+            )  # fmt: skip
+        return BNStats(mean, invstd, weight, bias, count)
+    mean, var, count = batch_stats(y, bn.group)
+    if isinstance(count, int):
+        _check_count(count, y)
+    if update:
+        unbiased = var * (count / (count - 1))
+        bn.running_mean.lerp_(mean.to(bn.running_mean.dtype), bn.momentum)
+        bn.running_var.lerp_(unbiased.to(bn.running_var.dtype), bn.momentum)
+    return BNStats(mean, torch.rsqrt(var + bn.eps), weight, bias, count)
 
 
 class BNNeuronFunction(torch.autograd.Function):
@@ -348,7 +401,7 @@ class BNNeuronFunction(torch.autograd.Function):
     def forward(ctx, y, weight, bias, learnable, stats: BNStats | None, bn: BNSpec | None,
                 neuron: NeuronCall, save: bool = True):  # fmt: skip
         spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, save)
-        vectors = () if stats is None else (stats.mean, stats.invstd, stats.scale, stats.shift)
+        vectors = () if stats is None else stats.vectors
         ctx.save_for_backward(y, learnable, *vectors, *(saved or ()))
         ctx.kept = saved is not None
         ctx.count = None if stats is None else stats.count
@@ -369,26 +422,24 @@ class BNNeuronFunction(torch.autograd.Function):
         saved = tuple(rest) if ctx.kept else None
         bn: BNSpec | None = ctx.bn
         nones = (None,) * 4  # stats, bn, neuron, save
-        g, sum_g, sum_gxhat, grad_learnable = bn_neuron_backward(
+        g, sums, grad_learnable = bn_neuron_backward(
             y, stats, ctx.neuron, learnable, grad_spikes, saved
         )
         grad_learnable = grad_learnable if ctx.needs_input_grad[3] else None
         if stats is None:
             return g.to(y.dtype), None, None, grad_learnable, *nones
         weight_dtype, bias_dtype = ctx.param_dtypes
-        grad_weight = sum_gxhat.to(weight_dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = sum_g.to(bias_dtype) if ctx.needs_input_grad[2] else None
-        coef_y = coef_0 = None
+        grad_weight = (sums[1] * stats.invstd).to(weight_dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = sums[0].to(bias_dtype) if ctx.needs_input_grad[2] else None
+        totals, inv_count = None, 0.0
         if bn.batch_stats:
-            # The mean and variance terms of BN's backward, from the sums over all processes:
-            # dL/dy = scale*g - scale*mean(g) - xhat*scale*mean(g*xhat)
-            #       = scale*g + coef_y*y + coef_0
-            c = stats.scale.numel()
-            totals = all_reduce_sums(torch.cat([sum_g, sum_gxhat]), bn.group)
-            mean_g, mean_gxhat = totals[:c] / stats.count, totals[c:] / stats.count
-            coef_y = -stats.scale * stats.invstd * mean_gxhat
-            coef_0 = -stats.scale * mean_g - stats.mean * coef_y
+            totals, count = sums, stats.count
+            if is_distributed(bn.group):  # the local sums stay the local parameter gradients
+                totals = all_reduce_sums(sums.clone(), bn.group)
+            if isinstance(count, Tensor):  # the count over all processes stays on the device
+                totals, count = totals / count, 1
+            inv_count = 1.0 / count
         grad_y = bn_input_grad(
-            g, y, stats, coef_y, coef_0, ctx.neuron, learnable, grad_spikes, saved
+            g, y, stats, totals, inv_count, ctx.neuron, learnable, grad_spikes, saved
         )
         return grad_y, grad_weight, grad_bias, grad_learnable, *nones

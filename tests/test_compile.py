@@ -1,0 +1,86 @@
+"""torch.compile of whole SpikingJelly-style models: one graph, no graph break, no recompile from
+one training step to the next, the eager results (fused and unfused; aot_eager on the CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from spikefuse import functional, fuse, layer, neuron, surrogate
+
+
+def sj_net() -> nn.Sequential:
+    """Conv-BN-LIF, pooling, Flatten, Linear-BN-LIF, classifier: written the SpikingJelly way."""
+
+    def lif():
+        return neuron.LIFNode(tau=4 / 3, decay_input=False, v_threshold=0.25, v_reset=0.0,
+                              surrogate_function=surrogate.Sigmoid(), step_mode="m")  # fmt: skip
+
+    return nn.Sequential(
+        layer.Conv2d(3, 8, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(8, step_mode="m"), lif(), layer.AvgPool2d(2, step_mode="m"),
+        layer.Conv2d(8, 8, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(8, step_mode="m"), lif(), layer.MaxPool2d(2, step_mode="m"),
+        layer.Flatten(step_mode="m"),
+        layer.Linear(8 * 2 * 2, 16, bias=False, step_mode="m"),
+        layer.BatchNorm1d(16, step_mode="m"), lif(),
+        layer.Linear(16, 10, step_mode="m"),
+    )  # fmt: skip
+
+
+def train_steps(net: nn.Module, steps: int) -> list[torch.Tensor]:
+    """Losses and final gradients of ``steps`` SGD steps on fixed data."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.rand(4, 2, 3, 8, 8, generator=gen)
+    labels = torch.randint(0, 10, (2,), generator=gen)
+    params = [p for p in net.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(net(x).mean(0), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        functional.reset_net(net)
+        losses.append(loss.detach())
+    return losses + [p.grad for p in params]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_model_compiles_to_one_graph_without_recompiles(fused):
+    torch.manual_seed(0)
+    model = sj_net()
+    model = fuse(model) if fused else model
+    eager = copy.deepcopy(model)
+    torch.compiler.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    got = train_steps(compiled, 3)
+    assert counter.frame_count == 1  # one graph for the forward, not recompiled by steps 2, 3
+    want = train_steps(eager, 3)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    torch.compiler.reset()
+
+
+def test_cumulative_average_batchnorm_needs_no_host_sync():
+    """momentum=None (torch's cumulative average): the fused block's factor 1/num_batches_tracked
+    stays a device tensor (CUDA-graph capturable) and gives torch's running statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        layer.Conv2d(3, 4, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(4, momentum=None, step_mode="m"),
+        neuron.LIFNode(step_mode="m"),
+    )
+    fused = fuse(model)
+    for _ in range(3):
+        x = torch.randn(2, 3, 3, 6, 6)
+        model(x), fused(x)
+        functional.reset_net(model)
+    torch.testing.assert_close(fused[0].bn.running_mean, model[1].running_mean)
+    torch.testing.assert_close(fused[0].bn.running_var, model[1].running_var)
+    assert int(fused[0].bn.num_batches_tracked) == 3
