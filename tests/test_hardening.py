@@ -252,6 +252,16 @@ def test_nan_input_under_anomaly_detection_raises():
         node(torch.tensor([[0.0, 0.0]]))  # the NaN now lives in the state
 
 
+def test_fused_block_nan_under_anomaly_detection_raises_before_bn_changes():
+    block = FusedLinearBNNeuron(3, 2, node=paper_lif(backend="torch"))
+    x = torch.rand(2, 4, 3)
+    x[0, 0, 0] = NAN
+    with torch.autograd.detect_anomaly(), pytest.raises(SpikefuseError, match="contains NaN"):
+        block(x)
+    assert block.bn.num_batches_tracked == 0
+    assert block(x).isnan().any()  # without anomaly detection: NaN spikes
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cuda_forward_writes_nan_spike_for_nan_h(dtype):
     source = DefinitionKernel(make("lif").program, dtype, 1).full_codes
