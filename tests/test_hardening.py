@@ -199,10 +199,11 @@ def test_model_deepcopy_and_fuse_after_training_forward_without_reset():
 
 def test_unpickled_program_is_registered_for_the_custom_ops():
     node = make("lif", surrogate_function=sg.ATan(alpha=3.0))
+    node(torch.rand(2, 3))  # builds the program's lambdified torch functions
     clone = pickle.loads(pickle.dumps(node.program))
-    assert clone.key == node.program.key
+    assert clone.key == node.program.key and "torch_functions" not in clone.__dict__
     assert lookup(clone.key).surrogate.alpha == 3.0
-    assert "torch_functions" not in pickle.loads(pickle.dumps(node.program)).__dict__
+    assert torch.equal(clone.torch_functions["charge"](*[torch.ones(())] * 7), torch.tensor(2.0))
 
 
 # ---- 3. NaN and Inf --------------------------------------------------------------------------------
@@ -249,6 +250,16 @@ def test_nan_input_under_anomaly_detection_raises():
     node(torch.tensor([[NAN, 0.0]]))  # without anomaly detection: NaN spikes, no host sync
     with torch.autograd.detect_anomaly(), pytest.raises(SpikefuseError, match="state v"):
         node(torch.tensor([[0.0, 0.0]]))  # the NaN now lives in the state
+
+
+def test_fused_block_nan_under_anomaly_detection_raises_before_bn_changes():
+    block = FusedLinearBNNeuron(3, 2, node=paper_lif(backend="torch"))
+    x = torch.rand(2, 4, 3)
+    x[0, 0, 0] = NAN
+    with torch.autograd.detect_anomaly(), pytest.raises(SpikefuseError, match="contains NaN"):
+        block(x)
+    assert block.bn.num_batches_tracked == 0
+    assert block(x).isnan().any()  # without anomaly detection: NaN spikes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -334,8 +345,7 @@ def test_v_seq_cleared_when_switching_to_single_step():
     functional.reset_net(node)
     node.step_mode = "m"
     node(torch.rand(3, 2))
-    node.v_seq = node.v_seq  # still a plain memory
-    node.__dict__["_step_mode"] = "s"  # even if the mode is switched behind the setter's back
+    node.__dict__["_step_mode"] = "s"  # a single-step forward clears it by itself, too
     node(torch.rand(2))
     assert node.v_seq is None
 
@@ -468,12 +478,12 @@ def test_hyperparameter_change_after_use_takes_effect(cls):
 
 
 def test_shipped_program_registry_is_not_mutated_by_later_changes():
-    s = sg.Sigmoid(alpha=4.0)
+    s = sg.Sigmoid(alpha=4.321)  # a value no other test uses: this program registers the key
     program = NeuronProgram(defs.LIF, s, True, False)
     registered = lookup(program.key)
     assert registered.surrogate is not s
     s.alpha = 1.5
-    assert registered.surrogate.alpha == 4.0
+    assert registered.surrogate.alpha == 4.321
 
 
 # ---- 8. a failing fused block changes no state ------------------------------------------------------

@@ -186,10 +186,10 @@ class _AlphaSurrogate(Surrogate):
         return {"alpha": self.alpha}
 
     def check_hyperparameters(self, values: dict[str, float]) -> None:
-        alpha = values["alpha"]
-        if not (is_finite_real(alpha) and alpha > 0):
+        super().check_hyperparameters(values)
+        if not values["alpha"] > 0:
             raise SpikefuseError(
-                f"{type(self).__name__}: alpha must be finite and > 0, got {alpha!r}"
+                f"{type(self).__name__}: alpha must be finite and > 0, got {values['alpha']!r}"
             )
 
     def set_spiking_mode(self, spiking: bool) -> None:
@@ -327,8 +327,9 @@ class RectWindow(Surrogate):
         return {"eta": self.eta, "th_l": self.th_l, "th_r": self.th_r}
 
     def check_hyperparameters(self, values: dict[str, float]) -> None:
+        super().check_hyperparameters(values)
         eta, th_l, th_r = values["eta"], values["th_l"], values["th_r"]
-        if not (all(map(is_finite_real, values.values())) and eta > 0 and th_l < th_r):
+        if not (eta > 0 and th_l < th_r):
             raise SpikefuseError(
                 f"RectWindow: need finite eta > 0 and th_l < th_r, got eta={eta!r}, th_l={th_l!r}, "
                 f"th_r={th_r!r}"

@@ -195,6 +195,8 @@ class FusedBlock(nn.Module):
             return self._traced_forward(x)
         y = self._synapse_forward(x)
         neuron = NeuronCall.from_node(self.node, y)  # may raise: before BN's state changes
+        if torch.is_anomaly_enabled():  # the node's NaN check (a host sync: anomaly mode only)
+            self.node._check_no_nan(y, None)
         learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
         bn = self._bn_spec()
         weight = bn.weight if bn is not None else None
