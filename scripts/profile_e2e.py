@@ -2,15 +2,21 @@
 
     python scripts/profile_e2e.py [--model medium] [--variants fused] [--dtypes fp32 bf16]
     python scripts/profile_e2e.py --memory      # the largest live allocations at the peak
+    python scripts/profile_e2e.py --host        # where the host's Python time goes (cProfile)
 
 Per variant and dtype: ms/step and peak MiB as the benchmark measures them, then either the
 torch.profiler table of the kernels of 3 iterations (sorted by GPU time) or, with ``--memory``,
-the allocations alive at the traced peak of one iteration and the code that made them.
+the allocations alive at the traced peak of one iteration and the code that made them, or with
+``--host`` the Python functions that take the host's time (cProfile over 20 steps, by own time),
+with the number of kernel launches per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -46,6 +52,24 @@ def peak_allocations(step, top: int = 14) -> None:
         print(f"  {e['size'] / MIB:8.1f} MiB  {where}")
 
 
+def host_profile(step, rows: int) -> None:
+    """cProfile of 20 steps (the host's Python time by function) and kernel launches per step."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    print(text.getvalue())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    print(f"  CUDA kernels (and copies) per step: {kernels}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="medium", choices=sorted(e2e.MODELS))
@@ -53,6 +77,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(e2e.DTYPES))
     parser.add_argument("--rows", type=int, default=25, help="kernel table rows")
     parser.add_argument("--memory", action="store_true", help="live allocations at the peak")
+    parser.add_argument("--host", action="store_true", help="host Python time (cProfile)")
     args = parser.parse_args()
     device = torch.device("cuda")
     for dtype in args.dtypes:
@@ -69,6 +94,8 @@ def main() -> None:
             )
             if args.memory:
                 peak_allocations(step)
+            elif args.host:
+                host_profile(step, args.rows)
             else:
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
