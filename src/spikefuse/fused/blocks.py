@@ -225,7 +225,10 @@ class FusedBlock(nn.Module):
                 "FusedBlock: under torch.compile the fused BatchNorm is not synchronised across "
                 "processes; run the fused model eagerly (or CUDA-graph it) under torch.distributed"
             )
-        y = self._kind.forward(self.synapse, x.flatten(0, 1))
+        merged = x.flatten(0, 1)
+        if self._kind is nn.Conv2d and merged.is_cuda:  # as in eager: the same cuDNN kernels
+            merged = merged.contiguous(memory_format=torch.channels_last)
+        y = self._kind.forward(self.synapse, merged)
         if self.bn is not None:  # torch's own BatchNorm on the merged [T*B, C, *] batch
             y = _BatchNorm.forward(self.bn, y)
         y = y.unflatten(0, x.shape[:2])
