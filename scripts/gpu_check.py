@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import math
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,9 @@ NODES = {
     "PLIF(decay_input=False)": lambda **k: neuron.ParametricLIFNode(decay_input=False, **k),
     "QIF": lambda **k: neuron.QIFNode(**k),
     "EIF": lambda **k: neuron.EIFNode(**k),
-    "Izhikevich": lambda **k: neuron.IzhikevichNode(b=0.2, **k),
+    # a = 1: the adaptation keeps soft-reset trajectories bounded over the checked steps (with
+    # SpikingJelly's default a = 0 they reach inf, which tests float16's range, not the kernels)
+    "Izhikevich": lambda **k: neuron.IzhikevichNode(a=1.0, b=0.2, **k),
 }
 SHAPES = [  # (T, state shape, non-contiguous input, tensor initial state, store_v_seq)
     (1, (1,), False, True, False),
@@ -53,9 +56,24 @@ SHAPES = [  # (T, state shape, non-contiguous input, tensor initial state, store
 ]
 
 
+def differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where a and b differ, NaN counting as equal to NaN (the NaN policy: a diverged neuron
+    gives NaN spikes in both backends)."""
+    a, b = a.float(), b.float()
+    return (a != b) & ~(a.isnan() & b.isnan())
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b| over the elements finite in both; inf unless the non-finite
+    elements (NaN, ±inf) are the same in both, so a NaN never passes as a small error."""
     a, b = a.double(), b.double()
-    scale = b.abs().max().item() if b.numel() else 0.0
+    finite = a.isfinite() & b.isfinite()
+    if differ(a[~finite], b[~finite]).any():
+        return math.inf
+    a, b = a[finite], b[finite]
+    if not b.numel():
+        return 0.0
+    scale = b.abs().max().item()
     return (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()
 
 
@@ -113,7 +131,7 @@ def check_variant(name, make, sur_cls, dtype, hard, detach, gen) -> tuple[bool, 
         got = run(mk, "cuda", x, v0, w0, store, grads)
         ref = run(mk, "torch", x.float(), v0, w0, store, grads)
         value_tol, grad_tol = TOLERANCE[dtype]
-        mismatch = (got["spikes"].float() != ref["spikes"]).float().mean().item()
+        mismatch = differ(got["spikes"], ref["spikes"]).float().mean().item()
         worst["spike_mismatch"] = max(worst["spike_mismatch"], mismatch)
         if (dtype == torch.float32 and mismatch > 0) or mismatch > 0.01:
             problems.append(f"T={T} shape={shape}: spike mismatch {mismatch:.4f}")
@@ -242,8 +260,8 @@ def check_affine_kernels(log, nodes) -> bool:
             )
             if got["spikes"].stride() != y.stride():
                 failures.append(f"{label}: spikes strides {got['spikes'].stride()} != y's")
-            if not torch.equal(got["spikes"].float(), ref["spikes"].float()):
-                n = (got["spikes"].float() != ref["spikes"].float()).sum().item()
+            n = differ(got["spikes"], ref["spikes"]).sum().item()
+            if n:
                 failures.append(f"{label}: {n} spikes differ")
                 continue
             for key in ref:
@@ -319,6 +337,40 @@ def _check_fused_blocks(log, T: int) -> bool:
         "(reported, not checked: bf16 flips spikes near threshold)"
     )
     return ok
+
+
+def check_nan_policy(log) -> bool:
+    """NaN and ±inf inputs give the same spikes, V and gradients on both backends (NaN spikes
+    where H is NaN, V stays NaN; +inf fires and resets), every dtype, hard and soft reset."""
+    failures = []
+    for name, dtype, hard in itertools.product(
+        ("LIF", "EIF", "Izhikevich"), (torch.float32, torch.float16, torch.bfloat16), (True, False)
+    ):
+        x = torch.rand(6, 3, 40, device="cuda") + 0.3
+        x[1, 0, :5] = float("nan")
+        x[2, 1, :5] = float("inf")
+        x[3, 2, :5] = float("-inf")
+        x = x.to(dtype)
+        results = {}
+        for backend in ("cuda", "torch"):
+            node = NODES[name](step_mode="m", backend=backend, v_reset=0.0 if hard else None)
+            xs = (x if backend == "cuda" else x.float()).clone().requires_grad_()
+            spikes = node(xs)
+            spikes.float().nan_to_num(0.0).sum().backward()
+            results[backend] = (spikes.detach(), node.v.detach(), xs.grad)
+        (s_cuda, v_cuda, g_cuda), (s_ref, v_ref, g_ref) = results["cuda"], results["torch"]
+        label = f"{name} {str(dtype)[6:]} {'hard' if hard else 'soft'}"
+        if differ(s_cuda, s_ref).any() or differ(v_cuda, v_ref).any():
+            failures.append(f"{label}: spikes or V differ")
+        if not s_cuda[1, 0, :5].isnan().all():
+            failures.append(f"{label}: NaN input did not give NaN spikes")
+        if differ(g_cuda.float().isnan(), g_ref.float().isnan()).any():
+            failures.append(f"{label}: NaN gradients in different places")
+    for f in failures[:10]:
+        log(f"FAIL NaN policy {f}")
+    log(f"NaN/Inf policy, cuda vs torch backend (spikes, V, where gradients are NaN): "
+        f"{'PASS' if not failures else f'FAIL ({len(failures)})'}")  # fmt: skip
+    return not failures
 
 
 def _sj_small(backend: str = "cuda") -> nn.Module:
@@ -404,7 +456,10 @@ def check_graphs_and_compile(log) -> bool:
                 got = {"loss": loss_c.detach(),
                        **{n: p.grad for n, p in compiled_model.named_parameters()}}  # fmt: skip
                 err = max(rel_err(got[k], w) for k, w in want.items())
-                checked = backend == "aot_eager"
+                # aot_eager runs the same kernels: checked in fp32. In bf16 the compiled BatchNorm
+                # rounds differently from the folded one, which flips spikes (as fused vs
+                # unfused bf16): reported; inductor generates its own kernels: reported.
+                checked = backend == "aot_eager" and not amp
                 good = err <= 1e-5 or not checked
                 verdict = ("PASS" if good else "FAIL") if checked else "reported"
                 log(f"torch.compile(fullgraph=True, backend={backend}), {name}: vs eager worst "
@@ -484,7 +539,7 @@ def main() -> int:
     report_registers(log)
     extra_ok = (check_device_placement(log) & check_determinism(log)
                 & check_affine_kernels(log, nodes) & check_fused_blocks(log)
-                & check_graphs_and_compile(log))  # fmt: skip
+                & check_nan_policy(log) & check_graphs_and_compile(log))  # fmt: skip
     log(f"GPU check on {torch.cuda.get_device_name(0)}: {passed} variants passed, {failed} failed "
         f"({len(SHAPES)} shapes each), extra checks {'PASS' if extra_ok else 'FAIL'}, "
         f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
