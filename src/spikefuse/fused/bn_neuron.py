@@ -64,7 +64,8 @@ class NeuronCall:
             )
         v_init = 0.0 if node.v_reset is None else float(node.v_reset)
         backend = node.resolve_backend(x)
-        return cls(node.program, backend, tuple(node.constants()), v_init)
+        # the node validates its constants on assignment and caches them
+        return cls(node.program, backend, tuple(node._constants or node.constants()), v_init)
 
     @property
     def affine_backend(self):
