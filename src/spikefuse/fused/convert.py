@@ -203,15 +203,6 @@ def _node_problem(node: BaseNode) -> str | None:
     return None
 
 
-def _describe(user: fx.Node) -> str:
-    if user.op == "call_module":
-        return f"'{user.target}'"
-    if user.op == "output":
-        return "the forward's return value"
-    name = getattr(user.target, "__name__", str(user.target))
-    return f"{name}()" if user.op == "call_function" else f".{name}()"
-
-
 def _sole_user(node: fx.Node) -> fx.Node | None:
     """The one call_module that takes ``node``'s output as its only argument, if that is the
     output's only use."""
@@ -242,7 +233,9 @@ class _Findings:
     pools: set[str] = field(default_factory=set)
 
 
-def _examine(graph: fx.Graph, root: nn.Module) -> _Findings:
+def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
+    """Chains (names relative to ``root``) and skipped candidates (names from the model, the
+    root being at ``path``) of one graph of ``root``'s forward."""
     modules = dict(root.named_modules())
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
     attribute_reads = [n.target for n in graph.nodes if n.op == "get_attr"]
@@ -251,18 +244,30 @@ def _examine(graph: fx.Graph, root: nn.Module) -> _Findings:
         names_of[id(module)].append(name)
     found = _Findings()
 
+    def full(name: str) -> str:
+        return _join(path, name)
+
     def shared(name: str) -> str | None:
         module = modules[name]
         if calls[name] > 1:
-            return f"'{name}' is called {calls[name]} times in the forward"
+            return f"'{full(name)}' is called {calls[name]} times in the forward"
         if len(names_of[id(module)]) > 1:
-            return f"'{name}' is registered under several names {names_of[id(module)]}"
+            aliases = [full(n) for n in names_of[id(module)]]
+            return f"'{full(name)}' is registered under several names {aliases}"
         read = next((a for a in attribute_reads if a.startswith(name + ".")), None)
         if read is not None:
-            return f"the forward reads '{read}' directly"
+            return f"the forward reads '{full(read)}' directly"
         if module._forward_hooks or module._forward_pre_hooks:
-            return f"'{name}' has forward hooks, which fusing would bypass"
+            return f"'{full(name)}' has forward hooks, which fusing would bypass"
         return None
+
+    def describe(user: fx.Node) -> str:
+        if user.op == "call_module":
+            return f"'{full(user.target)}'"
+        if user.op == "output":
+            return "the forward's return value" if not path else f"the return value of '{path}'"
+        name = getattr(user.target, "__name__", str(user.target))
+        return f"{name}()" if user.op == "call_function" else f".{name}()"
 
     for call in graph.nodes:
         if call.op != "call_module":
@@ -270,8 +275,8 @@ def _examine(graph: fx.Graph, root: nn.Module) -> _Findings:
         module = modules[call.target]
         if _as_pool(module) is not None:
             found.pools.add(call.target)
-        if not _is_synapse_like(module):
-            continue
+        if not _is_synapse_like(module) or call.target in found.chains | found.skipped:
+            continue  # a module called again is reported once (as called several times)
         chain_nodes, last, bn_call = [call], call, None
         inside = type(module) is layer.SeqToANNContainer and len(module) == 2
         nxt = _sole_user(last)
@@ -279,18 +284,18 @@ def _examine(graph: fx.Graph, root: nn.Module) -> _Findings:
             bn_call, last = nxt, nxt
             chain_nodes.append(nxt)
             nxt = _sole_user(last)
-        names = tuple(n.target for n in chain_nodes)
+        names = tuple(full(n.target) for n in chain_nodes)
         if nxt is None or not isinstance(modules[nxt.target], BaseNode):
             users = list(last.users)
-            where = ", ".join(_describe(u) for u in users) or "nothing"
-            reason = f"the output of '{last.target}' goes to {where}"
+            where = ", ".join(describe(u) for u in users) or "nothing"
+            reason = f"the output of '{full(last.target)}' goes to {where}"
             reaches = any(
                 u.op == "call_module" and isinstance(modules[u.target], BaseNode) for u in users
             )
             found.skipped[call.target] = SkippedCandidate(names, reason, reaches)
             continue
         chain_nodes.append(nxt)
-        names = tuple(n.target for n in chain_nodes)
+        names = tuple(full(n.target) for n in chain_nodes)
         reason = None
         synapse_bn = _as_synapse_bn(module)
         if synapse_bn is None:
@@ -299,7 +304,8 @@ def _examine(graph: fx.Graph, root: nn.Module) -> _Findings:
             reason = _bn_problem(modules[bn_call.target], synapse_bn[0])
         else:
             reason = _node_problem(modules[nxt.target])
-        reason = reason or next(filter(None, map(shared, names)), None)
+        targets = [n.target for n in chain_nodes]
+        reason = reason or next(filter(None, map(shared, targets)), None)
         if reason is not None:
             found.skipped[call.target] = SkippedCandidate(names, reason, True)
             continue
@@ -308,7 +314,7 @@ def _examine(graph: fx.Graph, root: nn.Module) -> _Findings:
     return found
 
 
-def _merge(train: _Findings, evaluation: _Findings) -> _Findings:
+def _merge(train: _Findings, evaluation: _Findings, path: str) -> _Findings:
     """Fuse only what both modes agree on: a patch must hold for either mode of the forward."""
     merged = _Findings(pools=train.pools | evaluation.pools)
     for name in dict.fromkeys([*train.chains, *train.skipped, *evaluation.chains,
@@ -319,7 +325,7 @@ def _merge(train: _Findings, evaluation: _Findings) -> _Findings:
         elif name in train.skipped or name in evaluation.skipped:
             merged.skipped[name] = train.skipped.get(name) or evaluation.skipped[name]
         else:
-            names = (chain or other).names
+            names = tuple(_join(path, n) for n in (chain or other).names)
             reason = "the forward calls these modules differently in training and eval mode"
             merged.skipped[name] = SkippedCandidate(names, reason, True)
     return merged
@@ -496,8 +502,8 @@ class _Fuser:
                 return
         else:
             self.report.traced.append(_display(path))
-        findings = [_examine(graph, module) for graph in graphs]
-        merged = findings[0] if len(findings) == 1 else _merge(*findings)
+        findings = [_examine(graph, module, path) for graph in graphs]
+        merged = findings[0] if len(findings) == 1 else _merge(*findings, path)
         self._apply(module, path, merged)
 
     def _unknown_children(self, module: nn.Module, path: str) -> None:
@@ -514,9 +520,7 @@ class _Fuser:
             _replace(root, chain, self.process_group)
             names = tuple(_join(path, n) for n in chain.names)
             self.report.fused.append(FusedChain(names[0], names))
-        for skipped in findings.skipped.values():
-            names = tuple(_join(path, n) for n in skipped.modules)
-            self.report.skipped.append(SkippedCandidate(names, skipped.reason, skipped.is_chain))
+        self.report.skipped.extend(findings.skipped.values())
 
 
 def fuse(
