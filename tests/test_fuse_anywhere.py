@@ -366,3 +366,26 @@ def test_inplace_and_leaf_models():
     assert not report.fused and not report.skipped and report.fused_fraction == 1.0
     single, report = fuse(conv(), return_report=True)
     assert isinstance(single, layer.Conv2d) and not report.traced
+
+
+def test_a_chain_in_one_mode_only_is_not_fused():
+    class TrainOnlyNeuron(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.sn = conv(3, C), bn(), lif()
+
+        def forward(self, x):
+            x = self.bn(self.conv(x))
+            return self.sn(x) if self.training else x
+
+    model = TrainOnlyNeuron()
+    fused, report = fuse(model, return_report=True)
+    assert not report.fused and report.skipped[0].is_chain
+    assert report.skipped[0].reason == (
+        "the forward calls these modules differently in training and eval mode "
+        "(in eval mode: the output of 'bn' goes to the forward's return value)"
+    )
+    assert model.training  # the training flags are restored after tracing
+    model.eval()
+    fuse(model)
+    assert not model.training and not model.bn.training

@@ -322,11 +322,15 @@ def _merge(train: _Findings, evaluation: _Findings, path: str) -> _Findings:
         chain, other = train.chains.get(name), evaluation.chains.get(name)
         if chain is not None and chain == other:
             merged.chains[name] = chain
-        elif name in train.skipped or name in evaluation.skipped:
+        elif chain is None and other is None:
             merged.skipped[name] = train.skipped.get(name) or evaluation.skipped[name]
         else:
             names = tuple(_join(path, n) for n in (chain or other).names)
             reason = "the forward calls these modules differently in training and eval mode"
+            unfusable = train.skipped.get(name) or evaluation.skipped.get(name)
+            if unfusable is not None:
+                mode = "training" if name in train.skipped else "eval"
+                reason += f" (in {mode} mode: {unfusable.reason})"
             merged.skipped[name] = SkippedCandidate(names, reason, True)
     return merged
 
