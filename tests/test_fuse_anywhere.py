@@ -297,7 +297,9 @@ def test_chains_that_must_not_be_fused():
     reasons = {s.modules[0]: s.reason for s in report.skipped}
     assert reasons["a"] == "'a' is called 2 times in the forward"
     assert reasons["b"] == "the output of 'b_bn' goes to 'b_sn', add()"
-    assert reasons["c"] == "the forward calls these modules differently in training and eval mode"
+    assert reasons["c"] == (
+        "the forward calls these modules differently in training mode and in eval mode"
+    )
     assert reasons["d"] == "the forward reads 'd.weight' directly"
     assert reasons["e"] == "'e_bn' has forward hooks, which fusing would bypass"
     assert all(s.is_chain for s in report.skipped)
@@ -382,10 +384,34 @@ def test_a_chain_in_one_mode_only_is_not_fused():
     fused, report = fuse(model, return_report=True)
     assert not report.fused and report.skipped[0].is_chain
     assert report.skipped[0].reason == (
-        "the forward calls these modules differently in training and eval mode "
-        "(in eval mode: the output of 'bn' goes to the forward's return value)"
+        "the forward calls these modules differently in training mode and in eval mode "
+        "(the output of 'bn' goes to the forward's return value)"
     )
     assert model.training  # the training flags are restored after tracing
     model.eval()
     fuse(model)
     assert not model.training and not model.bn.training
+
+
+def test_optional_forward_arguments_are_traced_both_ways():
+    class Optional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.sn = conv(3, C), bn(), lif()
+            self.conv2, self.bn2, self.sn2 = conv(), bn(), lif()
+
+        def forward(self, x, skip=None):
+            x = self.sn(self.bn(self.conv(x)))  # the same either way: fused
+            y = self.bn2(self.conv2(x))
+            return self.sn2(y) if skip is not None else y + x
+
+    torch.manual_seed(0)
+    model = randomized(Optional())
+    fused, report = fuse(model, return_report=True)
+    assert [c.modules for c in report.fused] == [("conv", "bn", "sn")]
+    assert report.skipped[0].reason == (
+        "the forward calls these modules differently in training mode and in training mode "
+        "with default arguments (the output of 'bn2' goes to add())"
+    )
+    x = torch.rand(T, B, 3, 4, 4, dtype=torch.float64) * 2
+    assert_equivalent(model, fused, x)

@@ -21,6 +21,7 @@ the containers or custom ``forward`` methods, and replaces each by a :class:`Fus
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -314,24 +315,27 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
     return found
 
 
-def _merge(train: _Findings, evaluation: _Findings, path: str) -> _Findings:
-    """Fuse only what both modes agree on: a patch must hold for either mode of the forward."""
-    merged = _Findings(pools=train.pools | evaluation.pools)
-    for name in dict.fromkeys([*train.chains, *train.skipped, *evaluation.chains,
-                               *evaluation.skipped]):  # fmt: skip
-        chain, other = train.chains.get(name), evaluation.chains.get(name)
-        if chain is not None and chain == other:
-            merged.chains[name] = chain
-        elif chain is None and other is None:
-            merged.skipped[name] = train.skipped.get(name) or evaluation.skipped[name]
-        else:
-            names = tuple(_join(path, n) for n in (chain or other).names)
-            reason = "the forward calls these modules differently in training and eval mode"
-            unfusable = train.skipped.get(name) or evaluation.skipped.get(name)
-            if unfusable is not None:
-                mode = "training" if name in train.skipped else "eval"
-                reason += f" (in {mode} mode: {unfusable.reason})"
-            merged.skipped[name] = SkippedCandidate(names, reason, True)
+def _merge(findings: list[tuple[str, _Findings]], path: str) -> _Findings:
+    """Fuse only what every traced variant agrees on (training and eval mode, and the root's
+    optional arguments given or left at their defaults): the patch must hold for each."""
+    merged = _Findings(pools=set().union(*(f.pools for _, f in findings)))
+    names = dict.fromkeys(n for _, f in findings for n in (*f.chains, *f.skipped))
+    for name in names:
+        chains = [(label, f.chains.get(name)) for label, f in findings]
+        first = chains[0][1]
+        if first is not None and all(chain == first for _, chain in chains):
+            merged.chains[name] = first
+            continue
+        if all(chain is None for _, chain in chains):
+            merged.skipped[name] = next(f.skipped[name] for _, f in findings if name in f.skipped)
+            continue
+        label, chain = next((label, chain) for label, chain in chains if chain is not None)
+        odd_label, odd = next((lb, f) for lb, f in findings if f.chains.get(name) != chain)
+        reason = f"the forward calls these modules differently in {label} and in {odd_label}"
+        if name in odd.skipped:
+            reason += f" ({odd.skipped[name].reason})"
+        names_in_chain = tuple(_join(path, n) for n in chain.names)
+        merged.skipped[name] = SkippedCandidate(names_in_chain, reason, True)
     return merged
 
 
@@ -354,15 +358,23 @@ class _Tracer(fx.Tracer):
         return isinstance(m, _LEAVES) or super().is_leaf_module(m, module_qualified_name)
 
 
-def _trace(module: nn.Module) -> list[fx.Graph]:
-    """The forward's graph in training and in eval mode (``training`` flags are restored)."""
+def _trace(module: nn.Module) -> list[tuple[str, fx.Graph]]:
+    """The forward's graphs in training and in eval mode (``training`` flags are restored),
+    each also with the forward's optional arguments at their defaults if it has any (traced
+    symbolically, ``if mask is not None`` takes the branch of a given mask)."""
+    parameters = inspect.signature(module.forward).parameters.values()
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
     modes = [(m, m.training) for m in module.modules()]
     graphs = []
     try:
         for training in (True, False):
             for m, _ in modes:
                 m.training = training
-            graphs.append(_Tracer().trace(module))
+            mode = "training mode" if training else "eval mode"
+            graphs.append((mode, _Tracer().trace(module)))
+            if defaults:
+                graph = _Tracer().trace(module, concrete_args=defaults)
+                graphs.append((f"{mode} with default arguments", graph))
     finally:
         for m, mode in modes:
             m.training = mode
@@ -500,14 +512,14 @@ class _Fuser:
             for name, child in list(module.named_children()):
                 self.convert(child, _join(path, name))
             if type(module) is nn.Sequential:
-                graphs = [_sequential_graph(module)]
+                graphs = [("the forward", _sequential_graph(module))]
             else:
                 self._unknown_children(module, path)
                 return
         else:
             self.report.traced.append(_display(path))
-        findings = [_examine(graph, module, path) for graph in graphs]
-        merged = findings[0] if len(findings) == 1 else _merge(*findings, path)
+        findings = [(label, _examine(graph, module, path)) for label, graph in graphs]
+        merged = _merge(findings, path)
         self._apply(module, path, merged)
 
     def _unknown_children(self, module: nn.Module, path: str) -> None:
