@@ -231,7 +231,7 @@ class _Chain:
 class _Findings:
     chains: dict[str, _Chain] = field(default_factory=dict)  # by synapse name
     skipped: dict[str, SkippedCandidate] = field(default_factory=dict)
-    pools: set[str] = field(default_factory=set)
+    pools: dict[str, None] = field(default_factory=dict)  # an ordered set, in call order
 
 
 def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
@@ -275,7 +275,7 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
             continue
         module = modules[call.target]
         if _as_pool(module) is not None:
-            found.pools.add(call.target)
+            found.pools[call.target] = None
         if not _is_synapse_like(module) or call.target in found.chains | found.skipped:
             continue  # a module called again is reported once (as called several times)
         chain_nodes, last, bn_call = [call], call, None
@@ -318,7 +318,7 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
 def _merge(findings: list[tuple[str, _Findings]], path: str) -> _Findings:
     """Fuse only what every traced variant agrees on (training and eval mode, and the root's
     optional arguments given or left at their defaults): the patch must hold for each."""
-    merged = _Findings(pools=set().union(*(f.pools for _, f in findings)))
+    merged = _Findings(pools=dict.fromkeys(p for _, f in findings for p in f.pools))
     names = dict.fromkeys(n for _, f in findings for n in (*f.chains, *f.skipped))
     for name in names:
         chains = [(label, f.chains.get(name)) for label, f in findings]
@@ -529,7 +529,7 @@ class _Fuser:
                 self.report.skipped.append(SkippedCandidate((_join(path, name),), reason, None))
 
     def _apply(self, root: nn.Module, path: str, findings: _Findings) -> None:
-        for name in sorted(findings.pools):
+        for name in findings.pools:
             _set_submodule(root, name, SpikePool(_as_pool(root.get_submodule(name))))
             self.report.pools.append(_join(path, name))
         for chain in findings.chains.values():
