@@ -4,8 +4,9 @@
 the containers or custom ``forward`` methods, and replaces each by a :class:`FusedBlock`:
 
 1. The forward of the model is traced with ``torch.fx`` (spikefuse neurons and layers, torch
-   layers, :class:`FusedBlock` and :class:`SpikePool` are leaves), once in training and once in
-   eval mode. A chain is a call of a synapse whose output is used only by a BatchNorm call
+   layers, :class:`FusedBlock` and :class:`SpikePool` are leaves), in training and in eval
+   mode, and if the forward has optional arguments, also with them at their defaults; only
+   chains that every variant agrees on are fused. A chain is a call of a synapse whose output is used only by a BatchNorm call
    whose output is used only by a neuron call (or the synapse directly followed by the neuron).
 2. The traced graph is only evidence: the model is patched in place, keeping the user's
    classes. The synapse's attribute becomes the FusedBlock (which holds the original synapse,
@@ -364,11 +365,11 @@ def _trace(module: nn.Module) -> list[tuple[str, fx.Graph]]:
     symbolically, ``if mask is not None`` takes the branch of a given mask)."""
     parameters = inspect.signature(module.forward).parameters.values()
     defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
-    modes = [(m, m.training) for m in module.modules()]
+    flags = [(m, m.training) for m in module.modules()]
     graphs = []
     try:
         for training in (True, False):
-            for m, _ in modes:
+            for m, _ in flags:
                 m.training = training
             mode = "training mode" if training else "eval mode"
             graphs.append((mode, _Tracer().trace(module)))
@@ -376,8 +377,8 @@ def _trace(module: nn.Module) -> list[tuple[str, fx.Graph]]:
                 graph = _Tracer().trace(module, concrete_args=defaults)
                 graphs.append((f"{mode} with default arguments", graph))
     finally:
-        for m, mode in modes:
-            m.training = mode
+        for m, was_training in flags:
+            m.training = was_training
     return graphs
 
 
@@ -558,8 +559,10 @@ def fuse(
     * a one-state spikefuse neuron with ``step_mode='m'`` and ``store_v_seq=False``
       (the BatchNorm may be absent).
 
-    Each module of a chain must be called once per forward, in both training and eval mode, be
-    registered under one name and have no forward hooks. Everything else (residual additions,
+    Each module of a chain must be called once per forward, the same way in training and eval
+    mode and with the forward's optional arguments given or left at their defaults, be
+    registered under one name, not be read as an attribute by the forward
+    (``self.conv1.weight``) and have no forward hooks. Everything else (residual additions,
     SEW connect functions, Conv → BN downsample branches, Dropout between layers, ...) stays as
     it is. Multi-step ``AvgPool2d``/``MaxPool2d`` layers become :class:`SpikePool` (same result;
     on fused-block spikes they save their input at 1 bit per spike). Where a forward cannot be
@@ -584,7 +587,10 @@ def fuse(
     for name, flag in (("inplace", inplace), ("return_report", return_report)):
         if not isinstance(flag, bool):
             raise TypeError(f"fuse: {name} must be a bool, got {type(flag).__name__}")
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+    group_type = getattr(dist, "ProcessGroup", None)  # absent where torch lacks distributed
+    if process_group is not None and (
+        group_type is None or not isinstance(process_group, group_type)
+    ):
         raise TypeError(
             "fuse: process_group must be a torch.distributed.ProcessGroup or None, got "
             f"{type(process_group).__name__}"
