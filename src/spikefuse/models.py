@@ -259,8 +259,8 @@ class BasicBlock(nn.Module):
         self.sn1 = _neuron(spiking_neuron, kwargs)
         self.conv2 = _conv3x3(planes, planes, 1, mode)
         self.bn2 = norm_layer(planes, step_mode=mode)
-        self.downsample = downsample
         self.sn2 = _neuron(spiking_neuron, kwargs)
+        self.downsample = downsample
         self.stride = stride
 
     def forward(self, x: Tensor) -> Tensor:
