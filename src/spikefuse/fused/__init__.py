@@ -18,16 +18,19 @@ from .blocks import (
     FusedLinearBNNeuron,
     SpikePool,
     WindowAvgPool,
-    fuse,
     paper_lif,
 )
 from .bn_neuron import BNNeuronFunction, bn_input_grad, bn_neuron_backward, bn_neuron_forward
+from .convert import FusedChain, FuseReport, SkippedCandidate, fuse
 
 __all__ = [
     "BNNeuronFunction",
+    "FuseReport",
     "FusedBlock",
+    "FusedChain",
     "FusedConvBNNeuron",
     "FusedLinearBNNeuron",
+    "SkippedCandidate",
     "SpikePool",
     "WindowAvgPool",
     "bn_input_grad",

@@ -1,0 +1,615 @@
+"""Converting existing models: :func:`fuse` and the report it gives.
+
+``fuse`` finds every ``Conv/Linear → [BatchNorm] → neuron`` chain in a model's data flow, whatever
+the containers or custom ``forward`` methods, and replaces each by a :class:`FusedBlock`:
+
+1. The forward of the model is traced with ``torch.fx`` (spikefuse neurons and layers, torch
+   layers, :class:`FusedBlock` and :class:`SpikePool` are leaves), in training and in eval
+   mode, and if the forward has optional arguments, also with them at their defaults; only
+   chains that every variant agrees on are fused. A chain is a call of a synapse whose output is used only by a BatchNorm call
+   whose output is used only by a neuron call (or the synapse directly followed by the neuron).
+2. The traced graph is only evidence: the model is patched in place, keeping the user's
+   classes. The synapse's attribute becomes the FusedBlock (which holds the original synapse,
+   BatchNorm and neuron), the BatchNorm's and neuron's attributes become ``nn.Identity``; the
+   forward still calls all three, which together compute what the chain did.
+3. Where tracing fails (data-dependent control flow, ...), each child is tried on its own and
+   an ``nn.Sequential``'s children are searched in order (its forward is known).
+4. State dict hooks on the module holding each chain save the chain's parameters and buffers
+   under the unfused model's keys and load either naming, so ``state_dict``s of fused and
+   unfused models load into each other with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import fx, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .. import layer
+from ..neuron import BaseNode, MemoryModule
+from .blocks import _BN_FOR, _EXACT, POOLS, SYNAPSES, FusedBlock, SpikePool, _synapse_kind
+
+log = logging.getLogger("spikefuse.fuse")
+MODEL = "<model>"  # how reports name the model itself
+
+
+# ---- the report -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FusedChain:
+    """A chain replaced by a FusedBlock.
+
+    ``modules``: the original modules' names (synapse, [BatchNorm], neuron); ``block``: where
+    the FusedBlock is (the synapse's name; the others are now ``nn.Identity``)."""
+
+    block: str
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SkippedCandidate:
+    """A Conv/Linear call that was not fused.
+
+    ``modules``: the synapse and the modules after it that were examined; ``reason``: why;
+    ``is_chain``: True if the data flow is a ``synapse → [BatchNorm] → neuron`` chain that a
+    condition kept unfused (``store_v_seq``, single-step, two-state neuron, ...), False if the
+    data flow is no such chain (e.g. Conv → BN → residual addition), None if unknown (the
+    forward could not be traced)."""
+
+    modules: tuple[str, ...]
+    reason: str
+    is_chain: bool | None
+
+
+@dataclass
+class FuseReport:
+    """What :func:`fuse` did. ``str(report)`` is a readable summary.
+
+    ``fused``: the chains now fused; ``skipped``: every other Conv/Linear call, with the reason;
+    ``pools``: pooling layers now :class:`SpikePool`; ``traced``: modules whose forward was
+    traced with torch.fx; ``untraced``: modules whose forward could not be traced (name → error),
+    searched as a module tree instead."""
+
+    fused: list[FusedChain] = field(default_factory=list)
+    skipped: list[SkippedCandidate] = field(default_factory=list)
+    pools: list[str] = field(default_factory=list)
+    traced: list[str] = field(default_factory=list)
+    untraced: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def chains(self) -> int:
+        """The number of chains found, fused or not (unknown data flow counts as a chain)."""
+        return len(self.fused) + sum(s.is_chain is not False for s in self.skipped)
+
+    @property
+    def fused_fraction(self) -> float:
+        """Fused chains / :attr:`chains` (1.0 when there are none)."""
+        return len(self.fused) / self.chains if self.chains else 1.0
+
+    def __str__(self) -> str:
+        lines = [
+            f"fuse: fused {len(self.fused)} of {self.chains} Conv/Linear -> BatchNorm -> neuron "
+            f"chains ({100 * self.fused_fraction:.0f}%)"
+        ]
+        lines += [f"  fused: {' -> '.join(c.modules)}" for c in self.fused]
+        lines += [f"  not fused: {' -> '.join(s.modules)}: {s.reason}" for s in self.skipped]
+        if self.pools:
+            lines.append(f"  pooling as SpikePool: {', '.join(self.pools)}")
+        if self.traced:
+            lines.append(f"  traced with torch.fx: {', '.join(self.traced)}")
+        lines += [
+            f"  not traceable, searched as a module tree: {name}: {error}"
+            for name, error in self.untraced.items()
+        ]
+        return "\n".join(lines)
+
+
+# ---- recognising modules --------------------------------------------------------------------
+def _multi_step(module: nn.Module) -> bool:
+    # Plain torch layers have no step_mode; only Linear accepts [T, B, F] as it is.
+    mode = getattr(module, "step_mode", None)
+    return mode == "m" or (mode is None and type(module) is nn.Linear)
+
+
+def _as_synapse_bn(module: nn.Module) -> tuple[nn.Module, nn.Module | None] | None:
+    """(synapse, bn or None) if ``module`` applies a synapse (then BN) to [T, B, ...] input."""
+    if type(module) is layer.SeqToANNContainer and len(module) in (1, 2):
+        inner = list(module)
+        if _synapse_kind(inner[0]) is None or getattr(inner[0], "step_mode", "s") != "s":
+            return None
+        if len(inner) == 2 and not _is_bn_for(inner[1], inner[0], step_mode="s"):
+            return None
+        return inner[0], inner[1] if len(inner) == 2 else None
+    if _synapse_kind(module) is not None and _multi_step(module):
+        return module, None
+    return None
+
+
+def _is_bn_for(bn: nn.Module, synapse: nn.Module, step_mode: str) -> bool:
+    kind = _synapse_kind(synapse)
+    # Inside SeqToANNContainer a layer must run single-step ('s' or a plain torch layer).
+    mode = getattr(bn, "step_mode", "s")
+    return type(bn) in _EXACT[_BN_FOR[kind]] and mode == step_mode
+
+
+def _as_bn(module: nn.Module, synapse: nn.Module) -> nn.Module | None:
+    if type(module) is layer.SeqToANNContainer and len(module) == 1:
+        return module[0] if _is_bn_for(module[0], synapse, step_mode="s") else None
+    return module if _is_bn_for(module, synapse, step_mode="m") else None
+
+
+def _as_pool(module: nn.Module) -> nn.Module | None:
+    """The pooling layer if ``module`` pools [T, B, C, H, W] input with a supported pool."""
+    if type(module) is layer.SeqToANNContainer and len(module) == 1:
+        module = module[0]  # the container merges T and B; the pool inside runs single-step
+        multi_step = getattr(module, "step_mode", "s") == "s"
+    else:
+        multi_step = getattr(module, "step_mode", None) == "m"
+    supported = any(type(module) in _EXACT[k] for k in POOLS)
+    if supported and multi_step and not getattr(module, "return_indices", False):
+        return module
+    return None
+
+
+def _is_synapse_like(module: nn.Module) -> bool:
+    """A Conv/Linear call, fusable or not (a candidate the report accounts for)."""
+    if type(module) is layer.SeqToANNContainer:
+        return len(module) > 0 and isinstance(module[0], SYNAPSES)
+    return isinstance(module, SYNAPSES)
+
+
+def _is_bn_like(module: nn.Module) -> bool:
+    if type(module) is layer.SeqToANNContainer:
+        return len(module) == 1 and isinstance(module[0], _BatchNorm)
+    return isinstance(module, _BatchNorm)
+
+
+def _synapse_problem(module: nn.Module) -> str:
+    contained = type(module) is layer.SeqToANNContainer
+    inner = module[0] if contained else module
+    name = type(inner).__name__
+    if _synapse_kind(inner) is None:
+        return f"{name} is a subclass with its own forward; only torch's and spikefuse's fuse"
+    if contained:
+        if getattr(inner, "step_mode", "s") != "s":
+            return f"the {name} inside SeqToANNContainer must be single-step"
+        return "the SeqToANNContainer holds more than the synapse and its matching BatchNorm"
+    if not hasattr(inner, "step_mode"):
+        return f"a plain torch {name} is single-step; use layer.{name}(step_mode='m')"
+    return "step_mode='s'; fused blocks take multi-step [T, B, ...] input (use step_mode='m')"
+
+
+def _bn_problem(module: nn.Module, synapse: nn.Module) -> str:
+    inner = module[0] if type(module) is layer.SeqToANNContainer else module
+    expected = _BN_FOR[_synapse_kind(synapse)]
+    if not isinstance(inner, expected):
+        return f"a {type(synapse).__name__} needs {expected.__name__}, got {type(inner).__name__}"
+    if type(inner) not in _EXACT[expected]:
+        return f"{type(inner).__name__} is a subclass with its own forward"
+    return f"the {type(inner).__name__} has step_mode={getattr(inner, 'step_mode', None)!r}"
+
+
+def _node_problem(node: BaseNode) -> str | None:
+    if node.step_mode != "m":
+        return f"the neuron has step_mode={node.step_mode!r}; fused blocks are multi-step"
+    if node.definition.adaptive:
+        return f"{type(node).__name__} has two states; only one-state neurons fuse"
+    if node.store_v_seq:
+        return "the neuron has store_v_seq=True; fused blocks never keep V"
+    return None
+
+
+def _sole_user(node: fx.Node) -> fx.Node | None:
+    """The one call_module that takes ``node``'s output as its only argument, if that is the
+    output's only use."""
+    users = list(node.users)
+    if len(users) != 1:
+        return None
+    user = users[0]
+    plain = user.op == "call_module" and user.args == (node,) and not user.kwargs
+    return user if plain else None
+
+
+# ---- examining one traced graph -------------------------------------------------------------
+@dataclass(frozen=True)
+class _Chain:
+    synapse: str  # call targets, relative to the traced module
+    bn: str | None  # a separate BatchNorm call (None: none, or inside the synapse's container)
+    node: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.synapse, self.bn, self.node) if n is not None)
+
+
+@dataclass
+class _Findings:
+    chains: dict[str, _Chain] = field(default_factory=dict)  # by synapse name
+    skipped: dict[str, SkippedCandidate] = field(default_factory=dict)
+    pools: dict[str, None] = field(default_factory=dict)  # an ordered set, in call order
+
+
+def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
+    """Chains (names relative to ``root``) and skipped candidates (names from the model, the
+    root being at ``path``) of one graph of ``root``'s forward."""
+    modules = dict(root.named_modules())
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    attribute_reads = [n.target for n in graph.nodes if n.op == "get_attr"]
+    names_of = defaultdict(list)
+    for name, module in root.named_modules(remove_duplicate=False):
+        names_of[id(module)].append(name)
+    found = _Findings()
+
+    def full(name: str) -> str:
+        return _join(path, name)
+
+    def shared(name: str) -> str | None:
+        module = modules[name]
+        if calls[name] > 1:
+            return f"'{full(name)}' is called {calls[name]} times in the forward"
+        if len(names_of[id(module)]) > 1:
+            aliases = [full(n) for n in names_of[id(module)]]
+            return f"'{full(name)}' is registered under several names {aliases}"
+        read = next((a for a in attribute_reads if a.startswith(name + ".")), None)
+        if read is not None:
+            return f"the forward reads '{full(read)}' directly"
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"'{full(name)}' has forward hooks, which fusing would bypass"
+        return None
+
+    def describe(user: fx.Node) -> str:
+        if user.op == "call_module":
+            return f"'{full(user.target)}'"
+        if user.op == "output":
+            return "the forward's return value" if not path else f"the return value of '{path}'"
+        name = getattr(user.target, "__name__", str(user.target))
+        return f"{name}()" if user.op == "call_function" else f".{name}()"
+
+    for call in graph.nodes:
+        if call.op != "call_module":
+            continue
+        module = modules[call.target]
+        if _as_pool(module) is not None:
+            found.pools[call.target] = None
+        if not _is_synapse_like(module) or call.target in found.chains | found.skipped:
+            continue  # a module called again is reported once (as called several times)
+        chain_nodes, last, bn_call = [call], call, None
+        inside = type(module) is layer.SeqToANNContainer and len(module) == 2
+        nxt = _sole_user(last)
+        if not inside and nxt is not None and _is_bn_like(modules[nxt.target]):
+            bn_call, last = nxt, nxt
+            chain_nodes.append(nxt)
+            nxt = _sole_user(last)
+        names = tuple(full(n.target) for n in chain_nodes)
+        if nxt is None or not isinstance(modules[nxt.target], BaseNode):
+            users = list(last.users)
+            where = ", ".join(describe(u) for u in users) or "nothing"
+            reason = f"the output of '{full(last.target)}' goes to {where}"
+            reaches = any(
+                u.op == "call_module" and isinstance(modules[u.target], BaseNode) for u in users
+            )
+            found.skipped[call.target] = SkippedCandidate(names, reason, reaches)
+            continue
+        chain_nodes.append(nxt)
+        names = tuple(full(n.target) for n in chain_nodes)
+        reason = None
+        synapse_bn = _as_synapse_bn(module)
+        if synapse_bn is None:
+            reason = _synapse_problem(module)
+        elif bn_call is not None and _as_bn(modules[bn_call.target], synapse_bn[0]) is None:
+            reason = _bn_problem(modules[bn_call.target], synapse_bn[0])
+        else:
+            reason = _node_problem(modules[nxt.target])
+        targets = [n.target for n in chain_nodes]
+        reason = reason or next(filter(None, map(shared, targets)), None)
+        if reason is not None:
+            found.skipped[call.target] = SkippedCandidate(names, reason, True)
+            continue
+        bn_name = None if bn_call is None else bn_call.target
+        found.chains[call.target] = _Chain(call.target, bn_name, nxt.target)
+    return found
+
+
+def _merge(findings: list[tuple[str, _Findings]], path: str) -> _Findings:
+    """Fuse only what every traced variant agrees on (training and eval mode, and the root's
+    optional arguments given or left at their defaults): the patch must hold for each."""
+    merged = _Findings(pools=dict.fromkeys(p for _, f in findings for p in f.pools))
+    names = dict.fromkeys(n for _, f in findings for n in (*f.chains, *f.skipped))
+    for name in names:
+        chains = [(label, f.chains.get(name)) for label, f in findings]
+        first = chains[0][1]
+        if first is not None and all(chain == first for _, chain in chains):
+            merged.chains[name] = first
+            continue
+        if all(chain is None for _, chain in chains):
+            merged.skipped[name] = next(f.skipped[name] for _, f in findings if name in f.skipped)
+            continue
+        label, chain = next((label, chain) for label, chain in chains if chain is not None)
+        odd_label, odd = next((lb, f) for lb, f in findings if f.chains.get(name) != chain)
+        reason = f"the forward calls these modules differently in {label} and in {odd_label}"
+        if name in odd.skipped:
+            reason += f" ({odd.skipped[name].reason})"
+        names_in_chain = tuple(_join(path, n) for n in chain.names)
+        merged.skipped[name] = SkippedCandidate(names_in_chain, reason, True)
+    return merged
+
+
+# ---- tracing --------------------------------------------------------------------------------
+_LEAVES = (
+    MemoryModule,  # neurons and stateful layers (per-sequence Dropout, SynapseFilter, ...)
+    FusedBlock,
+    SpikePool,
+    layer.SeqToANNContainer,
+    layer._StepMode,
+    *SYNAPSES,
+    _BatchNorm,
+)
+
+
+class _Tracer(fx.Tracer):
+    """Keeps spikefuse modules, synapses and BatchNorms (also subclasses) as single calls."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, _LEAVES) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _trace(module: nn.Module) -> list[tuple[str, fx.Graph]]:
+    """The forward's graphs in training and in eval mode (``training`` flags are restored),
+    each also with the forward's optional arguments at their defaults if it has any (traced
+    symbolically, ``if mask is not None`` takes the branch of a given mask)."""
+    parameters = inspect.signature(module.forward).parameters.values()
+    defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+    flags = [(m, m.training) for m in module.modules()]
+    graphs = []
+    try:
+        for training in (True, False):
+            for m, _ in flags:
+                m.training = training
+            mode = "training mode" if training else "eval mode"
+            graphs.append((mode, _Tracer().trace(module)))
+            if defaults:
+                graph = _Tracer().trace(module, concrete_args=defaults)
+                graphs.append((f"{mode} with default arguments", graph))
+    finally:
+        for m, was_training in flags:
+            m.training = was_training
+    return graphs
+
+
+def _sequential_graph(seq: nn.Sequential) -> fx.Graph:
+    """The data flow of ``nn.Sequential.forward``: each child on the previous child's output."""
+    graph = fx.Graph()
+    value = graph.placeholder("input")
+    for name in seq._modules:
+        value = graph.call_module(name, (value,))
+    graph.output(value)
+    return graph
+
+
+# ---- keeping the unfused model's state dict keys --------------------------------------------
+def _renamed(key: str, renames: list[tuple[str, str]]) -> str:
+    for old, new in renames:
+        if key.startswith(old):
+            return new + key[len(old) :]
+    return key
+
+
+class _SaveUnderOriginalNames:
+    """state_dict post-hook: the fused chains' entries under the unfused model's keys.
+
+    ``renames``: (fused prefix, original prefix) pairs relative to the hooked module, e.g.
+    ``("conv1.bn.", "bn1.")``."""
+
+    def __init__(self, renames: tuple[tuple[str, str], ...]) -> None:
+        self.renames = renames
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        renames = [(prefix + fused, prefix + original) for fused, original in self.renames]
+        # Re-insert this module's entries (the dict's tail) in order, renamed.
+        entries = [(k, state_dict.pop(k)) for k in [k for k in state_dict if k.startswith(prefix)]]
+        for key, value in entries:
+            state_dict[_renamed(key, renames)] = value
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:  # BatchNorm's version entry moves with its keys
+            for key in [k for k in metadata if k.startswith(prefix)]:
+                new = _renamed(key + ".", renames)[:-1]
+                if new != key:
+                    metadata[new] = metadata.pop(key)
+
+
+class _LoadOriginalNames:
+    """load_state_dict pre-hook: entries under the unfused model's keys load into the fused
+    chains; entries already under the fused keys load as they are."""
+
+    def __init__(self, renames: tuple[tuple[str, str], ...]) -> None:
+        self.renames = renames
+
+    def __call__(self, module, state_dict, prefix, *_) -> None:
+        fused = [prefix + f for f, _ in self.renames]
+        # Longest original prefix first: '0.0.' (in a container) before '0.'.
+        renames = sorted(
+            ((prefix + original, prefix + f) for f, original in self.renames),
+            key=lambda pair: -len(pair[0]),
+        )
+        for key in list(state_dict):
+            if key.startswith(prefix) and not any(key.startswith(f) for f in fused):
+                new = _renamed(key, renames)
+                if new != key:
+                    state_dict[new] = state_dict.pop(key)
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent), leaf, module)
+
+
+def _parent(name: str) -> list[str]:
+    return name.split(".")[:-1]
+
+
+def _replace(root: nn.Module, chain: _Chain, process_group: dist.ProcessGroup | None) -> None:
+    """Put a FusedBlock at the synapse's place, Identity at the BN's and neuron's, and hook the
+    lowest module holding all three so that state dicts keep the unfused keys."""
+    container = root.get_submodule(chain.synapse)
+    synapse, bn = _as_synapse_bn(container)
+    contained = type(container) is layer.SeqToANNContainer
+    originals = {"synapse": chain.synapse + (".0" if contained else "")}
+    if bn is not None:
+        originals["bn"] = chain.synapse + ".1"
+    elif chain.bn is not None:
+        separate = root.get_submodule(chain.bn)
+        bn = _as_bn(separate, synapse)
+        originals["bn"] = chain.bn + (".0" if type(separate) is layer.SeqToANNContainer else "")
+    node = root.get_submodule(chain.node)
+    originals["node"] = chain.node
+    _set_submodule(root, chain.synapse, FusedBlock(synapse, bn, node, process_group))
+    for name in chain.names[1:]:
+        _set_submodule(root, name, nn.Identity())
+    parents = [_parent(name) for name in chain.names]
+    common = []
+    for parts in zip(*parents, strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    holder = ".".join(common)
+    skip = len(holder) + 1 if holder else 0
+    renames = tuple(
+        (f"{chain.synapse}.{attribute}."[skip:], f"{original}."[skip:])
+        for attribute, original in originals.items()
+    )
+    owner = root.get_submodule(holder)
+    owner.register_state_dict_post_hook(_SaveUnderOriginalNames(renames))
+    owner.register_load_state_dict_pre_hook(_LoadOriginalNames(renames))
+
+
+# ---- fuse -----------------------------------------------------------------------------------
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _display(name: str) -> str:
+    return name or MODEL
+
+
+class _Fuser:
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+        self.process_group = process_group
+        self.report = FuseReport()
+
+    def convert(self, module: nn.Module, path: str) -> None:
+        if _Tracer().is_leaf_module(module, path):
+            return  # nothing inside to search
+        try:
+            graphs = _trace(module)
+        except Exception as error:  # noqa: BLE001 - any failure means: search the tree instead
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            self.report.untraced[_display(path)] = f"{type(error).__name__}: {first_line}"
+            for name, child in list(module.named_children()):
+                self.convert(child, _join(path, name))
+            if type(module) is nn.Sequential:
+                graphs = [("the forward", _sequential_graph(module))]
+            else:
+                self._unknown_children(module, path)
+                return
+        else:
+            self.report.traced.append(_display(path))
+        findings = [(label, _examine(graph, module, path)) for label, graph in graphs]
+        merged = _merge(findings, path)
+        self._apply(module, path, merged)
+
+    def _unknown_children(self, module: nn.Module, path: str) -> None:
+        for name, child in module.named_children():
+            if _is_synapse_like(child):
+                reason = f"the forward of {_display(path)} could not be traced"
+                self.report.skipped.append(SkippedCandidate((_join(path, name),), reason, None))
+
+    def _apply(self, root: nn.Module, path: str, findings: _Findings) -> None:
+        for name in findings.pools:
+            _set_submodule(root, name, SpikePool(_as_pool(root.get_submodule(name))))
+            self.report.pools.append(_join(path, name))
+        for chain in findings.chains.values():
+            _replace(root, chain, self.process_group)
+            names = tuple(_join(path, n) for n in chain.names)
+            self.report.fused.append(FusedChain(names[0], names))
+        self.report.skipped.extend(findings.skipped.values())
+
+
+def fuse(
+    model: nn.Module,
+    inplace: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    return_report: bool = False,
+) -> nn.Module | tuple[nn.Module, FuseReport]:
+    """Replace every multi-step ``synapse → [BN] → neuron`` chain of ``model`` by a FusedBlock.
+
+    Chains are found in the data flow of the model's forward (traced with torch.fx), in any
+    container or custom ``forward``: a call of
+
+    * ``layer.Conv2d``/``layer.Linear``/``layer.Conv1d`` (``step_mode='m'``) or a plain
+      ``nn.Linear``, or ``layer.SeqToANNContainer(conv_or_linear[, batchnorm])``,
+    * whose output is used only by a matching ``layer.BatchNorm*d(step_mode='m')`` (or
+      ``SeqToANNContainer(batchnorm)``), whose output is used only by
+    * a one-state spikefuse neuron with ``step_mode='m'`` and ``store_v_seq=False``
+      (the BatchNorm may be absent).
+
+    Each module of a chain must be called once per forward, the same way in training and eval
+    mode and with the forward's optional arguments given or left at their defaults, be
+    registered under one name, not be read as an attribute by the forward
+    (``self.conv1.weight``) and have no forward hooks. Everything else (residual additions,
+    SEW connect functions, Conv → BN downsample branches, Dropout between layers, ...) stays as
+    it is. Multi-step ``AvgPool2d``/``MaxPool2d`` layers become :class:`SpikePool` (same result;
+    on fused-block spikes they save their input at 1 bit per spike). Where a forward cannot be
+    traced, its children are converted one by one and ``nn.Sequential`` children are searched
+    in order; the report names those modules.
+
+    The model is patched in place of the copy (its classes stay): the synapse's attribute
+    becomes the FusedBlock, holding the original modules (parameters and buffers are shared,
+    not copied), and the BatchNorm's and neuron's attributes become ``nn.Identity``. The
+    state_dict keys stay those of the unfused model (``named_parameters`` shows the blocks'
+    names, e.g. ``conv1.synapse.weight``), so state dicts of fused and unfused models load into
+    each other with ``strict=True``; the fused naming loads too.
+
+    ``process_group``: what the fused BatchNorms synchronise over (None: the default group).
+    Returns the converted model (a deep copy unless ``inplace``), and with ``return_report`` also
+    a :class:`FuseReport`; the report is logged (logger ``spikefuse.fuse``: INFO, WARNING when
+    a chain was left unfused). The model computes the same function, but each forward call is
+    an independent sequence (fused neurons start from their reset state).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fuse: model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, flag in (("inplace", inplace), ("return_report", return_report)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"fuse: {name} must be a bool, got {type(flag).__name__}")
+    group_type = getattr(dist, "ProcessGroup", None)  # absent where torch lacks distributed
+    if process_group is not None and (
+        group_type is None or not isinstance(process_group, group_type)
+    ):
+        raise TypeError(
+            "fuse: process_group must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(process_group).__name__}"
+        )
+    if not inplace:
+        model = copy.deepcopy(model)
+    fuser = _Fuser(process_group)
+    fuser.convert(model, "")
+    report = fuser.report
+    log.info("%s", report)
+    if report.chains > len(report.fused):
+        log.warning(
+            "fuse: %d of %d chains were not fused:\n%s",
+            report.chains - len(report.fused),
+            report.chains,
+            "\n".join(f"  {' -> '.join(s.modules)}: {s.reason}" for s in _chains_left(report)),
+        )
+    return (model, report) if return_report else model
+
+
+def _chains_left(report: FuseReport) -> Iterator[SkippedCandidate]:
+    return (s for s in report.skipped if s.is_chain is not False)

@@ -1,0 +1,505 @@
+"""Spiking VGG, Spiking ResNet, SEW-ResNet and ResNet-19 with SpikingJelly's names.
+
+As in ``spikingjelly.activation_based.model``: the constructors take the neuron class as
+``spiking_neuron`` and pass every other keyword argument to each neuron (a deep copy per
+neuron), e.g. ``spiking_resnet18(spiking_neuron=neuron.LIFNode, tau=2.0, detach_reset=True)``;
+layers are ``spikefuse.layer`` modules, so ``functional.set_step_mode(net, 'm')`` makes the
+network multi-step (input ``[T, B, 3, H, W]``, output ``[T, B, num_classes]``). Extension: a
+``step_mode`` keyword argument also sets the layers' step mode, so
+``spiking_resnet18(spiking_neuron=neuron.IFNode, step_mode='m')`` is multi-step at once.
+
+Every Conv/Linear → BatchNorm → neuron chain of these networks is fused by
+:func:`spikefuse.fuse` (Conv → BN downsample branches feeding a residual addition stay unfused:
+they are no such chain). No weights are downloaded: ``pretrained=True`` is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import layer
+from .errors import SpikefuseError
+
+__all__ = [
+    "BasicBlock",
+    "ResNet19",
+    "SEWBasicBlock",
+    "SEWResNet",
+    "SpikingResNet",
+    "SpikingVGG",
+    "sew_function",
+    "sew_resnet18",
+    "sew_resnet34",
+    "spiking_resnet18",
+    "spiking_resnet19",
+    "spiking_resnet34",
+    "spiking_vgg11",
+    "spiking_vgg11_bn",
+    "spiking_vgg16",
+    "spiking_vgg16_bn",
+]
+
+CONNECT_FUNCTIONS = ("ADD", "AND", "IAND")
+VGG_CONFIGS: dict[str, list[int | str]] = {
+    "A": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    "D": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
+}
+
+
+def _neuron(spiking_neuron: Callable[..., nn.Module] | None, kwargs: dict[str, Any]) -> nn.Module:
+    if spiking_neuron is None or not callable(spiking_neuron):
+        raise SpikefuseError(
+            "spiking_neuron must be a neuron class (e.g. spikefuse.neuron.LIFNode), got "
+            f"{spiking_neuron!r}"
+        )
+    return spiking_neuron(**copy.deepcopy(kwargs))
+
+
+def _step_mode(kwargs: dict[str, Any]) -> str:
+    """The layers' step mode: the neurons' ``step_mode`` keyword argument, else 's'."""
+    return kwargs.get("step_mode", "s")
+
+
+def _no_pretrained(pretrained: bool) -> None:
+    if pretrained:
+        raise SpikefuseError(
+            "pretrained=True is not supported: spikefuse downloads no weights; load a "
+            "state_dict yourself (fused and unfused models use the same keys)"
+        )
+
+
+def _flatten(x: Tensor, step_mode: str) -> Tensor:
+    # [N, C, 1, 1] -> [N, C] single-step; [T, N, C, 1, 1] -> [T, N, C] multi-step.
+    return torch.flatten(x, 1 if step_mode == "s" else 2)
+
+
+def _check_cnf(cnf: str | None) -> str:
+    if cnf not in CONNECT_FUNCTIONS:
+        raise SpikefuseError(f"cnf must be one of {CONNECT_FUNCTIONS}, got {cnf!r}")
+    return cnf
+
+
+def sew_function(x: Tensor, y: Tensor, cnf: str) -> Tensor:
+    """SEW-ResNet's connect function g(x, y): 'ADD' x + y, 'AND' x·y, 'IAND' x·(1 - y)."""
+    if cnf == "ADD":
+        return x + y
+    if cnf == "AND":
+        return x * y
+    if cnf == "IAND":
+        return x * (1.0 - y)
+    raise SpikefuseError(f"cnf must be one of {CONNECT_FUNCTIONS}, got {cnf!r}")
+
+
+def _conv3x3(in_planes: int, out_planes: int, stride: int, step_mode: str) -> nn.Module:
+    return layer.Conv2d(
+        in_planes, out_planes, 3, stride=stride, padding=1, bias=False, step_mode=step_mode
+    )
+
+
+def _conv1x1(in_planes: int, out_planes: int, stride: int, step_mode: str) -> nn.Module:
+    return layer.Conv2d(in_planes, out_planes, 1, stride=stride, bias=False, step_mode=step_mode)
+
+
+def _init_resnet(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)
+
+
+# ---- VGG --------------------------------------------------------------------------------------
+class SpikingVGG(nn.Module):
+    """SpikingJelly's spiking VGG: ``features`` (Conv3x3 [→ BN] → neuron, MaxPool 2×2 at "M"),
+    ``avgpool`` (adaptive, 7×7), ``classifier`` (Linear → neuron → Dropout, twice, → Linear).
+
+    Extension: ``classifier_features`` (SpikingJelly: 4096) is the classifier's hidden width.
+    """
+
+    def __init__(
+        self,
+        cfg: Sequence[int | str],
+        batch_norm: bool = False,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        num_classes: int = 1000,
+        init_weights: bool = True,
+        spiking_neuron: Callable[..., nn.Module] | None = None,
+        *,
+        classifier_features: int = 4096,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        mode = _step_mode(kwargs)
+        self.features = self.make_layers(cfg, batch_norm, norm_layer, spiking_neuron, **kwargs)
+        channels = [v for v in cfg if v != "M"][-1]
+        self.avgpool = layer.AdaptiveAvgPool2d((7, 7), step_mode=mode)
+        hidden = classifier_features
+        self.classifier = nn.Sequential(
+            layer.Linear(channels * 7 * 7, hidden, step_mode=mode),
+            _neuron(spiking_neuron, kwargs),
+            layer.Dropout(step_mode=mode),
+            layer.Linear(hidden, hidden, step_mode=mode),
+            _neuron(spiking_neuron, kwargs),
+            layer.Dropout(step_mode=mode),
+            layer.Linear(hidden, num_classes, step_mode=mode),
+        )
+        if init_weights:
+            self._initialize_weights()
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.features(x)
+        x = self.avgpool(x)
+        x = _flatten(x, self.avgpool.step_mode)
+        return self.classifier(x)
+
+    def _initialize_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                if m.bias is not None:
+                    nn.init.constant_(m.bias, 0)
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.constant_(m.weight, 1)
+                nn.init.constant_(m.bias, 0)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.constant_(m.bias, 0)
+
+    @staticmethod
+    def make_layers(
+        cfg: Sequence[int | str],
+        batch_norm: bool = False,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        neuron: Callable[..., nn.Module] | None = None,
+        **kwargs: Any,
+    ) -> nn.Sequential:
+        mode = _step_mode(kwargs)
+        if norm_layer is None:
+            norm_layer = layer.BatchNorm2d
+        layers: list[nn.Module] = []
+        in_channels = 3
+        for v in cfg:
+            if v == "M":
+                layers.append(layer.MaxPool2d(kernel_size=2, stride=2, step_mode=mode))
+                continue
+            layers.append(layer.Conv2d(in_channels, v, kernel_size=3, padding=1, step_mode=mode))
+            if batch_norm:
+                layers.append(norm_layer(v, step_mode=mode))
+            layers.append(_neuron(neuron, kwargs))
+            in_channels = v
+        return nn.Sequential(*layers)
+
+
+def _spiking_vgg(cfg: str, batch_norm: bool, pretrained: bool, **kwargs: Any) -> SpikingVGG:
+    _no_pretrained(pretrained)
+    return SpikingVGG(VGG_CONFIGS[cfg], batch_norm=batch_norm, **kwargs)
+
+
+def spiking_vgg11(pretrained=False, progress=True, spiking_neuron=None, **kwargs) -> SpikingVGG:
+    """Spiking VGG-11 (configuration A) without BatchNorm."""
+    return _spiking_vgg("A", False, pretrained, spiking_neuron=spiking_neuron, **kwargs)
+
+
+def spiking_vgg11_bn(
+    pretrained=False, progress=True, norm_layer=None, spiking_neuron=None, **kwargs
+) -> SpikingVGG:
+    """Spiking VGG-11 (configuration A) with BatchNorm after every convolution."""
+    return _spiking_vgg(
+        "A", True, pretrained, norm_layer=norm_layer, spiking_neuron=spiking_neuron, **kwargs
+    )
+
+
+def spiking_vgg16(pretrained=False, progress=True, spiking_neuron=None, **kwargs) -> SpikingVGG:
+    """Spiking VGG-16 (configuration D) without BatchNorm."""
+    return _spiking_vgg("D", False, pretrained, spiking_neuron=spiking_neuron, **kwargs)
+
+
+def spiking_vgg16_bn(
+    pretrained=False, progress=True, norm_layer=None, spiking_neuron=None, **kwargs
+) -> SpikingVGG:
+    """Spiking VGG-16 (configuration D) with BatchNorm after every convolution."""
+    return _spiking_vgg(
+        "D", True, pretrained, norm_layer=norm_layer, spiking_neuron=spiking_neuron, **kwargs
+    )
+
+
+# ---- ResNets ----------------------------------------------------------------------------------
+class BasicBlock(nn.Module):
+    """Spiking ResNet's basic block: ``sn2(bn2(conv2(sn1(bn1(conv1(x))))) + shortcut(x))``;
+    the shortcut is ``downsample`` (Conv1x1 → BN) or the identity."""
+
+    expansion = 1
+
+    def __init__(
+        self,
+        inplanes: int,
+        planes: int,
+        stride: int = 1,
+        downsample: nn.Module | None = None,
+        groups: int = 1,
+        base_width: int = 64,
+        dilation: int = 1,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        spiking_neuron: Callable[..., nn.Module] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if groups != 1 or base_width != 64 or dilation != 1:
+            raise SpikefuseError("BasicBlock supports only groups=1, base_width=64, dilation=1")
+        mode = _step_mode(kwargs)
+        norm_layer = norm_layer or layer.BatchNorm2d
+        self.conv1 = _conv3x3(inplanes, planes, stride, mode)
+        self.bn1 = norm_layer(planes, step_mode=mode)
+        self.sn1 = _neuron(spiking_neuron, kwargs)
+        self.conv2 = _conv3x3(planes, planes, 1, mode)
+        self.bn2 = norm_layer(planes, step_mode=mode)
+        self.sn2 = _neuron(spiking_neuron, kwargs)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x
+        out = self.sn1(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        return self.sn2(out + identity)
+
+
+class SEWBasicBlock(nn.Module):
+    """SEW-ResNet's basic block: ``g(sn2(bn2(conv2(sn1(bn1(conv1(x)))))), shortcut(x))`` with
+    the connect function ``g`` = :func:`sew_function` (``cnf``); the shortcut is the identity or
+    ``downsample_sn(downsample(x))`` (Conv1x1 → BN → neuron)."""
+
+    expansion = 1
+
+    def __init__(
+        self,
+        inplanes: int,
+        planes: int,
+        stride: int = 1,
+        downsample: nn.Module | None = None,
+        groups: int = 1,
+        base_width: int = 64,
+        dilation: int = 1,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        cnf: str | None = None,
+        spiking_neuron: Callable[..., nn.Module] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if groups != 1 or base_width != 64 or dilation != 1:
+            raise SpikefuseError("BasicBlock supports only groups=1, base_width=64, dilation=1")
+        mode = _step_mode(kwargs)
+        norm_layer = norm_layer or layer.BatchNorm2d
+        self.conv1 = _conv3x3(inplanes, planes, stride, mode)
+        self.bn1 = norm_layer(planes, step_mode=mode)
+        self.sn1 = _neuron(spiking_neuron, kwargs)
+        self.conv2 = _conv3x3(planes, planes, 1, mode)
+        self.bn2 = norm_layer(planes, step_mode=mode)
+        self.sn2 = _neuron(spiking_neuron, kwargs)
+        self.downsample = downsample
+        if downsample is not None:
+            self.downsample_sn = _neuron(spiking_neuron, kwargs)
+        self.stride = stride
+        self.cnf = _check_cnf(cnf)
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x
+        out = self.sn1(self.bn1(self.conv1(x)))
+        out = self.sn2(self.bn2(self.conv2(out)))
+        if self.downsample is not None:
+            identity = self.downsample_sn(self.downsample(x))
+        return sew_function(identity, out, self.cnf)
+
+    def extra_repr(self) -> str:
+        return f"cnf={self.cnf}"
+
+
+def _make_layer(
+    block: type[nn.Module],
+    inplanes: int,
+    planes: int,
+    blocks: int,
+    stride: int,
+    norm_layer: Callable[..., nn.Module],
+    block_kwargs: dict[str, Any],
+) -> nn.Sequential:
+    mode = _step_mode(block_kwargs)
+    downsample = None
+    if stride != 1 or inplanes != planes * block.expansion:
+        downsample = nn.Sequential(
+            _conv1x1(inplanes, planes * block.expansion, stride, mode),
+            norm_layer(planes * block.expansion, step_mode=mode),
+        )
+    layers = [block(inplanes, planes, stride, downsample, norm_layer=norm_layer, **block_kwargs)]
+    for _ in range(1, blocks):
+        layers.append(
+            block(planes * block.expansion, planes, norm_layer=norm_layer, **block_kwargs)
+        )
+    return nn.Sequential(*layers)
+
+
+class SpikingResNet(nn.Module):
+    """SpikingJelly's Spiking ResNet (ImageNet layout): Conv7x7/2 → BN → neuron → MaxPool3x3/2,
+    four stages of ``block`` (64, 128, 256, 512 channels), adaptive average pooling, Linear.
+    Only ``groups=1``, ``width_per_group=64`` and no dilation are supported (basic blocks)."""
+
+    def __init__(
+        self,
+        block: type[nn.Module],
+        layers: Sequence[int],
+        num_classes: int = 1000,
+        zero_init_residual: bool = False,
+        groups: int = 1,
+        width_per_group: int = 64,
+        replace_stride_with_dilation: Sequence[bool] | None = None,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        spiking_neuron: Callable[..., nn.Module] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self._build(block, layers, num_classes, groups, width_per_group,
+                    replace_stride_with_dilation, norm_layer, spiking_neuron, kwargs)  # fmt: skip
+        if zero_init_residual:
+            for m in self.modules():
+                if isinstance(m, block):
+                    nn.init.constant_(m.bn2.weight, 0)
+
+    def _build(self, block, layers, num_classes, groups, width_per_group, dilation, norm_layer,
+               spiking_neuron, kwargs, **block_options) -> None:  # fmt: skip
+        if groups != 1 or width_per_group != 64 or (dilation is not None and any(dilation)):
+            raise SpikefuseError(
+                f"{type(self).__name__}: only groups=1, width_per_group=64 and no dilation are "
+                "supported"
+            )
+        if len(layers) != 4:
+            raise SpikefuseError(f"layers must give 4 stage lengths, got {list(layers)}")
+        mode = _step_mode(kwargs)
+        norm_layer = norm_layer or layer.BatchNorm2d
+        self.conv1 = layer.Conv2d(3, 64, 7, stride=2, padding=3, bias=False, step_mode=mode)
+        self.bn1 = norm_layer(64, step_mode=mode)
+        self.sn1 = _neuron(spiking_neuron, kwargs)
+        self.maxpool = layer.MaxPool2d(kernel_size=3, stride=2, padding=1, step_mode=mode)
+        block_kwargs = dict(kwargs, spiking_neuron=spiking_neuron, **block_options)
+        inplanes = 64
+        for index, (planes, count) in enumerate(zip((64, 128, 256, 512), layers, strict=True)):
+            stride = 1 if index == 0 else 2
+            stage = _make_layer(block, inplanes, planes, count, stride, norm_layer, block_kwargs)
+            setattr(self, f"layer{index + 1}", stage)
+            inplanes = planes * block.expansion
+        self.avgpool = layer.AdaptiveAvgPool2d((1, 1), step_mode=mode)
+        self.fc = layer.Linear(512 * block.expansion, num_classes, step_mode=mode)
+        _init_resnet(self)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.maxpool(self.sn1(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        x = _flatten(self.avgpool(x), self.avgpool.step_mode)
+        return self.fc(x)
+
+
+class SEWResNet(SpikingResNet):
+    """SpikingJelly's SEW-ResNet: :class:`SpikingResNet`'s layout with SEW blocks, whose
+    connect function ``cnf`` is 'ADD', 'AND' or 'IAND'."""
+
+    def __init__(
+        self,
+        block: type[nn.Module],
+        layers: Sequence[int],
+        num_classes: int = 1000,
+        zero_init_residual: bool = False,
+        groups: int = 1,
+        width_per_group: int = 64,
+        replace_stride_with_dilation: Sequence[bool] | None = None,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        cnf: str | None = None,
+        spiking_neuron: Callable[..., nn.Module] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        nn.Module.__init__(self)
+        self._build(block, layers, num_classes, groups, width_per_group,
+                    replace_stride_with_dilation, norm_layer, spiking_neuron, kwargs,
+                    cnf=_check_cnf(cnf))  # fmt: skip
+        if zero_init_residual:
+            for m in self.modules():
+                if isinstance(m, block):
+                    nn.init.constant_(m.bn2.weight, 0)
+
+
+def spiking_resnet18(pretrained=False, progress=True, spiking_neuron=None, **kwargs):
+    """Spiking ResNet-18 (basic blocks, stages of 2, 2, 2, 2)."""
+    _no_pretrained(pretrained)
+    return SpikingResNet(BasicBlock, [2, 2, 2, 2], spiking_neuron=spiking_neuron, **kwargs)
+
+
+def spiking_resnet34(pretrained=False, progress=True, spiking_neuron=None, **kwargs):
+    """Spiking ResNet-34 (basic blocks, stages of 3, 4, 6, 3)."""
+    _no_pretrained(pretrained)
+    return SpikingResNet(BasicBlock, [3, 4, 6, 3], spiking_neuron=spiking_neuron, **kwargs)
+
+
+def sew_resnet18(pretrained=False, progress=True, cnf=None, spiking_neuron=None, **kwargs):
+    """SEW-ResNet-18 with connect function ``cnf`` ('ADD', 'AND' or 'IAND')."""
+    _no_pretrained(pretrained)
+    return SEWResNet(SEWBasicBlock, [2, 2, 2, 2], cnf=cnf, spiking_neuron=spiking_neuron,
+                     **kwargs)  # fmt: skip
+
+
+def sew_resnet34(pretrained=False, progress=True, cnf=None, spiking_neuron=None, **kwargs):
+    """SEW-ResNet-34 with connect function ``cnf`` ('ADD', 'AND' or 'IAND')."""
+    _no_pretrained(pretrained)
+    return SEWResNet(SEWBasicBlock, [3, 4, 6, 3], cnf=cnf, spiking_neuron=spiking_neuron,
+                     **kwargs)  # fmt: skip
+
+
+class ResNet19(nn.Module):
+    """ResNet-19 for CIFAR (Zheng et al., "Going Deeper With Directly-Trained Larger Spiking
+    Neural Networks", AAAI 2021): Conv3x3(128) → BN → neuron, stages of 3, 3, 2 Spiking ResNet
+    :class:`BasicBlock` s (128, 256, 512 channels; stride 2 from the second stage), adaptive
+    average pooling, Linear(512, 256) → neuron → Linear(256, num_classes).
+
+    The paper's threshold-dependent BatchNorm (tdBN) normalises to α·V_th; here it is torch's
+    BatchNorm (tdBN's scale is BN's weight initialised to α·V_th: set ``bn.weight`` to do so).
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        norm_layer: Callable[..., nn.Module] | None = None,
+        spiking_neuron: Callable[..., nn.Module] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        mode = _step_mode(kwargs)
+        norm_layer = norm_layer or layer.BatchNorm2d
+        self.conv1 = _conv3x3(3, 128, 1, mode)
+        self.bn1 = norm_layer(128, step_mode=mode)
+        self.sn1 = _neuron(spiking_neuron, kwargs)
+        block_kwargs = dict(kwargs, spiking_neuron=spiking_neuron)
+        self.layer1 = _make_layer(BasicBlock, 128, 128, 3, 1, norm_layer, block_kwargs)
+        self.layer2 = _make_layer(BasicBlock, 128, 256, 3, 2, norm_layer, block_kwargs)
+        self.layer3 = _make_layer(BasicBlock, 256, 512, 2, 2, norm_layer, block_kwargs)
+        self.avgpool = layer.AdaptiveAvgPool2d((1, 1), step_mode=mode)
+        self.fc1 = layer.Linear(512, 256, step_mode=mode)
+        self.sn2 = _neuron(spiking_neuron, kwargs)
+        self.fc2 = layer.Linear(256, num_classes, step_mode=mode)
+        _init_resnet(self)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.sn1(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        x = _flatten(self.avgpool(x), self.avgpool.step_mode)
+        return self.fc2(self.sn2(self.fc1(x)))
+
+
+def spiking_resnet19(pretrained=False, progress=True, spiking_neuron=None, **kwargs) -> ResNet19:
+    """ResNet-19 for CIFAR (:class:`ResNet19`); ``num_classes`` defaults to 10."""
+    _no_pretrained(pretrained)
+    return ResNet19(spiking_neuron=spiking_neuron, **kwargs)

@@ -1,0 +1,417 @@
+"""fuse() on any model: chains found by torch.fx in custom forwards, the module-tree fallback,
+the report, argument checks and state_dicts that load between fused and unfused models."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from spikefuse import functional, layer, neuron
+from spikefuse.fused import FusedBlock, FuseReport, SpikePool, fuse
+
+T, B, C = 2, 3, 4
+FP64_TOL = dict(rtol=1e-9, atol=1e-11)
+
+
+def lif(**kw) -> neuron.LIFNode:
+    return neuron.LIFNode(tau=2.0, step_mode="m", backend="torch", **kw)
+
+
+def conv(cin: int = C, cout: int = C, step_mode: str = "m") -> nn.Module:
+    return layer.Conv2d(cin, cout, 3, padding=1, bias=False, step_mode=step_mode)
+
+
+def bn(c: int = C) -> nn.Module:
+    return layer.BatchNorm2d(c, step_mode="m")
+
+
+class Block(nn.Module):
+    """A SpikingJelly-style basic block: attributes called in a custom forward, a residual
+    addition and a Conv -> BN -> neuron downsample branch."""
+
+    def __init__(self, downsample: bool = False) -> None:
+        super().__init__()
+        self.conv1, self.bn1, self.sn1 = conv(), bn(), lif()
+        self.conv2, self.bn2 = conv(), bn()
+        self.downsample = nn.Sequential(layer.Conv2d(C, C, 1, step_mode="m"), bn())
+        self.downsample_sn = neuron.ParametricLIFNode(step_mode="m", backend="torch")
+        self.use_downsample = downsample
+        self.sn2 = lif()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.sn1(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))  # BN -> residual addition: not a chain
+        if self.use_downsample:
+            x = self.downsample_sn(self.downsample(x))
+        return self.sn2(out + x)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(conv(3, C), bn(), lif(), layer.MaxPool2d(2, step_mode="m"))
+        self.blocks = nn.ModuleList([Block(), Block(downsample=True)])
+        self.head = layer.Linear(C, 5, step_mode="m")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((3, 4)))
+
+
+def randomized(model: nn.Module) -> nn.Module:
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
+                m.bias.copy_(torch.rand(m.bias.shape, generator=gen) * 0.6 - 0.2)
+    return model.double()
+
+
+def training_step(model: nn.Module, x: torch.Tensor):
+    x = x.detach().clone().requires_grad_()
+    out = model(x)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    functional.reset_net(model)
+    grads = {k: v.grad for k, v in model.state_dict(keep_vars=True).items() if v.requires_grad}
+    return out.detach(), x.grad, grads
+
+
+def assert_equivalent(ref: nn.Module, fused: nn.Module, x: torch.Tensor) -> None:
+    for training in (True, False):
+        ref.train(training)
+        fused.train(training)
+        out_r, gx_r, gp_r = training_step(ref, x)
+        out_f, gx_f, gp_f = training_step(fused, x)
+        torch.testing.assert_close(out_f, out_r, **FP64_TOL)
+        torch.testing.assert_close(gx_f, gx_r, **FP64_TOL)
+        assert gp_f.keys() == gp_r.keys()
+        for key in gp_r:
+            torch.testing.assert_close(gp_f[key], gp_r[key], **FP64_TOL, msg=key)
+        ref.zero_grad()
+        fused.zero_grad()
+    for key, value in ref.state_dict().items():  # running statistics
+        torch.testing.assert_close(fused.state_dict()[key], value, **FP64_TOL, msg=key)
+
+
+def test_custom_forward_blocks_are_fused_in_place():
+    torch.manual_seed(0)
+    model = randomized(Net())
+    fused, report = fuse(model, return_report=True)
+    assert isinstance(report, FuseReport) and report.traced == ["<model>"]
+    assert [c.modules for c in report.fused] == [
+        ("stem.0", "stem.1", "stem.2"),
+        ("blocks.0.conv1", "blocks.0.bn1", "blocks.0.sn1"),
+        ("blocks.1.conv1", "blocks.1.bn1", "blocks.1.sn1"),
+        ("blocks.1.downsample.0", "blocks.1.downsample.1", "blocks.1.downsample_sn"),
+    ]
+    assert report.fused_fraction == 1.0 and report.chains == 4
+    reasons = {s.modules[0]: s.reason for s in report.skipped}
+    assert reasons["blocks.0.conv2"] == "the output of 'blocks.0.bn2' goes to add()"
+    assert reasons["head"] == "the output of 'head' goes to the forward's return value"
+    assert report.pools == ["stem.3"]
+    # The user's classes stay; the BN and neuron attributes are Identity.
+    assert type(fused) is Net and type(fused.blocks[1]) is Block
+    block = fused.blocks[1]
+    assert isinstance(block.conv1, FusedBlock) and block.conv1.synapse is not model.blocks[1].conv1
+    assert isinstance(block.bn1, nn.Identity) and isinstance(block.sn1, nn.Identity)
+    assert isinstance(block.conv2, layer.Conv2d) and isinstance(block.bn2, layer.BatchNorm2d)
+    assert isinstance(block.downsample[0], FusedBlock) and isinstance(
+        block.downsample_sn, nn.Identity
+    )
+    assert isinstance(fused.stem[3], SpikePool)
+    assert isinstance(model.blocks[1].bn1, layer.BatchNorm2d)  # the original is untouched
+    x = torch.randn(T, B, 3, 8, 8, dtype=torch.float64) * 2
+    assert_equivalent(model, fused, x)
+
+
+def test_state_dicts_load_both_ways_with_strict_keys():
+    torch.manual_seed(0)
+    model = randomized(Net())
+    fused = fuse(model)
+    keys = list(model.state_dict())
+    assert list(fused.state_dict()) == keys  # same keys, same order
+    assert "blocks.1.downsample_sn.w" in keys and "blocks.0.bn1.running_var" in keys
+    # Unfused -> fused, strict: every value arrives (strict=False used to load nothing).
+    torch.manual_seed(1)
+    other = randomized(Net())
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+        for b in other.buffers():
+            b.add_(2)
+    result = fused.load_state_dict(other.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for key, value in other.state_dict().items():
+        assert torch.equal(fused.state_dict()[key], value), key
+    assert torch.equal(fused.blocks[0].conv1.bn.running_mean, other.blocks[0].bn1.running_mean)
+    # Fused -> unfused, strict.
+    model.load_state_dict(fused.state_dict(), strict=True)
+    for key, value in other.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    # The fused naming (named_parameters) still loads.
+    named = {k: v.detach() for k, v in fused.named_parameters()}
+    named.update({k: v for k, v in fused.named_buffers()})
+    assert "blocks.0.conv1.synapse.weight" in named
+    fused.load_state_dict(named, strict=True)
+    # A wrong key is still an error.
+    broken = dict(other.state_dict())
+    broken["blocks.0.bn1.bogus"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        fused.load_state_dict(broken, strict=True)
+
+
+@pytest.mark.parametrize("duplicate", ["deepcopy", "pickle", "torch.save"])
+def test_copies_keep_the_unfused_keys(duplicate, tmp_path):
+    torch.manual_seed(0)
+    fused = fuse(randomized(Net()))
+    if duplicate == "deepcopy":
+        again = copy.deepcopy(fused)
+    elif duplicate == "pickle":
+        again = pickle.loads(pickle.dumps(fused))
+    else:
+        torch.save(fused, tmp_path / "m.pt")
+        again = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert list(again.state_dict()) == list(fused.state_dict())
+    again.load_state_dict(fused.state_dict(), strict=True)
+
+
+def test_report_names_every_reason_a_chain_is_left_unfused(caplog):
+    """issue 10: store_v_seq, Izhikevich, 's' mode and Dropout between layers were skipped
+    without a word; ModuleList models were not fused at all."""
+    model = nn.Sequential(
+        conv(3, C), bn(), lif(store_v_seq=True),
+        conv(), bn(), neuron.IzhikevichNode(step_mode="m", backend="torch"),
+        conv(), bn(), neuron.LIFNode(step_mode="s", backend="torch"),
+        conv(), bn(), layer.Dropout(0.5, step_mode="m"), lif(),
+        conv(step_mode="s"), lif(),
+    )  # fmt: skip
+
+    class Looping(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = model
+            self.layers = nn.ModuleList([conv(), bn(), lif()])
+
+        def forward(self, x):
+            x = self.body(x)
+            for m in self.layers:
+                x = m(x)
+            return x
+
+    with caplog.at_level(logging.INFO, logger="spikefuse.fuse"):
+        fused, report = fuse(Looping(), return_report=True)
+    reasons = {s.modules: s.reason for s in report.skipped}
+    assert reasons[("body.0", "body.1", "body.2")] == (
+        "the neuron has store_v_seq=True; fused blocks never keep V"
+    )
+    assert "IzhikevichNode has two states" in reasons[("body.3", "body.4", "body.5")]
+    assert "step_mode='s'" in reasons[("body.6", "body.7", "body.8")]
+    assert reasons[("body.9", "body.10")] == "the output of 'body.10' goes to 'body.11'"
+    assert "step_mode='s'" in reasons[("body.13", "body.14")]
+    assert [c.modules for c in report.fused] == [("layers.0", "layers.1", "layers.2")]
+    assert isinstance(fused.layers[0], FusedBlock) and not report.untraced
+    assert report.chains == 5 and report.fused_fraction == pytest.approx(0.2)
+    assert "fused 1 of 5" in str(report) and "store_v_seq" in str(report)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "4 of 5 chains were not fused" in warnings[0].getMessage()
+    assert any("fused 1 of 5" in r.getMessage() for r in caplog.records if r.levelno == 20)
+
+
+def test_untraceable_forward_falls_back_to_the_module_tree():
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features = nn.Sequential(conv(3, C), bn(), lif())
+            self.extra = Block()
+            self.conv, self.bn, self.sn = conv(), bn(), lif()
+
+        def forward(self, x):
+            x = self.extra(self.features(x))
+            if x.sum() > 0:  # control flow on a value: torch.fx cannot trace this
+                x = self.sn(self.bn(self.conv(x)))
+            return x
+
+    torch.manual_seed(0)
+    model = randomized(DataDependent())
+    fused, report = fuse(model, return_report=True)
+    assert list(report.untraced) == ["<model>"]
+    assert "TraceError" in report.untraced["<model>"] or "Proxy" in report.untraced["<model>"]
+    assert report.traced == ["features", "extra"]
+    assert {c.modules[0] for c in report.fused} == {"features.0", "extra.conv1"}
+    unknown = next(s for s in report.skipped if s.modules == ("conv",))
+    assert unknown.is_chain is None and "could not be traced" in unknown.reason
+    assert report.fused_fraction == pytest.approx(2 / 3)
+    assert isinstance(fused.conv, layer.Conv2d)
+    x = torch.rand(T, B, 3, 6, 6, dtype=torch.float64) * 2
+    assert_equivalent(model, fused, x)
+
+
+def test_untraceable_sequential_is_searched_in_order():
+    class Picky(nn.Module):
+        def forward(self, x):
+            if x.dim() != 5:  # fine eagerly, untraceable
+                raise ValueError("expected [T, B, C, H, W]")
+            return x
+
+    model = nn.Sequential(Picky(), conv(3, C), bn(), lif())
+    fused, report = fuse(model, return_report=True)
+    assert set(report.untraced) == {"<model>", "0"}
+    assert [c.modules for c in report.fused] == [("1", "2", "3")]
+    assert isinstance(fused[1], FusedBlock)
+
+
+def test_chains_that_must_not_be_fused():
+    class Tricky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.a_bn, self.a_sn = conv(), bn(), lif()  # conv called twice
+            self.b, self.b_bn, self.b_sn = conv(), bn(), lif()  # BN output used twice
+            self.c, self.c_bn, self.c_sn = conv(), bn(), lif()  # BN only in training
+            self.d, self.d_bn, self.d_sn = conv(), bn(), lif()  # reads d.weight
+            self.e, self.e_bn, self.e_sn = conv(), bn(), lif()  # a hook on e_bn
+
+        def forward(self, x):
+            x = self.a_sn(self.a_bn(self.a(x))) + self.a(x)
+            y = self.b_bn(self.b(x))
+            x = self.b_sn(y) + y
+            y = self.c(x)
+            if self.training:
+                y = self.c_bn(y)
+            x = self.c_sn(y)
+            x = self.d_sn(self.d_bn(self.d(x))) * self.d.weight.sum()
+            return self.e_sn(self.e_bn(self.e(x)))
+
+    model = Tricky()
+    seen = []
+    model.e_bn.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    fused, report = fuse(model, return_report=True)
+    assert not report.fused
+    reasons = {s.modules[0]: s.reason for s in report.skipped}
+    assert reasons["a"] == "'a' is called 2 times in the forward"
+    assert reasons["b"] == "the output of 'b_bn' goes to 'b_sn', add()"
+    assert reasons["c"] == (
+        "the forward calls these modules differently in training mode and in eval mode"
+    )
+    assert reasons["d"] == "the forward reads 'd.weight' directly"
+    assert reasons["e"] == "'e_bn' has forward hooks, which fusing would bypass"
+    assert all(s.is_chain for s in report.skipped)
+
+
+def test_shared_module_is_not_fused():
+    class Aliased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.sn = conv(3, C), bn(), lif()
+            self.alias = self.sn  # the same neuron under a second name, not called
+
+        def forward(self, x):
+            return self.sn(self.bn(self.conv(x)))
+
+    fused, report = fuse(Aliased(), return_report=True)
+    assert not report.fused
+    assert "registered under several names" in report.skipped[0].reason
+
+
+def test_seq_to_ann_container_forms_in_a_custom_forward():
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = layer.SeqToANNContainer(nn.Conv2d(3, C, 3, padding=1), nn.BatchNorm2d(C))
+            self.sn = lif()
+            self.fc = layer.SeqToANNContainer(nn.Linear(C * 16, 6))
+            self.fc_bn = layer.SeqToANNContainer(nn.BatchNorm1d(6))
+            self.fc_sn = lif()
+
+        def forward(self, x):
+            x = self.sn(self.conv(x)).flatten(2)
+            return self.fc_sn(self.fc_bn(self.fc(x)))
+
+    torch.manual_seed(0)
+    model = randomized(Wrapped())
+    fused, report = fuse(model, return_report=True)
+    assert report.fused_fraction == 1.0 and len(report.fused) == 2
+    assert isinstance(fused.conv, FusedBlock) and isinstance(fused.fc_bn, nn.Identity)
+    assert list(fused.state_dict()) == list(model.state_dict())
+    assert "conv.1.running_mean" in model.state_dict()
+    x = torch.randn(T, B, 3, 4, 4, dtype=torch.float64) * 2
+    assert_equivalent(model, fused, x)
+    fused.load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(fused.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("hello",), "fuse: model must be a torch.nn.Module, got str"),
+        ((None,), "got NoneType"),
+        ((nn.Sequential(), "yes"), "inplace must be a bool, got str"),
+        ((nn.Sequential(), False, "group"), "process_group must be a torch.distributed"),
+    ],
+)
+def test_bad_arguments_are_type_errors(args, match):
+    with pytest.raises(TypeError, match=match):
+        fuse(*args)
+
+
+def test_inplace_and_leaf_models():
+    model = nn.Sequential(conv(3, C), bn(), lif())
+    assert fuse(model, inplace=True) is model and isinstance(model[0], FusedBlock)
+    again, report = fuse(model, return_report=True)  # already fused: nothing left to do
+    assert not report.fused and not report.skipped and report.fused_fraction == 1.0
+    single, report = fuse(conv(), return_report=True)
+    assert isinstance(single, layer.Conv2d) and not report.traced
+
+
+def test_a_chain_in_one_mode_only_is_not_fused():
+    class TrainOnlyNeuron(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.sn = conv(3, C), bn(), lif()
+
+        def forward(self, x):
+            x = self.bn(self.conv(x))
+            return self.sn(x) if self.training else x
+
+    model = TrainOnlyNeuron()
+    fused, report = fuse(model, return_report=True)
+    assert not report.fused and report.skipped[0].is_chain
+    assert report.skipped[0].reason == (
+        "the forward calls these modules differently in training mode and in eval mode "
+        "(the output of 'bn' goes to the forward's return value)"
+    )
+    assert model.training  # the training flags are restored after tracing
+    model.eval()
+    fuse(model)
+    assert not model.training and not model.bn.training
+
+
+def test_optional_forward_arguments_are_traced_both_ways():
+    class Optional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.sn = conv(3, C), bn(), lif()
+            self.conv2, self.bn2, self.sn2 = conv(), bn(), lif()
+
+        def forward(self, x, skip=None):
+            x = self.sn(self.bn(self.conv(x)))  # the same either way: fused
+            y = self.bn2(self.conv2(x))
+            return self.sn2(y) if skip is not None else y + x
+
+    torch.manual_seed(0)
+    model = randomized(Optional())
+    fused, report = fuse(model, return_report=True)
+    assert [c.modules for c in report.fused] == [("conv", "bn", "sn")]
+    assert report.skipped[0].reason == (
+        "the forward calls these modules differently in training mode and in training mode "
+        "with default arguments (the output of 'bn2' goes to add())"
+    )
+    x = torch.rand(T, B, 3, 4, 4, dtype=torch.float64) * 2
+    assert_equivalent(model, fused, x)
