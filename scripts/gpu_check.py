@@ -139,6 +139,8 @@ def check_variant(name, make, sur_cls, dtype, hard, detach, gen) -> tuple[bool, 
         for key, r in ref.items():
             if key == "spikes":
                 continue
+            if key in ("v_seq", "grad_x"):  # stored in the storage dtype: round the reference
+                r = r.to(dtype)  # too (a V beyond float16's range is inf in both)
             e = rel_err(got[key], r)
             kind = "grad" if key.startswith("grad") else "value"
             worst[kind] = max(worst[kind], e)
