@@ -6,6 +6,7 @@ sees (CUDA events around each step, ``synchronize`` after it: host time is not h
 queued work); ``queued_ms`` is the same steps issued back to back (the GPU's pace when the host
 keeps ahead); ``host_ms`` is the host time to issue one step. ``host_ms`` close to ``ms`` means
 the step is host-bound. Memory is the peak of ``torch.cuda.max_memory_allocated`` over the
+setup (model, warm-up and, for CUDA graphs, the capture, whose memory the graph keeps) and the
 measured iterations (CPU runs report no memory figure).
 """
 
@@ -157,10 +158,14 @@ def measure(
     """
     result = BenchResult(bench=bench, variant=variant, dtype=dtype, note=note)
     try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         step = setup()
+        # A CUDA graph holds the memory its capture allocated: count setup's peak too.
+        setup_peak = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else 0
         timing = time_step(step, device, warmup=warmup, iters=iters)
         result.ms, result.queued_ms, result.host_ms = timing.synced, timing.queued, timing.host
-        result.peak_mib = peak_mib(step, device, iters=min(iters, 3))
+        result.peak_mib = max(setup_peak, peak_mib(step, device, iters=min(iters, 3)))
     except Exception as exc:  # noqa: BLE001 - a failing variant must not end the benchmark
         message = str(exc).strip().splitlines()
         result.error = f"{type(exc).__name__}: {message[0] if message else ''}"[:200]
