@@ -72,3 +72,35 @@ def _worker(rank: int, port: int) -> None:
 def test_rank_with_no_samples_contributes_nothing(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+
+
+def _join_worker(rank: int, port: int) -> None:
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    from spikefuse.errors import SpikefuseError
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        block = _block()
+        ddp = DistributedDataParallel(block)
+        x = torch.randn(3, 4, 5, dtype=torch.float64)
+        counter = int(block.bn.num_batches_tracked)
+        with pytest.raises(SpikefuseError, match="throw_on_early_termination=True"):
+            with Join([ddp]):
+                ddp(x)
+        assert int(block.bn.num_batches_tracked) == counter  # refused before any state change
+        with Join([ddp], throw_on_early_termination=True):  # torch stops all ranks together
+            ddp(x).sum().backward()
+        ddp(x).sum().backward()  # outside Join: as before
+    finally:
+        dist.destroy_process_group()
+
+
+def test_join_without_early_termination_is_refused(monkeypatch):
+    """Issue 10: DDP with Join and uneven batch counts aborted inside the fused BN all-reduce;
+    now a Join context that would let ranks run out silently is refused with what to do."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    mp.spawn(_join_worker, args=(_free_port(),), nprocs=WORLD, join=True)

@@ -20,6 +20,7 @@ from .bn_neuron import (
     bn_neuron_forward,
     bn_statistics,
     is_distributed,
+    refuse_join,
 )
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
 
@@ -193,6 +194,8 @@ class FusedBlock(nn.Module):
             return self._traced_forward(x)
         y = self._synapse_forward(x)
         neuron = NeuronCall.from_node(self.node, y)  # may raise: before BN's state changes
+        if self.bn is not None and is_distributed(self.process_group):
+            refuse_join()
         if torch.is_anomaly_enabled():  # the node's NaN check (a host sync: anomaly mode only)
             self.node._check_no_nan(y, None)
         learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))

@@ -302,6 +302,28 @@ def batch_stats(
     return g_mean.to(mean.dtype), g_var.to(mean.dtype), total
 
 
+def refuse_join() -> None:
+    """Raise inside a ``torch.distributed.algorithms.Join`` context that would let ranks run out
+    of batches silently: the fused BatchNorm all-reduces (statistics in forward, sums in
+    backward) are collectives that Join cannot shadow, so the remaining ranks would hang or
+    pair them with other collectives. With ``throw_on_early_termination=True`` torch stops every
+    rank once one runs out, before any fused block runs, which is safe.
+
+    Reads the DDP module whose forward is running (PyTorch records it, with its join settings).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    config = getattr(ddp, "_join_config", None)
+    if config is not None and config.enable and not config.throw_on_early_termination:
+        raise SpikefuseError(
+            "fused blocks synchronise BatchNorm across processes with their own all-reduces, "
+            "which torch.distributed.algorithms.Join cannot shadow for ranks that ran out of "
+            "batches: give every rank the same number of batches (e.g. DistributedSampler("
+            "drop_last=True)), use Join(..., throw_on_early_termination=True), or train unfused"
+        )
+
+
 def all_reduce_sums(sums: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     """Sum a small per-channel tensor over processes, in place (no-op when not distributed)."""
     if is_distributed(group):
