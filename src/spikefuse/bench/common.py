@@ -165,7 +165,8 @@ def measure(
         setup_peak = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else 0
         timing = time_step(step, device, warmup=warmup, iters=iters)
         result.ms, result.queued_ms, result.host_ms = timing.synced, timing.queued, timing.host
-        result.peak_mib = max(setup_peak, peak_mib(step, device, iters=min(iters, 3)))
+        steps_peak = peak_mib(step, device, iters=min(iters, 3))  # NaN off CUDA
+        result.peak_mib = steps_peak if math.isnan(steps_peak) else max(setup_peak, steps_peak)
     except Exception as exc:  # noqa: BLE001 - a failing variant must not end the benchmark
         message = str(exc).strip().splitlines()
         result.error = f"{type(exc).__name__}: {message[0] if message else ''}"[:200]

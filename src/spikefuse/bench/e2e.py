@@ -19,6 +19,12 @@ captured in a CUDA graph, ``+compile`` runs ``torch.compile(model)``. Reports ms
 (synchronised, back to back, host issue time; see :mod:`spikefuse.bench.common`) and peak
 allocated MiB, for fp32 and bf16 autocast; writes ``e2e_<model>.csv`` and ``.png``.
 
+Residual networks from :mod:`spikefuse.models` (``--model resnet19``: ResNet-19 on 32×32,
+default T=4, B=64; ``--model sew-resnet18``: SEW-ResNet-18 (ADD) on 224×224 with 1000 classes,
+default T=4, B=32): the same variants, with the zoo's blocks; ``vanilla`` uses the same layers
+with the Python-loop LIF; a fused variant prints how many of the Conv → BN → neuron chains
+:func:`spikefuse.fuse` fused.
+
     python -m spikefuse bench e2e --model medium
     python -m spikefuse bench e2e --device cpu --T 2 --batch 2 --iters 2   # smoke test
 """
@@ -27,13 +33,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import functional, layer, neuron, surrogate
+from .. import functional, layer, models, neuron, surrogate
 from ..fused import fuse
 from .common import BenchResult, cuda_graphed, format_table, measure, plot_results, write_csv
 
@@ -48,6 +55,25 @@ MODELS: dict[str, tuple[tuple[int | str, ...], tuple[int, ...]]] = {
     "large": ((128, 128, 128, POOL, 256, 256, 256, POOL, 512, 512, 512, POOL), (1024, 512)),
 }
 NUM_CLASSES, IMAGE_SIZE, IN_CHANNELS = 10, 32, 3
+
+
+@dataclass(frozen=True)
+class ZooNet:
+    """A residual network of :mod:`spikefuse.models` and the input it is benchmarked on."""
+
+    build: Callable[..., nn.Module]  # (spiking_neuron=..., **neuron kwargs) -> model
+    image_size: int
+    num_classes: int
+    T: int  # default time steps and batch size of the benchmark
+    batch: int
+
+
+ZOO = {
+    "resnet19": ZooNet(models.spiking_resnet19, 32, 10, T=4, batch=64),
+    "sew-resnet18": ZooNet(
+        lambda **kw: models.sew_resnet18(cnf="ADD", **kw), 224, 1000, T=4, batch=32
+    ),
+}
 VARIANTS = (
     "vanilla",
     "vanilla-compile",
@@ -163,29 +189,53 @@ def spikefuse_model(
     })  # fmt: skip
 
 
+def zoo_model(model: str, backend: str | None) -> nn.Module:
+    """A :data:`ZOO` network with :func:`sj_lif`-like neurons, or the vanilla Python-loop LIF
+    when ``backend`` is None."""
+    if backend is None:
+        return ZOO[model].build(spiking_neuron=lambda **_: VanillaLIF(), step_mode="m")
+    return ZOO[model].build(
+        spiking_neuron=neuron.LIFNode, tau=4.0 / 3.0, decay_input=False, v_threshold=0.25,
+        v_reset=0.0, surrogate_function=surrogate.Sigmoid(), step_mode="m", backend=backend,
+    )  # fmt: skip
+
+
 def build(variant: str, model: str, device: torch.device) -> nn.Module:
     """The variant's model (``+graph`` is applied to its training step, not here)."""
     backend = "cuda" if device.type == "cuda" else "torch"
     base, _, mode = variant.partition("+")
     if base == "vanilla":
-        net = vanilla_model(model)
+        net = zoo_model(model, None) if model in ZOO else vanilla_model(model)
         return torch.compile(net) if variant == "vanilla-compile" else net
     if base not in ("spikefuse", "fused"):
         raise ValueError(f"unknown variant {variant!r}")
-    net = spikefuse_model(model, backend)
+    net = zoo_model(model, backend) if model in ZOO else spikefuse_model(model, backend)
     if base == "fused":
-        net = fuse(net, inplace=True)
+        net, report = fuse(net, inplace=True, return_report=True)
+        print(f"  {variant}: fused {len(report.fused)} of {report.chains} chains", flush=True)
     return torch.compile(net) if mode == "compile" else net
 
 
+def input_geometry(model: str) -> tuple[int, int]:
+    """(image size, classes) of a benchmark network."""
+    zoo = ZOO.get(model)
+    return (zoo.image_size, zoo.num_classes) if zoo else (IMAGE_SIZE, NUM_CLASSES)
+
+
 def training_step(
-    net: nn.Module, device: torch.device, T: int, batch: int, amp: torch.dtype | None
+    net: nn.Module,
+    device: torch.device,
+    T: int,
+    batch: int,
+    amp: torch.dtype | None,
+    geometry: tuple[int, int] = (IMAGE_SIZE, NUM_CLASSES),
 ) -> Callable[[], None]:
     """A closure running one full training iteration on a fixed synthetic batch."""
     net = net.to(device).train()
+    size, classes = geometry
     gen = torch.Generator(device="cpu").manual_seed(0)
-    images = torch.rand(batch, IN_CHANNELS, IMAGE_SIZE, IMAGE_SIZE, generator=gen).to(device)
-    labels = torch.randint(0, NUM_CLASSES, (batch,), generator=gen).to(device)
+    images = torch.rand(batch, IN_CHANNELS, size, size, generator=gen).to(device)
+    labels = torch.randint(0, classes, (batch,), generator=gen).to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
 
     def step() -> None:
@@ -206,7 +256,8 @@ def training_step(
 def setup_variant(
     variant: str, model: str, device: torch.device, T: int, batch: int, amp: torch.dtype | None
 ) -> Callable[[], None]:
-    step = training_step(build(variant, model, device), device, T, batch, amp)
+    net = build(variant, model, device)
+    step = training_step(net, device, T, batch, amp, input_geometry(model))
     return cuda_graphed(step) if variant.endswith("+graph") else step
 
 
@@ -247,15 +298,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="End-to-end SNN training benchmark on the DATE'22 CIFAR10 networks.",
     )
     parser.add_argument(
-        "--model", choices=sorted(MODELS), default="medium", help="network size (default: medium)"
+        "--model",
+        choices=sorted(MODELS) + sorted(ZOO),
+        default="medium",
+        help="a DATE'22 network size or a residual network (default: medium)",
     )
     parser.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="torch device (default: cuda when available, else cpu)",
     )
-    parser.add_argument("--T", type=int, default=10, help="time steps (default: 10)")
-    parser.add_argument("--batch", type=int, default=64, help="batch size (default: 64)")
+    parser.add_argument(
+        "--T", type=int, default=None, help="time steps (default: 10; the residual nets: 4)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=None, help="batch size (default: 64; sew-resnet18: 32)"
+    )
     parser.add_argument("--iters", type=int, default=20, help="timed iterations (default: 20)")
     parser.add_argument(
         "--warmup", type=int, default=None, help="untimed iterations first (default: 5; 1 on CPU)"
@@ -287,6 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    zoo = ZOO.get(args.model)
+    if args.T is None:
+        args.T = zoo.T if zoo else 10
+    if args.batch is None:
+        args.batch = zoo.batch if zoo else 64
     for name in ("T", "batch", "iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
