@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .errors import SpikefuseError
 from .functional import check_sequence, multi_step_forward, seq_to_ann_forward, split_time_batch
-from .neuron import STEP_MODES, MemoryModule
+from .neuron import MemoryModule, StepModeMixin
 
 
 def seq_to_ann(module: Callable[[Tensor], Any], x_seq: Tensor) -> Any:
@@ -36,7 +36,7 @@ class SeqToANNContainer(nn.Sequential):
         return seq_to_ann(super().forward, x_seq)
 
 
-class _StepMode:
+class _StepMode(StepModeMixin):
     """Mixin: ``step_mode='m'`` applies the wrapped torch layer to ``[T, N, *]`` input.
 
     ``_seq_dims`` are the input dimensions allowed in multi-step mode (``_seq_shape`` names them).
@@ -44,16 +44,6 @@ class _StepMode:
 
     _seq_dims: range = range(2, 64)
     _seq_shape: str = "[T, N, *]"
-
-    @property
-    def step_mode(self) -> str:
-        return self._step_mode
-
-    @step_mode.setter
-    def step_mode(self, mode: str) -> None:
-        if mode not in STEP_MODES:
-            raise SpikefuseError(f"step_mode must be 's' or 'm', got {mode!r}")
-        self._step_mode = mode
 
     def forward(self, x: Tensor) -> Tensor:
         if self.step_mode == "m":

@@ -272,12 +272,10 @@ class BasicBlock(nn.Module):
         return self.sn2(out + identity)
 
 
-class SEWBasicBlock(nn.Module):
+class SEWBasicBlock(BasicBlock):
     """SEW-ResNet's basic block: ``g(sn2(bn2(conv2(sn1(bn1(conv1(x)))))), shortcut(x))`` with
     the connect function ``g`` = :func:`sew_function` (``cnf``); the shortcut is the identity or
     ``downsample_sn(downsample(x))`` (Conv1x1 → BN → neuron)."""
-
-    expansion = 1
 
     def __init__(
         self,
@@ -293,21 +291,10 @@ class SEWBasicBlock(nn.Module):
         spiking_neuron: Callable[..., nn.Module] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__()
-        if groups != 1 or base_width != 64 or dilation != 1:
-            raise SpikefuseError("BasicBlock supports only groups=1, base_width=64, dilation=1")
-        mode = _step_mode(kwargs)
-        norm_layer = norm_layer or layer.BatchNorm2d
-        self.conv1 = _conv3x3(inplanes, planes, stride, mode)
-        self.bn1 = norm_layer(planes, step_mode=mode)
-        self.sn1 = _neuron(spiking_neuron, kwargs)
-        self.conv2 = _conv3x3(planes, planes, 1, mode)
-        self.bn2 = norm_layer(planes, step_mode=mode)
-        self.sn2 = _neuron(spiking_neuron, kwargs)
-        self.downsample = downsample
+        super().__init__(inplanes, planes, stride, downsample, groups, base_width, dilation,
+                         norm_layer, spiking_neuron, **kwargs)  # fmt: skip
         if downsample is not None:
             self.downsample_sn = _neuron(spiking_neuron, kwargs)
-        self.stride = stride
         self.cnf = _check_cnf(cnf)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -42,13 +42,8 @@ def _check_finite(owner: str, name: str, value: Any) -> None:
         raise SpikefuseError(f"{owner}: {name} must be a finite float, got {value!r}")
 
 
-class MemoryModule(nn.Module):
-    """A module with per-sample state (memories) that :meth:`reset` restores to defaults."""
-
-    def __init__(self, step_mode: str = "s") -> None:
-        super().__init__()
-        self._memory_defaults: dict[str, Any] = {}
-        self.step_mode = step_mode
+class StepModeMixin:
+    """A ``step_mode`` attribute, ``'s'`` or ``'m'``, validated on every assignment."""
 
     @property
     def step_mode(self) -> str:
@@ -59,6 +54,15 @@ class MemoryModule(nn.Module):
         if mode not in STEP_MODES:
             raise SpikefuseError(f"step_mode must be 's' or 'm', got {mode!r}")
         self._step_mode = mode
+
+
+class MemoryModule(StepModeMixin, nn.Module):
+    """A module with per-sample state (memories) that :meth:`reset` restores to defaults."""
+
+    def __init__(self, step_mode: str = "s") -> None:
+        super().__init__()
+        self._memory_defaults: dict[str, Any] = {}
+        self.step_mode = step_mode
 
     def register_memory(self, name: str, value: Any) -> None:
         """Declare a state variable; ``value`` is restored by :meth:`reset`."""
