@@ -15,8 +15,10 @@ of it), ``spikefuse`` (the network as a SpikingJelly user writes it: ``layer.Con
 ``layer.BatchNorm2d`` → ``neuron.LIFNode(tau=4/3, decay_input=False, v_threshold=0.25,
 surrogate_function=surrogate.Sigmoid())``, ``layer.AvgPool2d``, ...; cuda backend on GPUs) and
 ``fused`` (:func:`spikefuse.fuse` of that model); ``+graph`` replays the whole training step
-captured in a CUDA graph, ``+compile`` runs ``torch.compile(model)``. Reports ms per step
-(synchronised, back to back, host issue time; see :mod:`spikefuse.bench.common`) and peak
+captured in a CUDA graph, ``+compile`` runs ``torch.compile(model)``; ``fused-min`` is
+``fuse(model, memory="min")`` (blocks keep only their input and recompute the synapse).
+Reports ms per step (synchronised, back to back, host issue time; see
+:mod:`spikefuse.bench.common`) and peak
 allocated MiB, for fp32 and bf16 autocast; writes ``e2e_<model>.csv`` and ``.png``.
 
 Residual networks from :mod:`spikefuse.models` (``--model resnet19``: ResNet-19 on 32×32,
@@ -83,6 +85,8 @@ VARIANTS = (
     "fused",
     "fused+graph",
     "fused+compile",
+    "fused-min",
+    "fused-min+graph",
 )
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -207,11 +211,12 @@ def build(variant: str, model: str, device: torch.device) -> nn.Module:
     if base == "vanilla":
         net = zoo_model(model, None) if model in ZOO else vanilla_model(model)
         return torch.compile(net) if variant == "vanilla-compile" else net
-    if base not in ("spikefuse", "fused"):
+    if base not in ("spikefuse", "fused", "fused-min"):
         raise ValueError(f"unknown variant {variant!r}")
     net = zoo_model(model, backend) if model in ZOO else spikefuse_model(model, backend)
-    if base == "fused":
-        net, report = fuse(net, inplace=True, return_report=True)
+    if base.startswith("fused"):
+        memory = "min" if base == "fused-min" else "default"
+        net, report = fuse(net, inplace=True, return_report=True, memory=memory)
         print(f"  {variant}: fused {len(report.fused)} of {report.chains} chains", flush=True)
     return torch.compile(net) if mode == "compile" else net
 

@@ -22,9 +22,11 @@ from .bn_neuron import (
     is_distributed,
     refuse_join,
 )
+from .low_memory import SynapseRecomputeFunction, mark_spikes
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
 
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
+MEMORY_MODES = ("default", "min")
 POOLS = (nn.AvgPool2d, nn.MaxPool2d)
 # The BatchNorm class that matches each synapse: channels are dim 1 of the merged [T*B, C, *].
 _BN_FOR = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Linear: nn.BatchNorm1d}
@@ -90,6 +92,10 @@ class FusedBlock(nn.Module):
         bn: the matching ``BatchNorm1d``/``BatchNorm2d``, or None for no normalisation.
         node: the neuron (e.g. :func:`paper_lif`).
         process_group: the group BN synchronises over (None: the default group).
+        memory: ``"default"`` keeps the synapse output y for backward (the DATE'22 blocks);
+            ``"min"`` keeps only the block's input, 1-bit packed when it is the spike output
+            of another fused block, and recomputes y in backward (one more synapse forward per
+            block; the same gradients; see :mod:`spikefuse.fused.low_memory`).
     """
 
     def __init__(
@@ -98,8 +104,13 @@ class FusedBlock(nn.Module):
         bn: nn.modules.batchnorm._BatchNorm | None,
         node: BaseNode,
         process_group: dist.ProcessGroup | None = None,
+        memory: str = "default",
     ) -> None:
         super().__init__()
+        if memory not in MEMORY_MODES:
+            raise SpikefuseError(
+                f"FusedBlock: memory must be one of {MEMORY_MODES}, got {memory!r}"
+            )
         kind = _synapse_kind(synapse)
         if kind is None:
             raise SpikefuseError(
@@ -134,6 +145,7 @@ class FusedBlock(nn.Module):
         self.synapse, self.bn, self.node = synapse, bn, node
         self._kind = kind
         self.process_group = process_group
+        self.memory = memory
 
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
@@ -165,6 +177,29 @@ class FusedBlock(nn.Module):
             y = self._kind.forward(self.synapse, merged)
         return y.unflatten(0, x.shape[:2])
 
+    def _synapse_call(self, x: Tensor) -> Tensor:
+        """y = synapse(x) on [T, B, ...] as the forward computes it (memory="min" recomputes it)."""
+        merged = x.flatten(0, 1)
+        if self._kind is nn.Conv2d and merged.is_cuda:
+            merged = merged.contiguous(memory_format=torch.channels_last)
+        return self._kind.forward(self.synapse, merged).unflatten(0, x.shape[:2])
+
+    def _forward_min_memory(self, x: Tensor) -> Tensor:
+        """memory="min": y is computed without autograd here and recomputed in backward."""
+        with torch.no_grad():
+            y = self._synapse_call(x)
+        neuron = NeuronCall.from_node(self.node, y)  # may raise: before BN's state changes
+        if self.bn is not None and is_distributed(self.process_group):
+            refuse_join()
+        learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
+        bn = self._bn_spec()
+        stats = None if bn is None else bn_statistics(y, bn)
+        weight = bn.weight if bn is not None else None
+        bias = bn.bias if bn is not None else None
+        spikes = SynapseRecomputeFunction.apply(x, y, weight, bias, learnable, stats, bn, neuron,
+                                                self._synapse_call, *self.synapse.parameters())  # fmt: skip
+        return mark_spikes(spikes)
+
     def _bn_spec(self) -> BNSpec | None:
         """This call's BatchNorm side; counts the batch (call it only once the call can run)."""
         bn = self.bn
@@ -192,6 +227,8 @@ class FusedBlock(nn.Module):
         self._check_input(x)
         if torch.compiler.is_compiling():
             return self._traced_forward(x)
+        if self.memory == "min" and torch.is_grad_enabled():
+            return self._forward_min_memory(x)
         y = self._synapse_forward(x)
         neuron = NeuronCall.from_node(self.node, y)  # may raise: before BN's state changes
         if self.bn is not None and is_distributed(self.process_group):
@@ -207,10 +244,12 @@ class FusedBlock(nn.Module):
         stats = None if bn is None else bn_statistics(y, bn)
         spikes = BNNeuronFunction.apply(y, weight, bias, learnable, stats, bn, neuron, save)
         if not save:
-            return spikes
+            return mark_spikes(spikes)
         y, learnable = y.detach(), None if learnable is None else learnable.detach()
-        return mark_recomputable(
-            spikes, lambda: bn_neuron_forward(y, stats, neuron, learnable, False)[0]
+        return mark_spikes(
+            mark_recomputable(
+                spikes, lambda: bn_neuron_forward(y, stats, neuron, learnable, False)[0]
+            )
         )
 
     def _traced_forward(self, x: Tensor) -> Tensor:

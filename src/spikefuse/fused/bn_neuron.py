@@ -411,6 +411,49 @@ def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
     return BNStats(mean, torch.rsqrt(var + bn.eps), weight, bias, count)
 
 
+def bn_neuron_grads(
+    y: Tensor,
+    stats: BNStats | None,
+    bn: BNSpec | None,
+    neuron: NeuronCall,
+    learnable: Tensor | None,
+    grad_spikes: Tensor,
+    saved: tuple | None,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """The whole backward of spikes = neuron(BN(y)): ``(dL/dy, dL/dgamma, dL/dbeta,
+    dL/dlearnable)``, the last three None unless ``needs`` (gamma, beta, learnable) asks.
+
+    Pass 1 (:func:`bn_neuron_backward`), the per-channel sums (all-reduced when distributed),
+    pass 2 (:func:`bn_input_grad`); ``saved`` is what the forward kept (see
+    :meth:`NeuronCall.forward`)."""
+    g, sums, grad_learnable = bn_neuron_backward(y, stats, neuron, learnable, grad_spikes, saved)
+    grad_learnable = grad_learnable if needs[2] else None
+    if stats is None:
+        return g.to(y.dtype), None, None, grad_learnable
+    grad_weight = sums[1] * stats.invstd if needs[0] else None
+    grad_bias = sums[0] if needs[1] else None
+    totals, inv_count = None, 0.0
+    if bn.batch_stats:
+        totals, count = sums, stats.count
+        if is_distributed(bn.group):  # the local sums stay the local parameter gradients
+            totals = all_reduce_sums(sums.clone(), bn.group)
+        if isinstance(count, Tensor):  # the count over all processes stays on the device
+            totals, count = totals / count, 1
+        inv_count = 1.0 / count
+    grad_y = bn_input_grad(g, y, stats, totals, inv_count, neuron, learnable, grad_spikes, saved)
+    return grad_y, grad_weight, grad_bias, grad_learnable
+
+
+def _as_dtype(grad: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
+    return None if grad is None or dtype is None else grad.to(dtype)
+
+
+def param_dtypes(*params: Tensor | None) -> tuple[torch.dtype | None, ...]:
+    """The parameters' dtypes (None for absent ones): what their gradients are cast to."""
+    return tuple(None if p is None else p.dtype for p in params)
+
+
 class BNNeuronFunction(torch.autograd.Function):
     """spikes = neuron(BN(y)); saves y and per-channel vectors only (see the module docstring).
 
@@ -429,10 +472,7 @@ class BNNeuronFunction(torch.autograd.Function):
         ctx.kept = saved is not None
         ctx.count = None if stats is None else stats.count
         ctx.neuron, ctx.bn = neuron, bn
-        ctx.param_dtypes = (
-            None if weight is None else weight.dtype,
-            None if bias is None else bias.dtype,
-        )
+        ctx.param_dtypes = param_dtypes(weight, bias)
         return spikes
 
     @staticmethod
@@ -443,26 +483,12 @@ class BNNeuronFunction(torch.autograd.Function):
         if ctx.count is not None:
             stats, rest = BNStats(*rest[:4], ctx.count), rest[4:]
         saved = tuple(rest) if ctx.kept else None
-        bn: BNSpec | None = ctx.bn
-        nones = (None,) * 4  # stats, bn, neuron, save
-        g, sums, grad_learnable = bn_neuron_backward(
-            y, stats, ctx.neuron, learnable, grad_spikes, saved
+        grad_y, grad_weight, grad_bias, grad_learnable = bn_neuron_grads(
+            y, stats, ctx.bn, ctx.neuron, learnable, grad_spikes, saved, ctx.needs_input_grad[1:4]
         )
-        grad_learnable = grad_learnable if ctx.needs_input_grad[3] else None
-        if stats is None:
-            return g.to(y.dtype), None, None, grad_learnable, *nones
         weight_dtype, bias_dtype = ctx.param_dtypes
-        grad_weight = (sums[1] * stats.invstd).to(weight_dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = sums[0].to(bias_dtype) if ctx.needs_input_grad[2] else None
-        totals, inv_count = None, 0.0
-        if bn.batch_stats:
-            totals, count = sums, stats.count
-            if is_distributed(bn.group):  # the local sums stay the local parameter gradients
-                totals = all_reduce_sums(sums.clone(), bn.group)
-            if isinstance(count, Tensor):  # the count over all processes stays on the device
-                totals, count = totals / count, 1
-            inv_count = 1.0 / count
-        grad_y = bn_input_grad(
-            g, y, stats, totals, inv_count, ctx.neuron, learnable, grad_spikes, saved
+        grad_weight, grad_bias = (
+            _as_dtype(grad_weight, weight_dtype),
+            _as_dtype(grad_bias, bias_dtype),
         )
-        return grad_y, grad_weight, grad_bias, grad_learnable, *nones
+        return grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None

@@ -33,8 +33,18 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import layer
+from ..errors import SpikefuseError
 from ..neuron import BaseNode, MemoryModule
-from .blocks import _BN_FOR, _EXACT, POOLS, SYNAPSES, FusedBlock, SpikePool, _synapse_kind
+from .blocks import (
+    _BN_FOR,
+    _EXACT,
+    MEMORY_MODES,
+    POOLS,
+    SYNAPSES,
+    FusedBlock,
+    SpikePool,
+    _synapse_kind,
+)
 
 log = logging.getLogger("spikefuse.fuse")
 MODEL = "<model>"  # how reports name the model itself
@@ -453,7 +463,9 @@ def _parent(name: str) -> list[str]:
     return name.split(".")[:-1]
 
 
-def _replace(root: nn.Module, chain: _Chain, process_group: dist.ProcessGroup | None) -> None:
+def _replace(
+    root: nn.Module, chain: _Chain, process_group: dist.ProcessGroup | None, memory: str
+) -> None:
     """Put a FusedBlock at the synapse's place, Identity at the BN's and neuron's, and hook the
     lowest module holding all three so that state dicts keep the unfused keys."""
     container = root.get_submodule(chain.synapse)
@@ -468,7 +480,7 @@ def _replace(root: nn.Module, chain: _Chain, process_group: dist.ProcessGroup | 
         originals["bn"] = chain.bn + (".0" if type(separate) is layer.SeqToANNContainer else "")
     node = root.get_submodule(chain.node)
     originals["node"] = chain.node
-    _set_submodule(root, chain.synapse, FusedBlock(synapse, bn, node, process_group))
+    _set_submodule(root, chain.synapse, FusedBlock(synapse, bn, node, process_group, memory))
     for name in chain.names[1:]:
         _set_submodule(root, name, nn.Identity())
     parents = [_parent(name) for name in chain.names]
@@ -498,8 +510,8 @@ def _display(name: str) -> str:
 
 
 class _Fuser:
-    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
-        self.process_group = process_group
+    def __init__(self, process_group: dist.ProcessGroup | None, memory: str) -> None:
+        self.process_group, self.memory = process_group, memory
         self.report = FuseReport()
 
     def convert(self, module: nn.Module, path: str) -> None:
@@ -534,7 +546,7 @@ class _Fuser:
             _set_submodule(root, name, SpikePool(_as_pool(root.get_submodule(name))))
             self.report.pools.append(_join(path, name))
         for chain in findings.chains.values():
-            _replace(root, chain, self.process_group)
+            _replace(root, chain, self.process_group, self.memory)
             names = tuple(_join(path, n) for n in chain.names)
             self.report.fused.append(FusedChain(names[0], names))
         self.report.skipped.extend(findings.skipped.values())
@@ -546,6 +558,7 @@ def fuse(
     process_group: dist.ProcessGroup | None = None,
     *,
     return_report: bool = False,
+    memory: str = "default",
 ) -> nn.Module | tuple[nn.Module, FuseReport]:
     """Replace every multi-step ``synapse → [BN] → neuron`` chain of ``model`` by a FusedBlock.
 
@@ -577,7 +590,9 @@ def fuse(
     each other with ``strict=True``; the fused naming loads too.
 
     ``process_group``: what the fused BatchNorms synchronise over (None: the default group).
-    Returns the converted model (a deep copy unless ``inplace``), and with ``return_report`` also
+    ``memory``: ``"default"`` (blocks keep their Conv/Linear output, as in the DATE'22 paper) or
+    ``"min"`` (blocks keep only their input, 1-bit packed when it is spikes, and recompute the
+    Conv/Linear in backward; see :class:`FusedBlock`). Returns the converted model (a deep copy unless ``inplace``), and with ``return_report`` also
     a :class:`FuseReport`; the report is logged (logger ``spikefuse.fuse``: INFO, WARNING when
     a chain was left unfused). The model computes the same function, but each forward call is
     an independent sequence (fused neurons start from their reset state).
@@ -595,9 +610,11 @@ def fuse(
             "fuse: process_group must be a torch.distributed.ProcessGroup or None, got "
             f"{type(process_group).__name__}"
         )
+    if memory not in MEMORY_MODES:
+        raise SpikefuseError(f"fuse: memory must be one of {MEMORY_MODES}, got {memory!r}")
     if not inplace:
         model = copy.deepcopy(model)
-    fuser = _Fuser(process_group)
+    fuser = _Fuser(process_group, memory)
     fuser.convert(model, "")
     report = fuser.report
     log.info("%s", report)

@@ -1,0 +1,128 @@
+"""The fused blocks' minimal-memory mode: keep only the block's input, recompute the synapse.
+
+The DATE'22 blocks keep their synapse (Conv/Linear) output y for backward. With
+``memory="min"`` a block keeps its *input* instead, packed at 1 bit per element when that
+input is the spike output of another fused block (8 elements per byte: 1/32 of float32), and
+recomputes y = synapse(input) in backward before the BatchNorm-neuron backward; the synapse's
+own backward then runs on the recomputed graph. Backward costs one more synapse forward per
+block; the gradients equal the default mode's (same operations on the same values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..ops import forbid_double_backward
+from .bn_neuron import (
+    BNSpec,
+    BNStats,
+    NeuronCall,
+    _as_dtype,
+    bn_neuron_forward,
+    bn_neuron_grads,
+    param_dtypes,
+)
+
+_SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
+_BIT_WEIGHTS: dict[torch.device, Tensor] = {}
+
+
+def mark_spikes(t: Tensor) -> Tensor:
+    """Tag ``t`` as binary spikes (until it is modified in place); returns t."""
+    setattr(t, _SPIKES, t._version)
+    return t
+
+
+def is_spikes(t: Tensor) -> bool:
+    """Whether ``t`` (or the tensor it is a view of) is tagged as unmodified spikes."""
+    for candidate in (t, t._base):
+        if candidate is not None and getattr(candidate, _SPIKES, None) == candidate._version:
+            return True
+    return False
+
+
+def _bit_weights(device: torch.device) -> Tensor:
+    weights = _BIT_WEIGHTS.get(device)
+    if weights is None:
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+        # not cached while a CUDA graph is captured: it would belong to the graph's pool
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _BIT_WEIGHTS[device] = weights
+    return weights
+
+
+def pack_bits(spikes: Tensor) -> Tensor:
+    """0/1 values (any shape, layout, float dtype) → uint8 [ceil(n / 8)], logical order."""
+    bits = spikes.reshape(-1) != 0
+    pad = -bits.numel() % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = _bit_weights(spikes.device)
+    return (bits.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """The inverse of :func:`pack_bits`: a contiguous tensor of ``shape`` and ``dtype``."""
+    bits = (packed[:, None] & _bit_weights(packed.device)) != 0
+    return bits.reshape(-1)[: shape.numel()].to(dtype).view(shape)
+
+
+class SynapseRecomputeFunction(torch.autograd.Function):
+    """spikes = neuron(BN(synapse(x))), keeping x (1-bit packed when it is spikes) for backward.
+
+    ``apply(x, y, weight, bias, learnable, stats, bn, neuron, synapse, *synapse_params)``: y is
+    ``synapse(x)``, computed by the caller without autograd (and freed after this forward);
+    ``synapse`` recomputes it from x in backward, where autograd differentiates it with respect
+    to x and ``synapse_params``. The other arguments are :class:`BNNeuronFunction`'s.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, weight, bias, learnable, stats: BNStats | None, bn: BNSpec | None,
+                neuron: NeuronCall, synapse: Callable[[Tensor], Tensor],
+                *synapse_params):  # fmt: skip
+        spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, True)
+        packed = is_spikes(x)
+        kept = pack_bits(x) if packed else x
+        vectors = () if stats is None else stats.vectors
+        ctx.save_for_backward(kept, learnable, *vectors, *(saved or ()))
+        ctx.geometry = (x.shape, x.dtype, packed)
+        ctx.count = None if stats is None else stats.count
+        ctx.kept = saved is not None
+        ctx.neuron, ctx.bn, ctx.synapse = neuron, bn, synapse
+        ctx.synapse_params = synapse_params  # parameters: alive anyway, not activations
+        ctx.param_dtypes = param_dtypes(weight, bias)
+        return spikes
+
+    @staticmethod
+    def backward(ctx, grad_spikes):
+        forbid_double_backward("a fused block (memory='min')")
+        kept, learnable, *rest = ctx.saved_tensors
+        stats = None
+        if ctx.count is not None:
+            stats, rest = BNStats(*rest[:4], ctx.count), rest[4:]
+        shape, dtype, packed = ctx.geometry
+        x = unpack_bits(kept, shape, dtype) if packed else kept
+        needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[9:]
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(needs_x)
+            y = ctx.synapse(x)
+        grad_y, grad_weight, grad_bias, grad_learnable = bn_neuron_grads(
+            y.detach(), stats, ctx.bn, ctx.neuron, learnable, grad_spikes,
+            tuple(rest) if ctx.kept else None, ctx.needs_input_grad[2:5],
+        )  # fmt: skip
+        weight_dtype, bias_dtype = ctx.param_dtypes
+        grad_weight, grad_bias = (
+            _as_dtype(grad_weight, weight_dtype),
+            _as_dtype(grad_bias, bias_dtype),
+        )
+        # the synapse's own backward, on the recomputed graph (only what needs a gradient)
+        candidates = zip([x, *ctx.synapse_params], [needs_x, *params_need], strict=True)
+        wanted = [t for t, need in candidates if need]
+        grads = iter(torch.autograd.grad(y, wanted, grad_y) if wanted else ())
+        grad_x = next(grads) if needs_x else None
+        grad_params = [next(grads) if need else None for need in params_need]
+        return (grad_x, None, grad_weight, grad_bias, grad_learnable, None, None, None, None,
+                *grad_params)  # fmt: skip

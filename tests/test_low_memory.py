@@ -1,0 +1,78 @@
+"""fuse(model, memory="min"): blocks keep only their (1-bit packed) input and recompute the
+synapse in backward; everything else equals the default mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from spikefuse import fuse, layer
+from spikefuse.errors import SpikefuseError
+from spikefuse.fused import FusedBlock
+from spikefuse.fused.low_memory import mark_spikes, pack_bits, unpack_bits
+from test_fused import FP64_TOL, assert_same_training_step, conv_stack, lif, saved_bytes
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_pack_bits_round_trip(n, dtype):
+    spikes = (torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5).to(dtype)
+    packed = pack_bits(spikes)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
+    assert torch.equal(unpack_bits(packed, spikes.shape, dtype), spikes)
+
+
+def test_pack_bits_of_a_strided_map():
+    x = (torch.rand(2, 3, 4, 5) > 0.5).float().contiguous(memory_format=torch.channels_last)
+    assert torch.equal(unpack_bits(pack_bits(x), x.shape, x.dtype), x)
+
+
+def test_min_memory_equals_the_default_mode():
+    """Outputs, input and every parameter gradient and the running statistics, float64."""
+    x = torch.rand(3, 2, 3, 8, 8, dtype=torch.float64) * 2
+    default = fuse(conv_stack(torch.float64))
+    low = fuse(conv_stack(torch.float64), memory="min")
+    assert all(b.memory == "min" for b in low.modules() if isinstance(b, FusedBlock))
+    for _ in range(2):  # twice: the running statistics move
+        assert_same_training_step(default, low, x, FP64_TOL)
+
+
+def test_min_memory_keeps_only_the_packed_input():
+    """Conv-BN-LIF, Conv-BN-LIF: the first block keeps nothing new (its input is the model
+    input), the second its input spikes at 1 bit each; both keep mean and invstd."""
+    t, b, c, h, w = 4, 8, 16, 8, 8
+    model = nn.Sequential(
+        layer.Conv2d(3, c, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(c, step_mode="m"), lif(),
+        layer.Conv2d(c, c, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(c, step_mode="m"), lif(),
+    )  # fmt: skip
+    x = torch.randn(t, b, 3, h, w)
+    spikes = t * b * c * h * w
+    vectors = 2 * c * 4  # mean, invstd
+    assert saved_bytes(fuse(model, memory="min"), x) == spikes // 8 + 2 * vectors
+    assert saved_bytes(fuse(model), x) == 2 * (4 * spikes + vectors)  # y of both blocks
+
+
+def test_only_tagged_spikes_are_packed():
+    """A block's input is packed only when it is a fused block's unmodified spike output."""
+    x = torch.rand(2, 3, 4)
+    assert not _packs(x)
+    spikes = mark_spikes((x > 0.5).float())
+    assert _packs(spikes) and _packs(spikes.flatten(1))
+    spikes.mul_(1.0)  # modified in place: no longer known to be 0/1
+    assert not _packs(spikes)
+
+
+def _packs(x: torch.Tensor) -> bool:
+    from spikefuse.fused.low_memory import is_spikes
+
+    return is_spikes(x)
+
+
+def test_memory_mode_is_validated():
+    with pytest.raises(SpikefuseError, match="memory must be one of"):
+        fuse(conv_stack(torch.float32), memory="tiny")
+    with pytest.raises(SpikefuseError, match="memory must be one of"):
+        FusedBlock(nn.Linear(2, 3), None, lif(), memory="low")
