@@ -76,3 +76,18 @@ def test_memory_mode_is_validated():
         fuse(conv_stack(torch.float32), memory="tiny")
     with pytest.raises(SpikefuseError, match="memory must be one of"):
         FusedBlock(nn.Linear(2, 3), None, lif(), memory="low")
+
+
+def test_min_memory_recomputes_under_the_forwards_autocast():
+    """bf16 autocast: backward recomputes the synapse under the same autocast as forward."""
+    x = torch.rand(3, 2, 3, 8, 8) * 2
+    default = fuse(conv_stack(torch.float32))
+    low = fuse(conv_stack(torch.float32), memory="min")
+    grads = []
+    for model in (default, low):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for g_default, g_low in zip(*grads, strict=True):
+        torch.testing.assert_close(g_low, g_default)

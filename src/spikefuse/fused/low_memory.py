@@ -91,6 +91,9 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         ctx.geometry = (x.shape, x.dtype, packed)
         ctx.count = None if stats is None else stats.count
         ctx.kept = saved is not None
+        # backward runs outside the forward's autocast context: recompute y under the same one
+        device = x.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.neuron, ctx.bn, ctx.synapse = neuron, bn, synapse
         ctx.synapse_params = synapse_params  # parameters: alive anyway, not activations
         ctx.param_dtypes = param_dtypes(weight, bias)
@@ -106,7 +109,9 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         shape, dtype, packed = ctx.geometry
         x = unpack_bits(kept, shape, dtype) if packed else kept
         needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[9:]
-        with torch.enable_grad():
+        device, dtype, enabled = ctx.autocast
+        autocast = torch.autocast(device, dtype, enabled=enabled, cache_enabled=False)
+        with torch.enable_grad(), autocast:
             x = x.detach().requires_grad_(needs_x)
             y = ctx.synapse(x)
         grad_y, grad_weight, grad_bias, grad_learnable = bn_neuron_grads(
