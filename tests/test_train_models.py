@@ -287,6 +287,33 @@ def test_two_gloo_processes_train_identical_replicas(
     ]  # fmt: skip
 
 
+def _refused_worker(rank: int, port: int, folder: str, argv: list[str]) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
+    )  # fmt: skip
+    Path(folder, f"rank{rank}.status").write_text(str(main(["train", *argv])))
+
+
+@pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+def test_when_rank_0_refuses_the_checkpoint_every_rank_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    checkpoint = tmp_path / "digits.pt"
+    assert train(checkpoint, "--limit", "20") == 0  # exists: a new run needs --overwrite
+    capfd.readouterr()
+    before = checkpoint.read_bytes()
+    argv = [*QUICK, "--limit", "20", "--checkpoint", str(checkpoint)]
+    mp.spawn(_refused_worker, args=(_free_port(), str(tmp_path), argv), nprocs=WORLD, join=True)
+    assert [Path(tmp_path, f"rank{r}.status").read_text() for r in range(WORLD)] == ["1", "1"]
+    err = capfd.readouterr().err
+    assert "already exists; pass --resume" in err and "rank 0 stopped the run: " in err
+    assert checkpoint.read_bytes() == before
+
+
 def test_each_rank_takes_an_equal_share_of_the_epoch() -> None:
     config = TrainConfig(seed=3)
     shares = [

@@ -130,11 +130,15 @@ MODELS: dict[str, ModelSpec] = {
         "spiking_resnet19", 3, DIGITS_SIZE, _zoo(models.spiking_resnet19)
     ),
     # The ImageNet layouts shrink the input 32-fold: CIFAR-10's 32x32 is their smallest sensible.
-    "spiking_resnet18": ModelSpec("spiking_resnet18", 3, 32, _zoo(models.spiking_resnet18)),
-    "sew_resnet18": ModelSpec("sew_resnet18", 3, 32, _zoo(models.sew_resnet18, cnf="ADD")),
+    "spiking_resnet18": ModelSpec(
+        "spiking_resnet18", 3, CIFAR10_SIZE, _zoo(models.spiking_resnet18)
+    ),
+    "sew_resnet18": ModelSpec(
+        "sew_resnet18", 3, CIFAR10_SIZE, _zoo(models.sew_resnet18, cnf="ADD")
+    ),
     # A 512-wide classifier instead of VGG's 4096 (on 10 classes 4096 only adds weights).
     "spiking_vgg11_bn": ModelSpec(
-        "spiking_vgg11_bn", 3, 32, _zoo(models.spiking_vgg11_bn, classifier_features=512)
+        "spiking_vgg11_bn", 3, CIFAR10_SIZE, _zoo(models.spiking_vgg11_bn, classifier_features=512)
     ),
 }
 
