@@ -287,12 +287,13 @@ def test_two_gloo_processes_train_identical_replicas(
     ]  # fmt: skip
 
 
-def _refused_worker(rank: int, port: int, folder: str, argv: list[str]) -> None:
+def _status_worker(rank: int, port: int, folder: str, argv: list[list[str]]) -> None:
+    """Run rank ``rank`` with ``argv[rank]``; write its exit status to ``rank<r>.status``."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
     )  # fmt: skip
-    Path(folder, f"rank{rank}.status").write_text(str(main(["train", *argv])))
+    Path(folder, f"rank{rank}.status").write_text(str(main(["train", *argv[rank]])))
 
 
 @pytest.mark.skipif(
@@ -307,11 +308,29 @@ def test_when_rank_0_refuses_the_checkpoint_every_rank_stops(
     capfd.readouterr()
     before = checkpoint.read_bytes()
     argv = [*QUICK, "--limit", "20", "--checkpoint", str(checkpoint)]
-    mp.spawn(_refused_worker, args=(_free_port(), str(tmp_path), argv), nprocs=WORLD, join=True)
+    args = (_free_port(), str(tmp_path), [argv] * WORLD)
+    mp.spawn(_status_worker, args=args, nprocs=WORLD, join=True)
     assert [Path(tmp_path, f"rank{r}.status").read_text() for r in range(WORLD)] == ["1", "1"]
     err = capfd.readouterr().err
     assert "already exists; pass --resume" in err and "rank 0 stopped the run: " in err
     assert checkpoint.read_bytes() == before
+
+
+@pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+def test_when_another_rank_cannot_read_the_data_every_rank_stops(
+    tmp_path: Path, cifar: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    checkpoint = tmp_path / "run.pt"
+    argv = [*QUICK, "--data", "cifar10", "--limit", "10", "--checkpoint", str(checkpoint)]
+    per_rank = [[*argv, "--data-dir", str(cifar)], [*argv, "--data-dir", str(tmp_path / "none")]]
+    mp.spawn(_status_worker, args=(_free_port(), str(tmp_path), per_rank), nprocs=WORLD, join=True)
+    assert [Path(tmp_path, f"rank{r}.status").read_text() for r in range(WORLD)] == ["1", "1"]
+    err = capfd.readouterr().err
+    assert f"rank 1 stopped the run: CIFAR-10 file '{tmp_path / 'none'}" in err
+    assert not checkpoint.exists()
 
 
 def test_each_rank_takes_an_equal_share_of_the_epoch() -> None:

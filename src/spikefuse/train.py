@@ -1066,15 +1066,20 @@ def ranks_from_env(environ: dict[str, str] | None = None) -> Ranks:
     return ranks
 
 
-def share_outcome(ranks: Ranks, error: SpikefuseError | None) -> None:
-    """Let every rank stop when rank 0 failed alone (its checkpoint or log checks and writes):
-    rank 0 re-raises ``error``, the others raise one that quotes it, instead of waiting
-    forever in their next collective."""
+def agree(ranks: Ranks, error: SpikefuseError | None) -> None:
+    """Raise on every rank when any rank failed (``error``) at this point of the run.
+
+    A rank that failed alone (rank 0's checkpoint and log checks and writes, a rank that
+    cannot read the data or checkpoint) would otherwise leave the others waiting forever in
+    their next collective. The failed rank raises its ``error``; the others raise one that
+    quotes the first failed rank's message.
+    """
     if ranks.distributed:
-        message = [None if error is None else str(error)]
-        torch.distributed.broadcast_object_list(message, src=0)
-        if not ranks.main and message[0] is not None:
-            raise SpikefuseError(f"rank 0 stopped the run: {message[0]}")
+        messages: list[str | None] = [None] * ranks.world_size
+        torch.distributed.all_gather_object(messages, None if error is None else str(error))
+        failed = [(rank, message) for rank, message in enumerate(messages) if message]
+        if error is None and failed:
+            raise SpikefuseError(f"rank {failed[0][0]} stopped the run: {failed[0][1]}")
     if error is not None:
         raise error
 
@@ -1194,7 +1199,7 @@ def _run_locked(config: TrainConfig, device: torch.device, backend: str, ranks: 
                 check_logs_writable(target, config)
             except SpikefuseError as exc:
                 error = exc
-        share_outcome(ranks, error)
+        agree(ranks, error)
         return _train(config, device, backend, checkpoint, ranks)
 
 
@@ -1202,40 +1207,13 @@ def _train(
     config: TrainConfig, device: torch.device, backend: str, checkpoint: Path, ranks: Ranks
 ) -> float:
     say = functools.partial(print, flush=True) if ranks.main else lambda *args, **kw: None
-    torch.manual_seed(config.seed)
-    data = load_data(config)
-    model, data = build_network(config, data)
-    data, model = data.to(device), model.to(device)
-    report = None
-    if config.fuse:
-        # Under torchrun the fused BatchNorms synchronise over the default process group.
-        model, report = fuse(model, return_report=True)
-    # capturable: Adam's step count stays on the GPU, so a graph can replay optimizer.step
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, capturable=config.cuda_graph)
-    say(
-        f"device: {device}, backend: {backend}, neuron: {config.neuron}, T={config.T}, "
-        f"train/test samples: {len(data.y_train)}/{len(data.y_test)}"
-        + (f", model: {config.model}" if config.model != "digits-cnn" else "")
-        + (f", processes: {ranks.world_size}" if ranks.distributed else "")
-    )
-    if report is not None:
-        say(str(report).splitlines()[0])
-
-    start_epoch = 0
-    if config.resume:  # every rank reads the checkpoint: all start from the same state
-        payload = load_checkpoint(checkpoint, config)
-        restore(model, optimizer, payload, checkpoint)
-        set_capturable(optimizer, config.cuda_graph)  # the checkpoint's run may have differed
-        start_epoch = payload["epoch"]
-        say(f"resumed from '{checkpoint}' after epoch {start_epoch}")
-    log = TrainingLog(checkpoint_target(checkpoint), start_epoch if config.resume else 0)
     error = None
-    if ranks.main:
-        try:
-            log.load()
-        except SpikefuseError as exc:
-            error = exc
-    share_outcome(ranks, error)
+    try:
+        model, optimizer, data, log = _set_up(config, device, backend, checkpoint, ranks, say)
+    except SpikefuseError as exc:
+        error = exc
+    agree(ranks, error)
+    start_epoch = log.resumed_epoch
 
     trained = model
     if ranks.distributed:
@@ -1267,7 +1245,7 @@ def _train(
                     log.append(epoch + 1, loss, accuracy, seconds)
                 except SpikefuseError as exc:
                     error = exc
-            share_outcome(ranks, error)
+            agree(ranks, error)
             say(
                 f"epoch {epoch + 1}/{config.epochs}: train loss {loss:.4f}, "
                 f"test accuracy {accuracy:.4f} ({seconds:.1f}s)"
@@ -1277,6 +1255,46 @@ def _train(
     say(f"checkpoint: {checkpoint}")
     say(f"final test accuracy: {accuracy:.4f}")
     return accuracy
+
+
+def _set_up(
+    config: TrainConfig,
+    device: torch.device,
+    backend: str,
+    checkpoint: Path,
+    ranks: Ranks,
+    say: Callable[..., None],
+) -> tuple[nn.Module, torch.optim.Optimizer, Dataset, TrainingLog]:
+    """Load the data, build (and fuse) the model, resume it and the log if asked."""
+    torch.manual_seed(config.seed)
+    data = load_data(config)
+    model, data = build_network(config, data)
+    data, model = data.to(device), model.to(device)
+    report = None
+    if config.fuse:
+        # Under torchrun the fused BatchNorms synchronise over the default process group.
+        model, report = fuse(model, return_report=True)
+    # capturable: Adam's step count stays on the GPU, so a graph can replay optimizer.step
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, capturable=config.cuda_graph)
+    say(
+        f"device: {device}, backend: {backend}, neuron: {config.neuron}, T={config.T}, "
+        f"train/test samples: {len(data.y_train)}/{len(data.y_test)}"
+        + (f", model: {config.model}" if config.model != "digits-cnn" else "")
+        + (f", processes: {ranks.world_size}" if ranks.distributed else "")
+    )
+    if report is not None:
+        say(str(report).splitlines()[0])
+    start_epoch = 0
+    if config.resume:  # every rank reads the checkpoint: all start from the same state
+        payload = load_checkpoint(checkpoint, config)
+        restore(model, optimizer, payload, checkpoint)
+        set_capturable(optimizer, config.cuda_graph)  # the checkpoint's run may have differed
+        start_epoch = payload["epoch"]
+        say(f"resumed from '{checkpoint}' after epoch {start_epoch}")
+    log = TrainingLog(checkpoint_target(checkpoint), start_epoch)
+    if ranks.main:
+        log.load()
+    return model, optimizer, data, log
 
 
 def build_parser() -> argparse.ArgumentParser:
