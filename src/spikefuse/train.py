@@ -1174,6 +1174,11 @@ def run(config: TrainConfig) -> float:
             "are not captured); drop one of them"
         )
     if device.type == "cuda":
+        if ranks.local_rank >= torch.cuda.device_count():
+            raise SpikefuseError(
+                f"LOCAL_RANK={ranks.local_rank}, but PyTorch sees {torch.cuda.device_count()} "
+                f"GPU(s): start at most one process per GPU (torchrun --nproc-per-node)"
+            )
         device = torch.device("cuda", ranks.local_rank)
         torch.cuda.set_device(device)
     backend = describe_backend(config.backend, device)
