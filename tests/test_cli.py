@@ -47,12 +47,18 @@ def test_train_prints_progress_and_saves_checkpoint(
     assert payload["epoch"] == 2
     assert payload["config"] == {
         "architecture": "digits-cnn-v1",
+        "data": "digits",
         "neuron": "lif",
         "T": 2,
         "seed": 0,
         "limit": 200,
     }
-    assert [p.name for p in path.parent.iterdir()] == ["digits.pt"]  # no temp file left behind
+    # The log and plot beside the checkpoint, and no temp file left behind.
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        "digits.csv",
+        "digits.png",
+        "digits.pt",
+    ]
 
 
 def test_resume_continues_where_the_run_stopped(

@@ -1,7 +1,9 @@
-"""Train a small spiking CNN on scikit-learn's digits (8x8 images, 1797 samples, no download).
+"""Train a spiking network: by default a small CNN on scikit-learn's digits (8x8 images, 1797
+samples, no download), or a model of :mod:`spikefuse.models` on CIFAR-10 read from a local folder.
 
 This is both the quick-start example and an end-to-end check of spikefuse's neurons, surrogate
-gradients and backends: plain SpikingJelly-style code in the multi-step layout ``[T, N, *]``.
+gradients, backends and fused blocks: plain SpikingJelly-style code in the multi-step layout
+``[T, N, *]``. Under ``torchrun`` (``WORLD_SIZE`` > 1) it trains with DistributedDataParallel.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +32,29 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from tqdm import tqdm
 
-from spikefuse import functional, layer, neuron
+from spikefuse import functional, layer, models, neuron
 from spikefuse.cuda import unavailable_reason
 from spikefuse.errors import BackendUnavailableError, SpikefuseError
+from spikefuse.fused import fuse
 
 CHECKPOINT_FORMAT = "spikefuse.train.digits"
-# Version 2 added the "sha256" checksum of the payload.
-CHECKPOINT_VERSION = 2
+# Version 2 added the "sha256" checksum of the payload; version 3 the model and data set to
+# the config.
+CHECKPOINT_VERSION = 3
 CHECKPOINT_KEYS = frozenset(
     {"format", "version", "epoch", "config", "test_accuracy", "model", "optimizer", "sha256"}
 )
 ARCHITECTURE = "digits-cnn-v1"
 NUM_CLASSES = 10
 DIGITS_SAMPLES = 1797  # scikit-learn's digits
+DIGITS_SIZE = 8
+CIFAR10_SIZE = 32
+# cifar-10-batches-bin: each record is 1 label byte, then 3x32x32 pixel bytes (R, G, B planes).
+CIFAR10_RECORD_BYTES = 1 + 3 * CIFAR10_SIZE * CIFAR10_SIZE
+CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
+CIFAR10_TEST_FILE = "test_batch.bin"
+DATA_SETS = {"digits": DIGITS_SIZE, "cifar10": CIFAR10_SIZE}  # name -> image side
+AMP_MODES = ("none", "bf16")
 MIN_SAMPLES = 10
 TEST_FRACTION = 0.25
 EVAL_BATCH_SIZE = 512
@@ -65,12 +77,70 @@ class CheckpointError(SpikefuseError):
     """A checkpoint cannot be resumed from: missing, corrupted, foreign or mismatched."""
 
 
-def check_limit(limit: int | None) -> None:
-    """Raise :class:`SpikefuseError` unless ``limit`` is None or a usable sample count."""
-    if limit is not None and (type(limit) is not int or not MIN_SAMPLES <= limit <= DIGITS_SAMPLES):
-        raise SpikefuseError(
-            f"--limit must be between {MIN_SAMPLES} and {DIGITS_SAMPLES}, got {limit!r}"
+def check_limit(limit: int | None, data: str = "digits") -> None:
+    """Raise :class:`SpikefuseError` unless ``limit`` is None or a usable sample count.
+
+    The digits have a known size; CIFAR-10's files are checked to hold ``limit`` training
+    samples when they are read.
+    """
+    if limit is None:
+        return
+    most = DIGITS_SAMPLES if data == "digits" else None
+    if type(limit) is not int or limit < MIN_SAMPLES or (most is not None and limit > most):
+        bounds = f"between {MIN_SAMPLES} and {most}" if most else f">= {MIN_SAMPLES}"
+        raise SpikefuseError(f"--limit must be {bounds}, got {limit!r} (--data {data})")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A network ``--model`` can train: ``build(make_neuron, channels, size)`` returns it in
+    multi-step mode for ``channels`` x ``size`` x ``size`` images, ``[T, N, classes]`` out.
+
+    ``architecture`` is recorded in checkpoints; ``channels`` is the input channel count the
+    network needs (None: any; grey digits are repeated to RGB for a 3-channel network);
+    ``min_size`` is the smallest image side it is meant for.
+    """
+
+    architecture: str
+    channels: int | None
+    min_size: int
+    build: Callable[[Callable[..., nn.Module], int, int], nn.Module]
+
+
+def _zoo(constructor: Callable[..., nn.Module], **options: Any) -> Callable[..., nn.Module]:
+    """A :class:`ModelSpec` builder for a :mod:`spikefuse.models` constructor (10 classes)."""
+
+    def build(make_neuron: Callable[..., nn.Module], channels: int, size: int) -> nn.Module:
+        # step_mode goes to every neuron and (an extension of SpikingJelly's) to the layers.
+        return constructor(
+            spiking_neuron=make_neuron, num_classes=NUM_CLASSES, step_mode="m", **options
         )
+
+    return build
+
+
+def _digits_cnn(make_neuron: Callable[..., nn.Module], channels: int, size: int) -> nn.Module:
+    return build_model(make_neuron, channels=channels, size=size)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "digits-cnn": ModelSpec(ARCHITECTURE, None, 4, _digits_cnn),
+    # ResNet-19 is CIFAR's: stride 1 stem, two stride-2 stages; it also fits the 8x8 digits.
+    "spiking_resnet19": ModelSpec(
+        "spiking_resnet19", 3, DIGITS_SIZE, _zoo(models.spiking_resnet19)
+    ),
+    # The ImageNet layouts shrink the input 32-fold: CIFAR-10's 32x32 is their smallest sensible.
+    "spiking_resnet18": ModelSpec(
+        "spiking_resnet18", 3, CIFAR10_SIZE, _zoo(models.spiking_resnet18)
+    ),
+    "sew_resnet18": ModelSpec(
+        "sew_resnet18", 3, CIFAR10_SIZE, _zoo(models.sew_resnet18, cnf="ADD")
+    ),
+    # A 512-wide classifier instead of VGG's 4096 (on 10 classes 4096 only adds weights).
+    "spiking_vgg11_bn": ModelSpec(
+        "spiking_vgg11_bn", 3, CIFAR10_SIZE, _zoo(models.spiking_vgg11_bn, classifier_features=512)
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -81,9 +151,14 @@ class TrainConfig:
     batch_size: int = 32
     T: int = 4
     lr: float = 1e-2
+    model: str = "digits-cnn"
     neuron: str = "lif"
     backend: str = "auto"
     device: str = "auto"
+    data: str = "digits"
+    data_dir: str | None = None
+    fuse: bool = False
+    amp: str = "none"
     seed: int = 0
     checkpoint: str = "checkpoints/digits.pt"
     resume: bool = False
@@ -103,16 +178,35 @@ class TrainConfig:
             raise SpikefuseError(f"--lr must be a finite number > 0, got {self.lr!r}")
         if type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED:
             raise SpikefuseError(f"--seed must be between 0 and {MAX_SEED}, got {self.seed!r}")
-        check_limit(self.limit)
         for name, allowed in (
+            ("model", list(MODELS)),
             ("neuron", sorted(NEURONS)),
             ("backend", BACKENDS),
             ("device", DEVICES),
+            ("data", list(DATA_SETS)),
+            ("amp", AMP_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise SpikefuseError(
                     f"unknown --{name} {getattr(self, name)!r}; choose from {list(allowed)}"
                 )
+        check_limit(self.limit, self.data)
+        for name in ("fuse", "resume", "overwrite", "quiet", "cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpikefuseError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.data == "cifar10" and not (isinstance(self.data_dir, str) and self.data_dir):
+            raise SpikefuseError(
+                "--data cifar10 needs --data-dir: the folder holding CIFAR-10's binary version "
+                f"(cifar-10-batches-bin: {', '.join(CIFAR10_TRAIN_FILES)}, {CIFAR10_TEST_FILE})"
+            )
+        if self.data == "digits" and self.data_dir is not None:
+            raise SpikefuseError("--data-dir is for --data cifar10; the digits are built in")
+        size, least = DATA_SETS[self.data], MODELS[self.model].min_size
+        if size < least:
+            raise SpikefuseError(
+                f"--model {self.model} is made for images of {least}x{least} or more; "
+                f"--data {self.data} has {size}x{size} (use --data cifar10)"
+            )
         if not isinstance(self.checkpoint, str) or not self.checkpoint:
             raise SpikefuseError(f"--checkpoint must be a file path, got {self.checkpoint!r}")
         if self.cuda_graph and self.device == "cpu":
@@ -126,11 +220,13 @@ class TrainConfig:
     def model_config(self) -> dict[str, Any]:
         """Settings a resumed run must share with its checkpoint.
 
-        They fix the network (architecture, neuron, time steps) and the data split (seed,
-        limit); the others (epochs, learning rate, batch size, device, ...) may change.
+        They fix the network (architecture, neuron, time steps) and the data (data set, seed
+        and limit fix the split); the others (epochs, learning rate, batch size, device,
+        --fuse, --amp, ...) may change: fused and unfused models share their state dicts.
         """
         return {
-            "architecture": ARCHITECTURE,
+            "architecture": MODELS[self.model].architecture,
+            "data": self.data,
             "neuron": self.neuron,
             "T": self.T,
             "seed": self.seed,
@@ -139,62 +235,170 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class Digits:
-    """The fixed train/test split, images scaled to [0, 1] with shape ``[N, 1, 8, 8]``."""
+class Dataset:
+    """A fixed train/test split, images scaled to [0, 1] with shape ``[N, C, H, W]``."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
 
-    def to(self, device: torch.device) -> Digits:
-        """Return the split on ``device`` (the whole data set fits on any device)."""
-        return Digits(*(getattr(self, f.name).to(device) for f in fields(self)))
+    def to(self, device: torch.device) -> Dataset:
+        """Return the split on ``device`` (the whole data set is kept on the device)."""
+        return Dataset(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def with_channels(self, channels: int) -> Dataset:
+        """Return the split with grey images repeated to ``channels`` channels."""
+        if self.x_train.shape[1] == channels:
+            return self
+        expand = functools.partial(torch.repeat_interleave, repeats=channels, dim=1)
+        return Dataset(expand(self.x_train), self.y_train, expand(self.x_test), self.y_test)
 
 
-def load_data(seed: int, limit: int | None = None) -> Digits:
+def _subset(seed: int, count: int, limit: int | None) -> np.ndarray | slice:
+    """A seeded random choice of ``limit`` of ``count`` indices (all of them for None)."""
+    if limit is None:
+        return slice(None)
+    return np.random.default_rng(seed).permutation(count)[:limit]
+
+
+def load_digits_split(seed: int, limit: int | None = None) -> Dataset:
     """Load the digits and split them reproducibly; ``limit`` keeps a random subset."""
     check_limit(limit)
     digits = load_digits()
     images = digits.images.astype(np.float32) / 16.0  # pixel values are 0..16
     labels = digits.target.astype(np.int64)
-    if limit is not None:
-        keep = np.random.default_rng(seed).permutation(len(labels))[:limit]
-        images, labels = images[keep], labels[keep]
+    keep = _subset(seed, len(labels), limit)
+    images, labels = images[keep], labels[keep]
     x_train, x_test, y_train, y_test = train_test_split(
         images, labels, test_size=TEST_FRACTION, random_state=seed
     )
-    return Digits(
+    return Dataset(
         *(torch.from_numpy(a) for a in (x_train[:, None], y_train, x_test[:, None], y_test))
     )
 
 
-def build_model(neuron_kind: str, backend: str) -> nn.Sequential:
-    """Conv-BN-spike-pool, twice, then a linear readout, all in multi-step mode.
+def read_cifar10_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read one file of CIFAR-10's binary version: images ``uint8 [N, 3, 32, 32]``, labels.
 
-    The readout has no neuron: the logits are its output averaged over time, i.e. a linear
-    function of the spike counts, which trains well with cross-entropy.
+    Raises :class:`SpikefuseError` naming the file when it is missing, unreadable, empty, not
+    a whole number of records (truncated) or holds a label outside 0..9. (The binary version
+    is plain bytes; the python version's pickles are never read: unpickling can run code.)
     """
-    make_neuron = functools.partial(NEURONS[neuron_kind], step_mode="m", backend=backend)
-    return nn.Sequential(
-        layer.Conv2d(1, 16, kernel_size=3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(16, step_mode="m"),
-        make_neuron(),
-        layer.MaxPool2d(2, step_mode="m"),  # 8x8 -> 4x4
-        layer.Conv2d(16, 32, kernel_size=3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(32, step_mode="m"),
-        make_neuron(),
-        layer.MaxPool2d(2, step_mode="m"),  # 4x4 -> 2x2
-        layer.Flatten(step_mode="m"),
-        layer.Linear(32 * 2 * 2, NUM_CLASSES, step_mode="m"),
+    try:
+        raw = np.fromfile(path, dtype=np.uint8)
+    except FileNotFoundError:
+        raise SpikefuseError(
+            f"CIFAR-10 file '{path}' does not exist: --data-dir must be the folder of CIFAR-10's "
+            f"binary version (cifar-10-batches-bin), holding {', '.join(CIFAR10_TRAIN_FILES)} "
+            f"and {CIFAR10_TEST_FILE}"
+        ) from None
+    except (OSError, ValueError) as exc:  # ValueError: numpy on a directory
+        reason = _os_reason(exc) if isinstance(exc, OSError) else str(exc)
+        raise SpikefuseError(f"cannot read CIFAR-10 file '{path}': {reason}") from exc
+    if raw.size == 0 or raw.size % CIFAR10_RECORD_BYTES:
+        raise SpikefuseError(
+            f"CIFAR-10 file '{path}' is truncated or not in CIFAR-10's binary format: its "
+            f"{raw.size} bytes are not a whole number >= 1 of {CIFAR10_RECORD_BYTES}-byte "
+            f"records (a label byte and 3x32x32 pixel bytes)"
+        )
+    records = raw.reshape(-1, CIFAR10_RECORD_BYTES)
+    labels = records[:, 0].astype(np.int64)
+    bad = np.flatnonzero(labels >= NUM_CLASSES)
+    if bad.size:
+        raise SpikefuseError(
+            f"CIFAR-10 file '{path}' is corrupt: record {bad[0]} has label {labels[bad[0]]}, "
+            f"not 0..{NUM_CLASSES - 1}"
+        )
+    images = records[:, 1:].reshape(-1, 3, CIFAR10_SIZE, CIFAR10_SIZE)
+    return images, labels
+
+
+def load_cifar10(data_dir: Path, seed: int, limit: int | None = None) -> Dataset:
+    """Load CIFAR-10's training and test batches from ``data_dir``, pixels scaled to [0, 1].
+
+    ``limit`` keeps a seeded random subset of that many training samples (and as many test
+    samples, or all when there are fewer).
+    """
+    check_limit(limit, "cifar10")
+    parts = [read_cifar10_file(data_dir / name) for name in CIFAR10_TRAIN_FILES]
+    train_images = np.concatenate([images for images, _ in parts])
+    train_labels = np.concatenate([labels for _, labels in parts])
+    test_images, test_labels = read_cifar10_file(data_dir / CIFAR10_TEST_FILE)
+    if limit is not None and limit > len(train_labels):
+        raise SpikefuseError(
+            f"--limit {limit}: the CIFAR-10 files in '{data_dir}' hold only "
+            f"{len(train_labels)} training samples"
+        )
+    train_keep = _subset(seed, len(train_labels), limit)
+    test_keep = _subset(
+        seed, len(test_labels), None if limit is None else min(limit, len(test_labels))
+    )
+
+    def scaled(images: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(images.astype(np.float32) / 255.0)
+
+    return Dataset(
+        scaled(train_images[train_keep]),
+        torch.from_numpy(train_labels[train_keep]),
+        scaled(test_images[test_keep]),
+        torch.from_numpy(test_labels[test_keep]),
     )
 
 
-def forward(model: nn.Module, images: torch.Tensor, T: int) -> torch.Tensor:
-    """Direct encoding: feed the same image at each of the T steps; return ``[N, classes]``."""
-    logits = model(images.unsqueeze(0).repeat(T, 1, 1, 1, 1)).mean(0)
+def load_data(config: TrainConfig) -> Dataset:
+    """The data set ``config`` names, split and limited as it says."""
+    if config.data == "cifar10":
+        return load_cifar10(Path(config.data_dir), config.seed, config.limit)
+    return load_digits_split(config.seed, config.limit)
+
+
+def build_model(
+    make_neuron: Callable[..., nn.Module], channels: int = 1, size: int = DIGITS_SIZE
+) -> nn.Sequential:
+    """The digits CNN: Conv-BN-spike-pool, twice, then a linear readout, all in multi-step
+    mode, for ``channels`` x ``size`` x ``size`` images (``size`` a multiple of 4).
+
+    ``make_neuron(step_mode="m")`` returns a neuron. The readout has no neuron: the logits
+    are its output averaged over time, i.e. a linear function of the spike counts, which
+    trains well with cross-entropy.
+    """
+    return nn.Sequential(
+        layer.Conv2d(channels, 16, kernel_size=3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(16, step_mode="m"),
+        make_neuron(step_mode="m"),
+        layer.MaxPool2d(2, step_mode="m"),  # 8x8 -> 4x4
+        layer.Conv2d(16, 32, kernel_size=3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(32, step_mode="m"),
+        make_neuron(step_mode="m"),
+        layer.MaxPool2d(2, step_mode="m"),  # 4x4 -> 2x2
+        layer.Flatten(step_mode="m"),
+        layer.Linear(32 * (size // 4) ** 2, NUM_CLASSES, step_mode="m"),
+    )
+
+
+def build_network(config: TrainConfig, data: Dataset) -> tuple[nn.Module, Dataset]:
+    """``config.model`` for ``data``'s images, and ``data`` with the channels it needs."""
+    spec = MODELS[config.model]
+    if spec.channels is not None:
+        data = data.with_channels(spec.channels)
+    make_neuron = functools.partial(NEURONS[config.neuron], backend=config.backend)
+    _, channels, size, _ = data.x_train.shape
+    return spec.build(make_neuron, channels, size), data
+
+
+def forward(
+    model: nn.Module, images: torch.Tensor, T: int, amp: str = "none", graphed: bool = False
+) -> torch.Tensor:
+    """Direct encoding: feed the same image at each of the T steps; return ``[N, classes]``
+    (float32). ``amp="bf16"`` runs the model under bf16 autocast (CPU or CUDA); ``graphed``:
+    the call is captured into a CUDA graph, where autocast must not cache its weight casts."""
+    with torch.autocast(
+        images.device.type, torch.bfloat16, enabled=amp == "bf16", cache_enabled=not graphed
+    ):
+        logits = model(images.unsqueeze(0).repeat(T, 1, 1, 1, 1)).mean(0)
     functional.reset_net(model)  # the next batch starts from resting neurons
-    return logits
+    return logits.float()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -336,11 +540,18 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
         )
     buffer = io.BytesIO()
     torch.save({**payload, "sha256": payload_digest(payload)}, buffer)
+    replace_file(path, buffer.getbuffer(), "checkpoint")
+
+
+def replace_file(path: Path, data: bytes | memoryview, what: str) -> None:
+    """Write ``data`` to ``path`` (or its symlink's target) atomically: through a fsynced
+    temporary file renamed over it. A failure is a :class:`SpikefuseError` naming ``what``
+    and the OS reason, and leaves ``path`` as it was."""
     target = checkpoint_target(path)
     tmp = _temp_path(target, os.getpid())
     try:
         with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -348,7 +559,7 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
             raise SpikefuseError(
-                f"cannot write checkpoint '{path}': {_os_reason(exc)} ('{path}' is left as it was)"
+                f"cannot write {what} '{path}': {_os_reason(exc)} ('{path}' is left as it was)"
             ) from exc
         raise
 
@@ -641,13 +852,129 @@ def check_checkpoint_writable(path: Path, target: Path, config: TrainConfig) -> 
         raise SpikefuseError(f"cannot write checkpoint '{path}': {_os_reason(exc)}") from exc
 
 
+LOG_HEADER = "epoch,train_loss,test_accuracy,seconds"
+PLOT_MARKER = b"spikefuse training plot"  # in the PNG's Software text chunk: marks it as ours
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def log_paths(target: Path) -> tuple[Path, Path]:
+    """The per-epoch CSV log and the loss/accuracy plot (PNG) beside checkpoint ``target``."""
+    return target.with_suffix(".csv"), target.with_suffix(".png")
+
+
+def _is_our_log(path: Path) -> bool:
+    """Whether ``path`` holds a training log or plot that spikefuse wrote (only such a file
+    may be replaced)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as exc:
+        raise SpikefuseError(f"cannot read '{path}': {_os_reason(exc)}") from exc
+    if path.suffix == ".png":
+        return head.startswith(PNG_SIGNATURE) and PLOT_MARKER in head
+    return head.split(b"\n", 1)[0].decode(errors="replace").strip() == LOG_HEADER
+
+
+def check_logs_writable(target: Path, config: TrainConfig) -> None:
+    """Under the lock, with the checkpoint checked: the log and plot beside checkpoint
+    ``target`` follow its rules. Another kind of file is never replaced; an existing log
+    needs ``--resume`` (continued) or ``--overwrite`` (replaced)."""
+    for path in log_paths(target):
+        resolved = checkpoint_target(path)
+        if resolved == target:
+            raise SpikefuseError(
+                f"checkpoint '{config.checkpoint}' would be overwritten by its own training "
+                f"log or plot; give it another suffix (e.g. .pt)"
+            )
+        if not resolved.exists():
+            continue
+        if not resolved.is_file() or not _is_our_log(resolved):
+            raise SpikefuseError(
+                f"'{path}' exists and is not a spikefuse training log or plot; refusing to "
+                f"overwrite it (move it away or choose another --checkpoint)"
+            )
+        if not (config.resume or config.overwrite):
+            raise SpikefuseError(
+                f"training log '{path}' already exists; pass --resume to continue its run or "
+                f"--overwrite to start a new one in its place"
+            )
+
+
+@dataclass
+class TrainingLog:
+    """The per-epoch log beside a checkpoint: ``<name>.csv`` (epoch, train loss, test accuracy,
+    seconds) and ``<name>.png`` (loss and accuracy over the epochs), both rewritten atomically
+    after every epoch. A resumed run keeps the rows up to the checkpoint's epoch and appends."""
+
+    checkpoint: Path
+    resumed_epoch: int
+    rows: list[tuple[int, float, float, float]] = field(default_factory=list)
+
+    @property
+    def csv_path(self) -> Path:
+        return log_paths(self.checkpoint)[0]
+
+    @property
+    def png_path(self) -> Path:
+        return log_paths(self.checkpoint)[1]
+
+    def load(self) -> None:
+        """Read the rows of a resumed run, up to its checkpoint's epoch (later ones belong to
+        epochs whose checkpoint was not kept); none when the run starts over or has no log."""
+        if not self.resumed_epoch or not self.csv_path.exists():
+            return
+        try:
+            lines = self.csv_path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpikefuseError(f"cannot read training log '{self.csv_path}': {exc}") from exc
+        for number, line in enumerate(lines[1:], start=2):
+            try:
+                epoch, loss, accuracy, seconds = line.split(",")
+                row = (int(epoch), float(loss), float(accuracy), float(seconds))
+            except ValueError:
+                raise SpikefuseError(
+                    f"training log '{self.csv_path}' is damaged: line {number} is {line!r}, not "
+                    f"{LOG_HEADER}; move it away to resume"
+                ) from None
+            if row[0] <= self.resumed_epoch:
+                self.rows.append(row)
+
+    def append(self, epoch: int, loss: float, accuracy: float, seconds: float) -> None:
+        """Add an epoch's row and rewrite the CSV and the plot."""
+        self.rows.append((epoch, loss, accuracy, seconds))
+        text = "".join(f"{e},{lo:.6g},{a:.6g},{s:.3f}\n" for e, lo, a, s in self.rows)
+        replace_file(self.csv_path, f"{LOG_HEADER}\n{text}".encode(), "training log")
+        replace_file(self.png_path, self._plot(), "training plot")
+
+    def _plot(self) -> bytes:
+        # Figure, not pyplot: no global figure state and no GUI backend (PNG renders with Agg).
+        from matplotlib.figure import Figure
+
+        epochs = [row[0] for row in self.rows]
+        figure = Figure(figsize=(8, 3.2))
+        loss_axes, accuracy_axes = figure.subplots(1, 2)
+        loss_axes.plot(epochs, [row[1] for row in self.rows], marker="o")
+        loss_axes.set(xlabel="epoch", ylabel="train loss", title=self.checkpoint.name)
+        accuracy_axes.plot(epochs, [row[2] for row in self.rows], marker="o", color="C1")
+        accuracy_axes.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1))
+        for axes in (loss_axes, accuracy_axes):
+            axes.grid(alpha=0.3)
+            axes.xaxis.get_major_locator().set_params(integer=True)
+        figure.tight_layout()
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", metadata={"Software": PLOT_MARKER.decode()})
+        return buffer.getvalue()
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, T: int) -> float:
+def evaluate(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, T: int, amp: str = "none"
+) -> float:
     """Return the classification accuracy on ``images``."""
     model.eval()
     correct = 0
     for start in range(0, len(labels), EVAL_BATCH_SIZE):
-        logits = forward(model, images[start : start + EVAL_BATCH_SIZE], T)
+        logits = forward(model, images[start : start + EVAL_BATCH_SIZE], T, amp)
         correct += int((logits.argmax(1) == labels[start : start + EVAL_BATCH_SIZE]).sum())
     return correct / len(labels)
 
@@ -697,23 +1024,99 @@ class GraphedTrainStep:
         return static_loss
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a ``torchrun`` job (rank 0 of 1 without one)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes the checkpoint and log and prints (rank 0)."""
+        return self.rank == 0
+
+
+def ranks_from_env(environ: dict[str, str] | None = None) -> Ranks:
+    """Read ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` as ``torchrun`` sets them.
+
+    Without ``WORLD_SIZE`` (or with 1) the run is a single process. Raises
+    :class:`SpikefuseError` for values that are no whole numbers or out of range.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("WORLD_SIZE", "1") == "1":
+        return Ranks()
+    values = {}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        text = env.get(name)
+        if text is None or not text.isdigit():
+            raise SpikefuseError(
+                f"distributed run (WORLD_SIZE={env['WORLD_SIZE']!r}): {name} is {text!r}, not a "
+                f"whole number >= 0; start the run with torchrun, which sets it"
+            )
+        values[name] = int(text)
+    ranks = Ranks(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"])
+    if not 0 <= ranks.rank < ranks.world_size:
+        raise SpikefuseError(f"RANK={ranks.rank} is outside 0..WORLD_SIZE-1={ranks.world_size - 1}")
+    return ranks
+
+
+def agree(ranks: Ranks, error: SpikefuseError | None) -> None:
+    """Raise on every rank when any rank failed (``error``) at this point of the run.
+
+    A rank that failed alone (rank 0's checkpoint and log checks and writes, a rank that
+    cannot read the data or checkpoint) would otherwise leave the others waiting forever in
+    their next collective. The failed rank raises its ``error``; the others raise one that
+    quotes the first failed rank's message.
+    """
+    if ranks.distributed:
+        messages: list[str | None] = [None] * ranks.world_size
+        torch.distributed.all_gather_object(messages, None if error is None else str(error))
+        failed = [(rank, message) for rank, message in enumerate(messages) if message]
+        if error is None and failed:
+            raise SpikefuseError(f"rank {failed[0][0]} stopped the run: {failed[0][1]}")
+    if error is not None:
+        raise error
+
+
+def epoch_order(config: TrainConfig, epoch: int, count: int, ranks: Ranks) -> torch.Tensor:
+    """This rank's training sample indices for ``epoch``, in batch order.
+
+    The permutation is seeded by (seed, epoch), so a resumed run sees the same batches as an
+    uninterrupted one. Rank r of W takes every W-th sample from the r-th on, and every rank
+    the same number, ``count // W`` (the rest of the permutation is dropped this epoch): all
+    ranks run the same batches count and sizes, so their gradient and fused-BatchNorm
+    all-reduces pair up.
+    """
+    order = np.random.default_rng([config.seed, epoch]).permutation(count)
+    per_rank = count // ranks.world_size
+    return torch.from_numpy(order[ranks.rank :: ranks.world_size][:per_rank])
+
+
 def train_epoch(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    data: Digits,
+    data: Dataset,
     config: TrainConfig,
     epoch: int,
     graphed: GraphedTrainStep | None = None,
+    ranks: Ranks = Ranks(),
 ) -> float:
-    """Run one epoch and return the mean training loss (steps replayed from CUDA graphs when
-    ``graphed`` is given)."""
+    """Run one epoch and return the mean training loss (over all ranks; steps replayed from
+    CUDA graphs when ``graphed`` is given). ``model`` may be DistributedDataParallel."""
     model.train()
     # Cosine decay, computed from the epoch alone so a resumed run needs no scheduler state.
     for group in optimizer.param_groups:
         group["lr"] = config.lr * 0.5 * (1.0 + math.cos(math.pi * epoch / config.epochs))
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(forward(model, x, config.T), y)
+        logits = forward(model, x, config.T, config.amp, graphed=graphed is not None)
+        loss = F.cross_entropy(logits, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -721,21 +1124,22 @@ def train_epoch(
 
     if graphed is not None:
         graphed.invalidate()  # captured with the last epoch's learning rate
-    # Seeded per epoch, so a resumed run sees the same batches as an uninterrupted one.
-    order = torch.from_numpy(
-        np.random.default_rng([config.seed, epoch]).permutation(len(data.y_train))
-    ).to(data.y_train.device)
+    order = epoch_order(config, epoch, len(data.y_train), ranks).to(data.y_train.device)
     batches = tqdm(
         order.split(config.batch_size),
         desc=f"epoch {epoch + 1}/{config.epochs}",
         unit="batch",
         leave=False,
-        disable=True if config.quiet else None,  # None: only on a terminal
+        disable=True if config.quiet or not ranks.main else None,  # None: only on a terminal
     )
     total_loss = 0.0
     for batch, index in enumerate(batches):
         x, y = data.x_train[index], data.y_train[index]
         loss = step(x, y) if graphed is None else graphed(step, x, y)
+        if ranks.distributed:  # every rank sees the same loss, so all stop together on NaN
+            loss = loss.clone()
+            torch.distributed.all_reduce(loss)
+            loss /= ranks.world_size
         value = loss.item()
         if not math.isfinite(value):
             raise SpikefuseError(
@@ -752,70 +1156,150 @@ def run(config: TrainConfig) -> float:
     """Train (or resume) as ``config`` says, print progress, and return the test accuracy.
 
     The checkpoint is locked for the whole run, and checked to be writable (and, unless
-    ``config.resume`` or ``config.overwrite``, not to exist) before training starts.
+    ``config.resume`` or ``config.overwrite``, not to exist) before training starts. Under
+    ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) every process runs this: the model is
+    wrapped in DistributedDataParallel (gloo on the CPU, NCCL on GPUs, one per local rank),
+    and rank 0 alone takes the lock, writes the checkpoint and log, and prints.
     """
+    ranks = ranks_from_env()
     device = resolve_device(config.device)
     if config.cuda_graph and device.type != "cuda":
         raise SpikefuseError("--cuda-graph needs a CUDA GPU, and PyTorch sees none")
+    if not ranks.distributed:
+        backend = describe_backend(config.backend, device)
+        return _run_locked(config, device, backend, ranks)
+    if config.cuda_graph:
+        raise SpikefuseError(
+            "--cuda-graph does not run under torchrun (DistributedDataParallel's all-reduces "
+            "are not captured); drop one of them"
+        )
+    if device.type == "cuda":
+        if ranks.local_rank >= torch.cuda.device_count():
+            raise SpikefuseError(
+                f"LOCAL_RANK={ranks.local_rank}, but PyTorch sees {torch.cuda.device_count()} "
+                f"GPU(s): start at most one process per GPU (torchrun --nproc-per-node)"
+            )
+        device = torch.device("cuda", ranks.local_rank)
+        torch.cuda.set_device(device)
     backend = describe_backend(config.backend, device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        return _run_locked(config, device, backend, ranks)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _run_locked(config: TrainConfig, device: torch.device, backend: str, ranks: Ranks) -> float:
     checkpoint = Path(config.checkpoint)
-    target = checkpoint_target(checkpoint)
-    prepare_checkpoint_dir(checkpoint, target, config)
-    with checkpoint_lock(checkpoint, target):
-        remove_stale_temp_files(target)
-        check_checkpoint_writable(checkpoint, target, config)
-        return _train(config, device, backend, checkpoint)
+    with contextlib.ExitStack() as stack:
+        error = None
+        if ranks.main:
+            try:
+                target = checkpoint_target(checkpoint)
+                prepare_checkpoint_dir(checkpoint, target, config)
+                stack.enter_context(checkpoint_lock(checkpoint, target))
+                for path in (target, *log_paths(target)):
+                    remove_stale_temp_files(path)
+                check_checkpoint_writable(checkpoint, target, config)
+                check_logs_writable(target, config)
+            except SpikefuseError as exc:
+                error = exc
+        agree(ranks, error)
+        return _train(config, device, backend, checkpoint, ranks)
 
 
-def _train(config: TrainConfig, device: torch.device, backend: str, checkpoint: Path) -> float:
-    torch.manual_seed(config.seed)
-    data = load_data(config.seed, config.limit).to(device)
-    model = build_model(config.neuron, config.backend).to(device)
-    # capturable: Adam's step count stays on the GPU, so a graph can replay optimizer.step
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, capturable=config.cuda_graph)
-    print(
-        f"device: {device}, backend: {backend}, neuron: {config.neuron}, T={config.T}, "
-        f"train/test samples: {len(data.y_train)}/{len(data.y_test)}",
-        flush=True,
-    )
+def _train(
+    config: TrainConfig, device: torch.device, backend: str, checkpoint: Path, ranks: Ranks
+) -> float:
+    say = functools.partial(print, flush=True) if ranks.main else lambda *args, **kw: None
+    error = None
+    try:
+        model, optimizer, data, log = _set_up(config, device, backend, checkpoint, ranks, say)
+    except SpikefuseError as exc:
+        error = exc
+    agree(ranks, error)
+    start_epoch = log.resumed_epoch
 
-    start_epoch = 0
-    if config.resume:
-        payload = load_checkpoint(checkpoint, config)
-        restore(model, optimizer, payload, checkpoint)
-        set_capturable(optimizer, config.cuda_graph)  # the checkpoint's run may have differed
-        start_epoch = payload["epoch"]
-        print(f"resumed from '{checkpoint}' after epoch {start_epoch}", flush=True)
-
+    trained = model
+    if ranks.distributed:
+        device_ids = [device.index] if device.type == "cuda" else None
+        trained = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     graphed = GraphedTrainStep() if config.cuda_graph else None
     with cpu_threads(device, 1):
         accuracy = None
         for epoch in range(start_epoch, config.epochs):
             began = time.perf_counter()
-            loss = train_epoch(model, optimizer, data, config, epoch, graphed)
-            accuracy = evaluate(model, data.x_test, data.y_test, config.T)
-            save_checkpoint(
-                checkpoint,
-                {
-                    "format": CHECKPOINT_FORMAT,
-                    "version": CHECKPOINT_VERSION,
-                    "epoch": epoch + 1,
-                    "config": config.model_config(),
-                    "test_accuracy": accuracy,
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                },
-            )
-            print(
+            loss = train_epoch(trained, optimizer, data, config, epoch, graphed, ranks)
+            accuracy = evaluate(model, data.x_test, data.y_test, config.T, config.amp)
+            seconds = time.perf_counter() - began
+            error = None
+            if ranks.main:
+                try:
+                    save_checkpoint(
+                        checkpoint,
+                        {
+                            "format": CHECKPOINT_FORMAT,
+                            "version": CHECKPOINT_VERSION,
+                            "epoch": epoch + 1,
+                            "config": config.model_config(),
+                            "test_accuracy": accuracy,
+                            "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                        },
+                    )
+                    log.append(epoch + 1, loss, accuracy, seconds)
+                except SpikefuseError as exc:
+                    error = exc
+            agree(ranks, error)
+            say(
                 f"epoch {epoch + 1}/{config.epochs}: train loss {loss:.4f}, "
-                f"test accuracy {accuracy:.4f} ({time.perf_counter() - began:.1f}s)",
-                flush=True,
+                f"test accuracy {accuracy:.4f} ({seconds:.1f}s)"
             )
         if accuracy is None:  # resumed a run that had already finished
-            accuracy = evaluate(model, data.x_test, data.y_test, config.T)
-    print(f"checkpoint: {checkpoint}")
-    print(f"final test accuracy: {accuracy:.4f}", flush=True)
+            accuracy = evaluate(model, data.x_test, data.y_test, config.T, config.amp)
+    say(f"checkpoint: {checkpoint}")
+    say(f"final test accuracy: {accuracy:.4f}")
     return accuracy
+
+
+def _set_up(
+    config: TrainConfig,
+    device: torch.device,
+    backend: str,
+    checkpoint: Path,
+    ranks: Ranks,
+    say: Callable[..., None],
+) -> tuple[nn.Module, torch.optim.Optimizer, Dataset, TrainingLog]:
+    """Load the data, build (and fuse) the model, resume it and the log if asked."""
+    torch.manual_seed(config.seed)
+    data = load_data(config)
+    model, data = build_network(config, data)
+    data, model = data.to(device), model.to(device)
+    report = None
+    if config.fuse:
+        # Under torchrun the fused BatchNorms synchronise over the default process group.
+        model, report = fuse(model, return_report=True)
+    # capturable: Adam's step count stays on the GPU, so a graph can replay optimizer.step
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, capturable=config.cuda_graph)
+    say(
+        f"device: {device}, backend: {backend}, neuron: {config.neuron}, T={config.T}, "
+        f"train/test samples: {len(data.y_train)}/{len(data.y_test)}"
+        + (f", model: {config.model}" if config.model != "digits-cnn" else "")
+        + (f", processes: {ranks.world_size}" if ranks.distributed else "")
+    )
+    if report is not None:
+        say(str(report).splitlines()[0])
+    start_epoch = 0
+    if config.resume:  # every rank reads the checkpoint: all start from the same state
+        payload = load_checkpoint(checkpoint, config)
+        restore(model, optimizer, payload, checkpoint)
+        set_capturable(optimizer, config.cuda_graph)  # the checkpoint's run may have differed
+        start_epoch = payload["epoch"]
+        say(f"resumed from '{checkpoint}' after epoch {start_epoch}")
+    log = TrainingLog(checkpoint_target(checkpoint), start_epoch)
+    if ranks.main:
+        log.load()
+    return model, optimizer, data, log
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -826,13 +1310,21 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(
         prog="spikefuse train",
-        description="Train a small spiking CNN on scikit-learn's 8x8 digits.",
+        description="Train a spiking network: by default a small CNN on scikit-learn's 8x8 "
+        "digits; under torchrun with DistributedDataParallel. Writes a checkpoint, and beside it "
+        "a per-epoch CSV log and a loss/accuracy plot (PNG) of the same name.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--epochs", type=int, default=d.epochs, help="total epochs")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="training batch")
     p.add_argument("--T", type=int, default=d.T, help="time steps per sample")
     p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate, cosine-decayed")
+    p.add_argument(
+        "--model",
+        choices=list(MODELS),
+        default=d.model,
+        help="network: the digits CNN or a spikefuse.models network (10 classes)",
+    )
     p.add_argument("--neuron", choices=sorted(NEURONS), default=d.neuron, help="neuron model")
     p.add_argument(
         "--backend",
@@ -841,6 +1333,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="neuron backend; auto lets each neuron pick the fastest available",
     )
     p.add_argument("--device", choices=DEVICES, default=d.device, help="auto: cuda if available")
+    p.add_argument(
+        "--data",
+        choices=list(DATA_SETS),
+        default=d.data,
+        help="digits: scikit-learn's, built in; cifar10: read from --data-dir",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=d.data_dir,
+        metavar="PATH",
+        help="CIFAR-10's binary version (cifar-10-batches-bin: data_batch_1..5.bin, "
+        "test_batch.bin)",
+    )
+    p.add_argument(
+        "--fuse",
+        action="store_true",
+        help="train with fused Conv/Linear -> BatchNorm -> neuron blocks (spikefuse.fuse)",
+    )
+    p.add_argument(
+        "--amp",
+        choices=AMP_MODES,
+        default=d.amp,
+        help="bf16: run the forward under bf16 autocast (CPU or CUDA)",
+    )
     p.add_argument(
         "--seed", type=int, default=d.seed, help=f"0..{MAX_SEED}; seeds the split, init, batches"
     )
@@ -862,7 +1378,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.limit,
         metavar="N",
-        help=f"use only N samples, {MIN_SAMPLES}..{DIGITS_SAMPLES} (smoke tests)",
+        help=f"use only N samples (smoke tests): digits {MIN_SAMPLES}..{DIGITS_SAMPLES}; "
+        "cifar10 N training and up to N test samples",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
