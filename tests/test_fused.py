@@ -533,3 +533,12 @@ def test_e2e_bench_smoke(tmp_path, monkeypatch, capsys):
     ]
     assert float(rows[2]["ms"]) > 0
     assert (tmp_path / "e2e_small.png").stat().st_size > 0
+
+
+def test_chunked_forward_refuses_fused_blocks():
+    """Review: chunking restarted fused neurons at every chunk (a silently different result)."""
+    model = fuse(nn.Sequential(layer.Linear(3, 4, step_mode="m"), lif()))
+    x = torch.rand(6, 2, 3)
+    with pytest.raises(SpikefuseError, match="restart at every chunk"):
+        functional.chunk_multi_step_forward(3, x, model)
+    assert torch.equal(functional.chunk_multi_step_forward(6, x, model), model(x))

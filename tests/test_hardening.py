@@ -501,3 +501,14 @@ def test_batch_stats_of_empty_batch_are_zero_not_nan():
     mean, var, count = batch_stats(torch.empty(3, 0, 4, dtype=F64))
     assert count == 0 and torch.equal(mean, torch.zeros(4, dtype=F64))
     assert torch.equal(var, torch.zeros(4, dtype=F64))
+
+
+@pytest.mark.parametrize(
+    "charge",
+    ["v + x*sqrt(6)**(10**7)", "v + x*(sqrt(2)*sqrt(3))**(10**8)", "v + x*1e400", "v + x*-1e999"],
+)
+def test_equation_numbers_are_bounded(charge):
+    """Review: a numeric exponent on a non-number base built huge integers (or hung), and
+    non-finite literals were accepted as oo."""
+    with pytest.raises(SpikefuseError, match="too large|not a finite number"):
+        defs.NeuronDef("big", charge=charge)

@@ -615,3 +615,15 @@ def test_norse_to_spikefuse_gives_the_same_spikes():
             out, state = net(x[t], state)
             expected.append(out)
     assert torch.equal(run(model, x), torch.stack(expected))
+
+
+def test_a_torch_code_neuron_is_refused():
+    """Review: a LIFNode subclass with its own neuronal_charge was exported as a plain LIF."""
+
+    class MyLIF(neuron.LIFNode):
+        def neuronal_charge(self, x):
+            self.v = self.v + 2 * x
+
+    model = nn.Sequential(layer.Linear(3, 4, step_mode="m"), MyLIF(step_mode="m"))
+    with pytest.raises(NIRConversionError, match="runs torch code"):
+        export_nir(model, (3,), dt=1.0)

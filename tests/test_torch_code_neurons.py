@@ -304,3 +304,39 @@ def test_simple_base_node_spikingjelly_2():
     assert node.v == 0.0 and node.supported_backends == ("auto", "torch")
     with pytest.raises(NotImplementedError, match="neuronal_charge"):
         neuron.SimpleBaseNode()(torch.ones(2))
+
+
+def test_surrogate_spiking_mode_switch_reaches_its_neurons():
+    """Review: switching a surrogate back to spiking mode left its neurons without a program."""
+    s = sg.ATan(spiking=False)
+    node = neuron.LIFNode(surrogate_function=s, step_mode="m", backend="torch")
+    x = torch.rand(3, 4, generator=gen(7))
+    node(x)
+    node.reset()
+    assert node.program is None and node.torch_code is not None
+    s.set_spiking_mode(True)
+    spikes = node(x)
+    assert node.program is not None and node.torch_code is None
+    assert set(spikes.unique().tolist()) <= {0.0, 1.0}
+    node.reset()
+    s.set_spiking_mode(False)
+    assert node.program is None
+    node(x)
+
+
+def test_torch_code_neurons_are_never_fused():
+    """Review: fuse() replaced a subclass's own neuronal_charge by the LIF kernels."""
+    from spikefuse import fuse, layer
+    from spikefuse.fused import FusedBlock
+
+    class MyLIF(neuron.LIFNode):
+        def neuronal_charge(self, x):
+            self.v = self.v + 2 * x
+
+    model = torch.nn.Sequential(layer.Linear(3, 4, step_mode="m"), MyLIF(step_mode="m"))
+    fused, report = fuse(model, return_report=True)
+    assert not report.fused and "runs torch code" in report.skipped[0].reason
+    x = torch.rand(3, 2, 3, generator=gen(8))
+    assert torch.equal(fused(x), model(x))
+    with pytest.raises(SpikefuseError, match="runs torch code"):
+        FusedBlock(torch.nn.Linear(3, 4), None, MyLIF(step_mode="m"))

@@ -447,3 +447,19 @@ def test_a_checkpoint_named_like_its_log_is_refused(
     assert train(path, "--limit", "20") == 1
     assert "would be overwritten by its own training log or plot" in capsys.readouterr().err
     assert not path.exists()
+
+
+def test_min_memory_training_matches_default_fused(tmp_path):
+    """--fuse --memory min trains exactly like --fuse (same gradients, recomputed)."""
+    from spikefuse.cli import main
+
+    common = ["train", "--limit", "200", "--batch-size", "50", "--T", "2", "--device", "cpu",
+              "--quiet", "--epochs", "1", "--fuse"]  # fmt: skip
+    assert main([*common, "--checkpoint", str(tmp_path / "a.pt")]) == 0
+    assert main([*common, "--memory", "min", "--checkpoint", str(tmp_path / "b.pt")]) == 0
+    a = torch.load(tmp_path / "a.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "b.pt", weights_only=True)["model"]
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], msg=key)
+    with pytest.raises(SystemExit):
+        main(["train", "--memory", "min", "--device", "cpu"])  # without --fuse

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,9 +77,11 @@ class _EquationBuilder:
             return self.build(node.body)
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = self.build(node.left), self.build(node.right)
-            if isinstance(node.op, ast.Pow) and left.is_Number and right.is_Number:
-                huge_base = (
-                    left.is_Rational and len(str(max(abs(left.p), left.q))) > _MAX_INT_DIGITS
+            # A numeric exponent is expanded exactly whatever the base (sqrt(6)**10**7 builds a
+            # huge integer too), so it is bounded on its own; so is a numeric base.
+            if isinstance(node.op, ast.Pow) and right.is_Number:
+                huge_base = left.is_Rational and (
+                    len(str(max(abs(left.p), left.q))) > _MAX_INT_DIGITS
                 )
                 if abs(right) > _MAX_NUMERIC_EXPONENT or huge_base:
                     raise _Rejected(f"the power {ast.unparse(node)} (number too large)")
@@ -112,6 +115,8 @@ class _EquationBuilder:
             if len(str(abs(value))) > _MAX_INT_DIGITS:
                 raise _Rejected(f"an integer literal with more than {_MAX_INT_DIGITS} digits")
             return sp.Integer(value)
+        if not math.isfinite(value):  # 1e400 reads as inf: never a valid coefficient
+            raise _Rejected(f"the literal {ast.unparse(node)} (not a finite number)")
         return sp.Float(repr(value))
 
     def _call(self, node: ast.Call) -> sp.Expr:

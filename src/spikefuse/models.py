@@ -65,6 +65,15 @@ def _step_mode(kwargs: dict[str, Any]) -> str:
     return kwargs.get("step_mode", "s")
 
 
+def _norm(norm_layer: Callable[..., nn.Module], channels: int, step_mode: str) -> nn.Module:
+    """``norm_layer(channels)`` as SpikingJelly calls it (any BatchNorm class or partial), set
+    to the model's step mode where the layer has one."""
+    norm = norm_layer(channels)
+    if hasattr(norm, "step_mode"):
+        norm.step_mode = step_mode
+    return norm
+
+
 def _no_pretrained(pretrained: bool) -> None:
     if pretrained:
         raise SpikefuseError(
@@ -190,7 +199,7 @@ class SpikingVGG(nn.Module):
                 continue
             layers.append(layer.Conv2d(in_channels, v, kernel_size=3, padding=1, step_mode=mode))
             if batch_norm:
-                layers.append(norm_layer(v, step_mode=mode))
+                layers.append(_norm(norm_layer, v, mode))
             layers.append(_neuron(neuron, kwargs))
             in_channels = v
         return nn.Sequential(*layers)
@@ -255,10 +264,10 @@ class BasicBlock(nn.Module):
         mode = _step_mode(kwargs)
         norm_layer = norm_layer or layer.BatchNorm2d
         self.conv1 = _conv3x3(inplanes, planes, stride, mode)
-        self.bn1 = norm_layer(planes, step_mode=mode)
+        self.bn1 = _norm(norm_layer, planes, mode)
         self.sn1 = _neuron(spiking_neuron, kwargs)
         self.conv2 = _conv3x3(planes, planes, 1, mode)
-        self.bn2 = norm_layer(planes, step_mode=mode)
+        self.bn2 = _norm(norm_layer, planes, mode)
         self.sn2 = _neuron(spiking_neuron, kwargs)
         self.downsample = downsample
         self.stride = stride
@@ -323,7 +332,7 @@ def _make_layer(
     if stride != 1 or inplanes != planes * block.expansion:
         downsample = nn.Sequential(
             _conv1x1(inplanes, planes * block.expansion, stride, mode),
-            norm_layer(planes * block.expansion, step_mode=mode),
+            _norm(norm_layer, planes * block.expansion, mode),
         )
     layers = [block(inplanes, planes, stride, downsample, norm_layer=norm_layer, **block_kwargs)]
     for _ in range(1, blocks):
@@ -371,7 +380,7 @@ class SpikingResNet(nn.Module):
         mode = _step_mode(kwargs)
         norm_layer = norm_layer or layer.BatchNorm2d
         self.conv1 = layer.Conv2d(3, 64, 7, stride=2, padding=3, bias=False, step_mode=mode)
-        self.bn1 = norm_layer(64, step_mode=mode)
+        self.bn1 = _norm(norm_layer, 64, mode)
         self.sn1 = _neuron(spiking_neuron, kwargs)
         self.maxpool = layer.MaxPool2d(kernel_size=3, stride=2, padding=1, step_mode=mode)
         block_kwargs = dict(kwargs, spiking_neuron=spiking_neuron, **block_options)
@@ -467,7 +476,7 @@ class ResNet19(nn.Module):
         mode = _step_mode(kwargs)
         norm_layer = norm_layer or layer.BatchNorm2d
         self.conv1 = _conv3x3(3, 128, 1, mode)
-        self.bn1 = norm_layer(128, step_mode=mode)
+        self.bn1 = _norm(norm_layer, 128, mode)
         self.sn1 = _neuron(spiking_neuron, kwargs)
         block_kwargs = dict(kwargs, spiking_neuron=spiking_neuron)
         self.layer1 = _make_layer(BasicBlock, 128, 128, 3, 1, norm_layer, block_kwargs)

@@ -324,6 +324,8 @@ class BaseNode(MemoryModule):
             self.set_memory("v_seq", None)
 
     def _update_program(self) -> None:
+        if isinstance(self.surrogate_function, Surrogate):  # told of changes (spiking mode too)
+            self.surrogate_function.add_user(self)
         if not runs_in_kernels(self.surrogate_function):  # torch code: no kernel program
             self.__dict__["program"] = None
             return
@@ -334,11 +336,14 @@ class BaseNode(MemoryModule):
             detach_reset=bool(self.detach_reset),
             learnable=self.learnable_params,
         )
-        self.surrogate_function.add_user(self)
 
     def surrogate_changed(self) -> None:
-        """Called by the surrogate when one of its hyper-parameters changes."""
-        if self.program is None or self.program.surrogate_key != self.surrogate_function.key:
+        """Called by the surrogate when one of its hyper-parameters or its spiking mode
+        changes: rebuild the program if the change reaches it."""
+        kernels = runs_in_kernels(self.surrogate_function)
+        if (self.program is None) == kernels or (
+            kernels and self.program.surrogate_key != self.surrogate_function.key
+        ):
             self._update_program()
 
     def __setstate__(self, state: dict[str, Any]) -> None:

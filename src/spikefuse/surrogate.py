@@ -197,6 +197,8 @@ class _AlphaSurrogate(Surrogate):
         if not isinstance(spiking, bool):
             raise SpikefuseError(f"{type(self).__name__}: spiking must be a bool, got {spiking!r}")
         self.spiking = spiking
+        for user in list(self.__dict__.get("_users", ())):  # neurons switch program / torch code
+            user.surrogate_changed()
 
     def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
         """g(x) with g' = the surrogate (SpikingJelly's primitive)."""

@@ -36,6 +36,7 @@ from spikefuse import functional, layer, models, neuron
 from spikefuse.cuda import unavailable_reason
 from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.fused import fuse
+from spikefuse.fused.blocks import MEMORY_MODES
 
 CHECKPOINT_FORMAT = "spikefuse.train.digits"
 # Version 2 added the "sha256" checksum of the payload; version 3 the model and data set to
@@ -158,6 +159,7 @@ class TrainConfig:
     data: str = "digits"
     data_dir: str | None = None
     fuse: bool = False
+    memory: str = "default"
     amp: str = "none"
     seed: int = 0
     checkpoint: str = "checkpoints/digits.pt"
@@ -185,12 +187,15 @@ class TrainConfig:
             ("device", DEVICES),
             ("data", list(DATA_SETS)),
             ("amp", AMP_MODES),
+            ("memory", MEMORY_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise SpikefuseError(
                     f"unknown --{name} {getattr(self, name)!r}; choose from {list(allowed)}"
                 )
         check_limit(self.limit, self.data)
+        if self.memory != "default" and not self.fuse:
+            raise SpikefuseError("--memory applies to fused blocks: add --fuse")
         for name in ("fuse", "resume", "overwrite", "quiet", "cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise SpikefuseError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -1278,7 +1283,7 @@ def _set_up(
     report = None
     if config.fuse:
         # Under torchrun the fused BatchNorms synchronise over the default process group.
-        model, report = fuse(model, return_report=True)
+        model, report = fuse(model, return_report=True, memory=config.memory)
     # capturable: Adam's step count stays on the GPU, so a graph can replay optimizer.step
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, capturable=config.cuda_graph)
     say(
@@ -1350,6 +1355,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fuse",
         action="store_true",
         help="train with fused Conv/Linear -> BatchNorm -> neuron blocks (spikefuse.fuse)",
+    )
+    p.add_argument(
+        "--memory",
+        choices=MEMORY_MODES,
+        default=d.memory,
+        help="with --fuse: 'min' keeps only each block's (1-bit packed) input and recomputes "
+        "its Conv/Linear in backward",
     )
     p.add_argument(
         "--amp",

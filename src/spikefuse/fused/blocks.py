@@ -134,6 +134,11 @@ class FusedBlock(nn.Module):
             raise SpikefuseError(
                 f"FusedBlock: node must be a spikefuse neuron, got {type(node).__name__}"
             )
+        if node.torch_code is not None:  # its own equations would be replaced by the kernels
+            raise SpikefuseError(
+                f"FusedBlock: {type(node).__name__} runs torch code ({node.torch_code}); only "
+                "neurons defined by a NeuronDef (with a spikefuse Surrogate) can be fused"
+            )
         if node.definition.adaptive:
             raise SpikefuseError(
                 f"FusedBlock: only one-state neurons can be fused, {type(node).__name__} has two"

@@ -208,6 +208,8 @@ def _bn_problem(module: nn.Module, synapse: nn.Module) -> str:
 def _node_problem(node: BaseNode) -> str | None:
     if node.step_mode != "m":
         return f"the neuron has step_mode={node.step_mode!r}; fused blocks are multi-step"
+    if node.torch_code is not None:
+        return f"{type(node).__name__} runs torch code ({node.torch_code}); fused blocks run NeuronDefs"
     if node.definition.adaptive:
         return f"{type(node).__name__} has two states; only one-state neurons fuse"
     if node.store_v_seq:

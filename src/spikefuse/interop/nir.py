@@ -411,6 +411,11 @@ class _Exporter:
         return node, tuple(out.shape[1:])
 
     def _neuron(self, where: str, node: BaseNode, shape: tuple[int, ...]) -> nir.NIRNode:
+        if node.torch_code is not None:  # its charge is the user's torch code, not LIF's
+            raise NIRConversionError(
+                f"{where}: {type(node).__name__} runs torch code ({node.torch_code}); only "
+                "spikefuse's IF/LIF/PLIF definitions have a NIR equivalent"
+            )
         definition = node.definition
         if definition is not defs.IF and definition not in {**_LIF_DEFS, **_PLIF_DEFS}:
             raise NIRConversionError(
