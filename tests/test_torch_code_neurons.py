@@ -340,3 +340,16 @@ def test_torch_code_neurons_are_never_fused():
     assert torch.equal(fused(x), model(x))
     with pytest.raises(SpikefuseError, match="runs torch code"):
         FusedBlock(torch.nn.Linear(3, 4), None, MyLIF(step_mode="m"))
+
+
+def test_overridden_step_methods_run_as_in_spikingjelly():
+    """Review: forward ignored a subclass's single_step_forward (SpikingJelly dispatches to it)."""
+
+    class Boosted(neuron.LIFNode):
+        def single_step_forward(self, x):
+            return super().single_step_forward(x + 10)
+
+    node = Boosted(backend="torch")
+    assert torch.equal(node(torch.zeros(4)), torch.ones(4))
+    node.reset()
+    assert torch.equal(node.single_step_forward(torch.zeros(4)), torch.ones(4))

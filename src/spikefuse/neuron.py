@@ -170,10 +170,17 @@ class BaseNode(MemoryModule):
     # The torch-code hooks a subclass overrides, found once per class (forward checks it).
     _torch_code_hooks: tuple[str, ...] = ()
 
+    _overrides_step_forward = False
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._torch_code_hooks = tuple(
             hook for hook in TORCH_CODE_HOOKS if getattr(cls, hook) is not getattr(BaseNode, hook)
+        )
+        # A subclass overriding these is run through them, as SpikingJelly's forward does.
+        cls._overrides_step_forward = any(
+            getattr(cls, name) is not getattr(BaseNode, name)
+            for name in ("single_step_forward", "multi_step_forward")
         )
 
     @classmethod
@@ -447,6 +454,12 @@ class BaseNode(MemoryModule):
                 )
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._overrides_step_forward:  # SpikingJelly dispatches forward to these methods
+            return MemoryModule.forward(self, x)
+        return self._forward(x)
+
+    def _forward(self, x: Tensor) -> Tensor:
+        """The neuron itself in the current step mode (torch code or the backend's ops)."""
         reason = self.torch_code
         if reason is not None:
             return self._torch_code_forward(x, reason)
@@ -576,10 +589,10 @@ class BaseNode(MemoryModule):
 
     def _forward_in_mode(self, x: Tensor, mode: str) -> Tensor:
         if self._step_mode == mode:
-            return self.forward(x)
+            return self._forward(x)
         saved, self._step_mode = self._step_mode, mode
         try:
-            return self.forward(x)
+            return self._forward(x)
         finally:
             self._step_mode = saved
 

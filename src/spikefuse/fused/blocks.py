@@ -134,10 +134,16 @@ class FusedBlock(nn.Module):
             raise SpikefuseError(
                 f"FusedBlock: node must be a spikefuse neuron, got {type(node).__name__}"
             )
-        if node.torch_code is not None:  # its own equations would be replaced by the kernels
+        # A neuron's own torch code would be bypassed by the kernels.
+        own_code = node.torch_code or (
+            "it overrides single_step_forward/multi_step_forward"
+            if node._overrides_step_forward
+            else None
+        )
+        if own_code is not None:
             raise SpikefuseError(
-                f"FusedBlock: {type(node).__name__} runs torch code ({node.torch_code}); only "
-                "neurons defined by a NeuronDef (with a spikefuse Surrogate) can be fused"
+                f"FusedBlock: {type(node).__name__} runs torch code ({own_code}); only neurons "
+                "defined by a NeuronDef with a spikefuse Surrogate can be fused"
             )
         if node.definition.adaptive:
             raise SpikefuseError(

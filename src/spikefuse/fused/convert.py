@@ -210,6 +210,8 @@ def _node_problem(node: BaseNode) -> str | None:
         return f"the neuron has step_mode={node.step_mode!r}; fused blocks are multi-step"
     if node.torch_code is not None:
         return f"{type(node).__name__} runs torch code ({node.torch_code}); fused blocks run NeuronDefs"
+    if node._overrides_step_forward:
+        return f"{type(node).__name__} overrides single_step_forward/multi_step_forward"
     if node.definition.adaptive:
         return f"{type(node).__name__} has two states; only one-state neurons fuse"
     if node.store_v_seq:
