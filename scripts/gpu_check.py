@@ -377,6 +377,38 @@ def check_nan_policy(log) -> bool:
     return not failures
 
 
+def check_training(log, out: Path) -> bool:
+    """`spikefuse train` on the GPU: the digits CNN unfused, fused, fused with memory='min',
+    and replayed from CUDA graphs (unfused and fused) reach the same test accuracy within noise."""
+    from spikefuse.train import TrainConfig, run
+
+    runs = {
+        "unfused": {},
+        "fused": {"fuse": True},
+        "fused memory=min": {"fuse": True, "memory": "min"},
+        "cuda graph": {"cuda_graph": True},
+        "fused + cuda graph": {"fuse": True, "cuda_graph": True},
+        "fused bf16": {"fuse": True, "amp": "bf16"},
+    }
+    accuracy = {}
+    for name, options in runs.items():
+        checkpoint = out / f"train_{name.replace(' ', '_').replace('=', '_')}.pt"
+        config = TrainConfig(epochs=4, device="cuda", backend="cuda", quiet=True,
+                             checkpoint=str(checkpoint), overwrite=checkpoint.exists(),
+                             **options)  # fmt: skip
+        try:
+            accuracy[name] = run(config)
+        except Exception as exc:  # noqa: BLE001
+            log(f"FAIL training {name}: {type(exc).__name__}: {str(exc)[:300]}")
+            accuracy[name] = 0.0
+    reference = accuracy["unfused"]
+    ok = reference > 0.9 and all(abs(a - reference) <= 0.03 for a in accuracy.values())
+    log("spikefuse train on the GPU, digits CNN, 4 epochs, test accuracy: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
+        + f": {'PASS' if ok else 'FAIL'} (within 0.03 of unfused)")  # fmt: skip
+    return ok
+
+
 def _sj_small(backend: str = "cuda") -> nn.Module:
     """A small network written the SpikingJelly way (Sigmoid surrogate, flat Sequential)."""
 
@@ -543,7 +575,8 @@ def main() -> int:
     report_registers(log)
     extra_ok = (check_device_placement(log) & check_determinism(log)
                 & check_affine_kernels(log, nodes) & check_fused_blocks(log)
-                & check_nan_policy(log) & check_graphs_and_compile(log))  # fmt: skip
+                & check_nan_policy(log) & check_graphs_and_compile(log)
+                & check_training(log, args.out))  # fmt: skip
     log(f"GPU check on {torch.cuda.get_device_name(0)}: {passed} variants passed, {failed} failed "
         f"({len(SHAPES)} shapes each), extra checks {'PASS' if extra_ok else 'FAIL'}, "
         f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
