@@ -10,7 +10,7 @@ from torch import nn
 from spikefuse import fuse, layer
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock
-from spikefuse.fused.low_memory import mark_spikes, pack_bits, unpack_bits
+from spikefuse.fused.low_memory import mark_spikes, memory_order, pack_bits, unpack_bits
 from test_fused import FP64_TOL, assert_same_training_step, conv_stack, lif, saved_bytes
 
 
@@ -18,14 +18,20 @@ from test_fused import FP64_TOL, assert_same_training_step, conv_stack, lif, sav
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_pack_bits_round_trip(n, dtype):
     spikes = (torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5).to(dtype)
-    packed = pack_bits(spikes)
+    packed = pack_bits(spikes, (0,))
     assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
-    assert torch.equal(unpack_bits(packed, spikes.shape, dtype), spikes)
+    assert torch.equal(unpack_bits(packed, spikes.shape, dtype, (0,)), spikes)
 
 
 def test_pack_bits_of_a_strided_map():
+    """A channels-last map is packed in its memory order and unpacked in the same layout."""
     x = (torch.rand(2, 3, 4, 5) > 0.5).float().contiguous(memory_format=torch.channels_last)
-    assert torch.equal(unpack_bits(pack_bits(x), x.shape, x.dtype), x)
+    order = memory_order(x)
+    assert order == (0, 2, 3, 1)
+    y = unpack_bits(pack_bits(x, order), x.shape, x.dtype, order)
+    assert torch.equal(y, x) and y.stride() == x.stride()
+    z = torch.rand(4, 6)[:, ::2]  # not dense: logical order
+    assert memory_order(z) == (0, 1)
 
 
 def test_min_memory_equals_the_default_mode():

@@ -54,9 +54,16 @@ def _bit_weights(device: torch.device) -> Tensor:
     return weights
 
 
-def pack_bits(spikes: Tensor) -> Tensor:
-    """0/1 values (any shape, layout, float dtype) → uint8 [ceil(n / 8)], logical order."""
-    bits = spikes.reshape(-1) != 0
+def memory_order(t: Tensor) -> tuple[int, ...]:
+    """The dimension order in which ``t``'s elements lie in memory (outermost first), when
+    that order is dense (e.g. a channels-last map), else the logical order."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return order if t.permute(order).is_contiguous() else tuple(range(t.dim()))
+
+
+def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
+    """0/1 values → uint8 [ceil(n / 8)], read in ``order`` (:func:`memory_order`: no copy)."""
+    bits = spikes.permute(order).reshape(-1) != 0
     pad = -bits.numel() % 8
     if pad:
         bits = torch.cat([bits, bits.new_zeros(pad)])
@@ -64,10 +71,16 @@ def pack_bits(spikes: Tensor) -> Tensor:
     return (bits.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
 
 
-def unpack_bits(packed: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-    """The inverse of :func:`pack_bits`: a contiguous tensor of ``shape`` and ``dtype``."""
+def unpack_bits(
+    packed: Tensor, shape: torch.Size, dtype: torch.dtype, order: tuple[int, ...]
+) -> Tensor:
+    """The inverse of :func:`pack_bits`: a tensor of ``shape`` with the packed tensor's memory
+    layout (a dense ``order``)."""
+    dense_shape = [shape[d] for d in order]
     bits = (packed[:, None] & _bit_weights(packed.device)) != 0
-    return bits.reshape(-1)[: shape.numel()].to(dtype).view(shape)
+    dense = bits.reshape(-1)[: shape.numel()].to(dtype).view(dense_shape)
+    inverse = sorted(range(len(order)), key=lambda d: order[d])
+    return dense.permute(inverse)
 
 
 class SynapseRecomputeFunction(torch.autograd.Function):
@@ -85,10 +98,11 @@ class SynapseRecomputeFunction(torch.autograd.Function):
                 *synapse_params):  # fmt: skip
         spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, True)
         packed = is_spikes(x)
-        kept = pack_bits(x) if packed else x
+        order = memory_order(x)
+        kept = pack_bits(x, order) if packed else x
         vectors = () if stats is None else stats.vectors
         ctx.save_for_backward(kept, learnable, *vectors, *(saved or ()))
-        ctx.geometry = (x.shape, x.dtype, packed)
+        ctx.geometry = (x.shape, x.dtype, packed, order)
         ctx.count = None if stats is None else stats.count
         ctx.kept = saved is not None
         # backward runs outside the forward's autocast context: recompute y under the same one
@@ -106,8 +120,8 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         stats = None
         if ctx.count is not None:
             stats, rest = BNStats(*rest[:4], ctx.count), rest[4:]
-        shape, dtype, packed = ctx.geometry
-        x = unpack_bits(kept, shape, dtype) if packed else kept
+        shape, dtype, packed, order = ctx.geometry
+        x = unpack_bits(kept, shape, dtype, order) if packed else kept
         needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[9:]
         device, dtype, enabled = ctx.autocast
         autocast = torch.autocast(device, dtype, enabled=enabled, cache_enabled=False)
