@@ -7,6 +7,7 @@ must see the same (finite) statistics and zero gradients, not NaN.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 
@@ -85,16 +86,23 @@ def _join_worker(rank: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         block = _block()
-        ddp = DistributedDataParallel(block)
         x = torch.randn(3, 4, 5, dtype=torch.float64)
         counter = int(block.bn.num_batches_tracked)
+        refused = DistributedDataParallel(block)
         with pytest.raises(SpikefuseError, match="throw_on_early_termination=True"):
-            with Join([ddp]):
-                ddp(x)
+            with Join([refused]):
+                refused(x)
         assert int(block.bn.num_batches_tracked) == counter  # refused before any state change
+        dist.barrier()  # DDP's join hook had started an async all-reduce: let it complete
+        # A DDP whose forward raised is not reused; a fresh one trains under an allowed Join.
+        ddp = DistributedDataParallel(_block())
         with Join([ddp], throw_on_early_termination=True):  # torch stops all ranks together
             ddp(x).sum().backward()
         ddp(x).sum().backward()  # outside Join: as before
+        # Release the DDP reducers before the process group: one left alive at interpreter exit
+        # (the refused one, held by the exception's traceback) can abort the process.
+        del refused, ddp
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

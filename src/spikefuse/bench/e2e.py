@@ -165,12 +165,14 @@ def vanilla_model(name: str) -> nn.Sequential:
     })  # fmt: skip
 
 
+# The paper's LIF as a SpikingJelly user writes it: decay 1 - 1/tau = 0.25, threshold 0.25,
+# hard reset to 0 (``neuron.LIFNode`` keyword arguments; the surrogate is chosen per model).
+SJ_LIF = dict(tau=4.0 / 3.0, decay_input=False, v_threshold=0.25, v_reset=0.0, step_mode="m")
+
+
 def sj_lif(backend: str, make_surrogate: Callable[[], surrogate.Surrogate]) -> neuron.LIFNode:
-    """The paper's LIF as a SpikingJelly user writes it: decay 1 - 1/tau = 0.25, threshold
-    0.25, hard reset to 0."""
-    return neuron.LIFNode(tau=4.0 / 3.0, decay_input=False, v_threshold=0.25, v_reset=0.0,
-                          surrogate_function=make_surrogate(), step_mode="m",
-                          backend=backend)  # fmt: skip
+    """:data:`SJ_LIF` with a fresh surrogate."""
+    return neuron.LIFNode(**SJ_LIF, surrogate_function=make_surrogate(), backend=backend)
 
 
 def spikefuse_model(
@@ -198,10 +200,8 @@ def zoo_model(model: str, backend: str | None) -> nn.Module:
     when ``backend`` is None."""
     if backend is None:
         return ZOO[model].build(spiking_neuron=lambda **_: VanillaLIF(), step_mode="m")
-    return ZOO[model].build(
-        spiking_neuron=neuron.LIFNode, tau=4.0 / 3.0, decay_input=False, v_threshold=0.25,
-        v_reset=0.0, surrogate_function=surrogate.Sigmoid(), step_mode="m", backend=backend,
-    )  # fmt: skip
+    return ZOO[model].build(spiking_neuron=neuron.LIFNode, **SJ_LIF,
+                            surrogate_function=surrogate.Sigmoid(), backend=backend)  # fmt: skip
 
 
 def build(variant: str, model: str, device: torch.device) -> nn.Module:

@@ -16,6 +16,7 @@ from ..reference import compute_dtype
 from .bn_neuron import (
     BNNeuronFunction,
     BNSpec,
+    BNStats,
     NeuronCall,
     bn_neuron_forward,
     bn_statistics,
@@ -176,37 +177,52 @@ class FusedBlock(nn.Module):
         if not x.dtype.is_floating_point:
             raise SpikefuseError(f"FusedBlock: input dtype must be floating point, got {x.dtype}")
 
-    def _synapse_forward(self, x: Tensor) -> Tensor:
+    def _channels_last(self, merged: Tensor) -> bool:
+        """Whether the synapse runs channels-last: a Conv2d on CUDA (cuDNN's native layout, no
+        transposes around the convolution; the kernels read that layout as it is)."""
+        return self._kind is nn.Conv2d and merged.is_cuda
+
+    def _merged(self, x: Tensor) -> Tensor:
+        """[T, B, ...] as the synapse's [T*B, ...] batch, in the layout it runs in."""
         merged = x.flatten(0, 1)
-        recipe = recipe_of(merged)
-        if self._kind is nn.Conv2d and merged.is_cuda:
+        if self._channels_last(merged):
             merged = merged.contiguous(memory_format=torch.channels_last)
-            if recipe is not None:  # recompute in the layout the convolution saw
-                recipe = _channels_last(recipe)
-        # The torch base class's forward: spikefuse layers would otherwise re-split T and B.
-        with saving_recomputed(merged, recipe):
-            y = self._kind.forward(self.synapse, merged)
-        return y.unflatten(0, x.shape[:2])
+        return merged
 
     def _synapse_call(self, x: Tensor) -> Tensor:
-        """y = synapse(x) on [T, B, ...] as the forward computes it (memory="min" recomputes it)."""
-        merged = x.flatten(0, 1)
-        if self._kind is nn.Conv2d and merged.is_cuda:
-            merged = merged.contiguous(memory_format=torch.channels_last)
-        return self._kind.forward(self.synapse, merged).unflatten(0, x.shape[:2])
+        """y = synapse(x) on [T, B, ...] (memory="min" recomputes it in backward). The torch base
+        class's forward: spikefuse layers would otherwise re-split T and B."""
+        return self._kind.forward(self.synapse, self._merged(x)).unflatten(0, x.shape[:2])
+
+    def _synapse_forward(self, x: Tensor) -> Tensor:
+        """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe."""
+        recipe = recipe_of(x.flatten(0, 1))
+        if recipe is not None and self._channels_last(x):  # recompute in the conv's layout
+            recipe = _channels_last(recipe)
+        merged = self._merged(x)
+        with saving_recomputed(merged, recipe):  # the very tensor the synapse saves
+            return self._kind.forward(self.synapse, merged).unflatten(0, x.shape[:2])
+
+    def _prepare(
+        self, y: Tensor
+    ) -> tuple[NeuronCall, Tensor | None, BNSpec | None, BNStats | None]:
+        """(neuron call, learnable values, BN spec, statistics) for this call's synapse output:
+        everything is checked before BatchNorm counts the batch and updates its statistics."""
+        neuron = NeuronCall.from_node(self.node, y)  # may raise
+        if self.bn is not None and is_distributed(self.process_group):
+            refuse_join()
+        if torch.is_anomaly_enabled():  # the node's NaN check (a host sync: anomaly mode only)
+            self.node._check_no_nan(y, None)
+        learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
+        bn = self._bn_spec()
+        return neuron, learnable, bn, None if bn is None else bn_statistics(y, bn)
 
     def _forward_min_memory(self, x: Tensor) -> Tensor:
         """memory="min": y is computed without autograd here and recomputed in backward."""
         with torch.no_grad():
             y = self._synapse_call(x)
-        neuron = NeuronCall.from_node(self.node, y)  # may raise: before BN's state changes
-        if self.bn is not None and is_distributed(self.process_group):
-            refuse_join()
-        learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
-        bn = self._bn_spec()
-        stats = None if bn is None else bn_statistics(y, bn)
-        weight = bn.weight if bn is not None else None
-        bias = bn.bias if bn is not None else None
+        neuron, learnable, bn, stats = self._prepare(y)
+        weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
         spikes = SynapseRecomputeFunction.apply(x, y, weight, bias, learnable, stats, bn, neuron,
                                                 self._synapse_call, *self.synapse.parameters())  # fmt: skip
         return mark_spikes(spikes)
@@ -241,18 +257,10 @@ class FusedBlock(nn.Module):
         if self.memory == "min" and torch.is_grad_enabled():
             return self._forward_min_memory(x)
         y = self._synapse_forward(x)
-        neuron = NeuronCall.from_node(self.node, y)  # may raise: before BN's state changes
-        if self.bn is not None and is_distributed(self.process_group):
-            refuse_join()
-        if torch.is_anomaly_enabled():  # the node's NaN check (a host sync: anomaly mode only)
-            self.node._check_no_nan(y, None)
-        learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
-        bn = self._bn_spec()
-        weight = bn.weight if bn is not None else None
-        bias = bn.bias if bn is not None else None
+        neuron, learnable, bn, stats = self._prepare(y)
+        weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
         grads = (y, weight, bias, learnable)
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
-        stats = None if bn is None else bn_statistics(y, bn)
         spikes = BNNeuronFunction.apply(y, weight, bias, learnable, stats, bn, neuron, save)
         if not save:
             return mark_spikes(spikes)
@@ -276,10 +284,7 @@ class FusedBlock(nn.Module):
                 "FusedBlock: under torch.compile the fused BatchNorm is not synchronised across "
                 "processes; run the fused model eagerly (or CUDA-graph it) under torch.distributed"
             )
-        merged = x.flatten(0, 1)
-        if self._kind is nn.Conv2d and merged.is_cuda:  # as in eager: the same cuDNN kernels
-            merged = merged.contiguous(memory_format=torch.channels_last)
-        y = self._kind.forward(self.synapse, merged)
+        y = self._kind.forward(self.synapse, self._merged(x))  # as in eager: the same layout
         if self.bn is not None:  # torch's own BatchNorm on the merged [T*B, C, *] batch
             y = _BatchNorm.forward(self.bn, y)
         y = y.unflatten(0, x.shape[:2])

@@ -31,6 +31,7 @@ with the torch backend they are composed from the reference neuron and torch ops
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -352,18 +353,25 @@ class BNSpec:
 
 
 # counts tensors for batch_norm_gather_stats_with_counts, by (device, count, dtype)
-_COUNTS: dict[tuple, Tensor] = {}
+_CONSTANTS: dict[tuple, Tensor] = {}
+
+
+def device_constant(key: tuple, make: Callable[[], Tensor]) -> Tensor:
+    """A small constant tensor made once per ``key`` (include the device): not cached while a
+    CUDA graph is captured (it would live in the graph's pool) or the compiler traces."""
+    value = _CONSTANTS.get(key)
+    if value is None:
+        value = make()
+        capturing = value.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and not torch.compiler.is_compiling():
+            _CONSTANTS[key] = value
+    return value
 
 
 def _count_tensor(count: int, like: Tensor) -> Tensor:
-    key = (like.device, count, like.dtype)
-    counts = _COUNTS.get(key)
-    if counts is None:
-        counts = like.new_full((1,), float(count))
-        # not cached while a CUDA graph is being captured: it would belong to the graph's pool
-        if not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
-            _COUNTS[key] = counts
-    return counts
+    """[count] for batch_norm_gather_stats_with_counts."""
+    key = ("count", like.device, count, like.dtype)
+    return device_constant(key, lambda: like.new_full((1,), float(count)))
 
 
 def _check_count(count: int, y: Tensor) -> None:
@@ -454,6 +462,35 @@ def param_dtypes(*params: Tensor | None) -> tuple[torch.dtype | None, ...]:
     return tuple(None if p is None else p.dtype for p in params)
 
 
+def save_bn_context(ctx, first: Tensor, learnable: Tensor | None, stats: BNStats | None,
+                    saved: tuple | None, weight: Tensor | None, bias: Tensor | None,
+                    neuron: NeuronCall, bn: BNSpec | None) -> None:  # fmt: skip
+    """Keep for backward ``first`` (what the synapse output is recomputed from), the learnable
+    values, the per-channel vectors and what the neuron's forward kept; see
+    :func:`load_bn_context`."""
+    vectors = () if stats is None else stats.vectors
+    ctx.save_for_backward(first, learnable, *vectors, *(saved or ()))
+    ctx.kept = saved is not None
+    ctx.count = None if stats is None else stats.count
+    ctx.neuron, ctx.bn = neuron, bn
+    ctx.param_dtypes = param_dtypes(weight, bias)
+
+
+def load_bn_context(ctx) -> tuple[Tensor, Tensor | None, BNStats | None, tuple | None]:
+    """(first, learnable, stats, saved) as :func:`save_bn_context` kept them."""
+    first, learnable, *rest = ctx.saved_tensors
+    stats = None
+    if ctx.count is not None:
+        stats, rest = BNStats(*rest[:4], ctx.count), rest[4:]
+    return first, learnable, stats, tuple(rest) if ctx.kept else None
+
+
+def bn_param_grads(ctx, grad_weight: Tensor | None, grad_bias: Tensor | None) -> tuple:
+    """BatchNorm's gamma/beta gradients in the parameters' dtypes."""
+    weight_dtype, bias_dtype = ctx.param_dtypes
+    return _as_dtype(grad_weight, weight_dtype), _as_dtype(grad_bias, bias_dtype)
+
+
 class BNNeuronFunction(torch.autograd.Function):
     """spikes = neuron(BN(y)); saves y and per-channel vectors only (see the module docstring).
 
@@ -467,28 +504,15 @@ class BNNeuronFunction(torch.autograd.Function):
     def forward(ctx, y, weight, bias, learnable, stats: BNStats | None, bn: BNSpec | None,
                 neuron: NeuronCall, save: bool = True):  # fmt: skip
         spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, save)
-        vectors = () if stats is None else stats.vectors
-        ctx.save_for_backward(y, learnable, *vectors, *(saved or ()))
-        ctx.kept = saved is not None
-        ctx.count = None if stats is None else stats.count
-        ctx.neuron, ctx.bn = neuron, bn
-        ctx.param_dtypes = param_dtypes(weight, bias)
+        save_bn_context(ctx, y, learnable, stats, saved, weight, bias, neuron, bn)
         return spikes
 
     @staticmethod
     def backward(ctx, grad_spikes):
         forbid_double_backward("a fused block (BNNeuronFunction)")
-        y, learnable, *rest = ctx.saved_tensors
-        stats = None
-        if ctx.count is not None:
-            stats, rest = BNStats(*rest[:4], ctx.count), rest[4:]
-        saved = tuple(rest) if ctx.kept else None
+        y, learnable, stats, saved = load_bn_context(ctx)
         grad_y, grad_weight, grad_bias, grad_learnable = bn_neuron_grads(
             y, stats, ctx.bn, ctx.neuron, learnable, grad_spikes, saved, ctx.needs_input_grad[1:4]
         )
-        weight_dtype, bias_dtype = ctx.param_dtypes
-        grad_weight, grad_bias = (
-            _as_dtype(grad_weight, weight_dtype),
-            _as_dtype(grad_bias, bias_dtype),
-        )
+        grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         return grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None

@@ -20,14 +20,15 @@ from .bn_neuron import (
     BNSpec,
     BNStats,
     NeuronCall,
-    _as_dtype,
     bn_neuron_forward,
     bn_neuron_grads,
-    param_dtypes,
+    bn_param_grads,
+    device_constant,
+    load_bn_context,
+    save_bn_context,
 )
 
 _SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
-_BIT_WEIGHTS: dict[torch.device, Tensor] = {}
 
 
 def mark_spikes(t: Tensor) -> Tensor:
@@ -45,13 +46,10 @@ def is_spikes(t: Tensor) -> bool:
 
 
 def _bit_weights(device: torch.device) -> Tensor:
-    weights = _BIT_WEIGHTS.get(device)
-    if weights is None:
-        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
-        # not cached while a CUDA graph is captured: it would belong to the graph's pool
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _BIT_WEIGHTS[device] = weights
-    return weights
+    return device_constant(
+        ("bit weights", device),
+        lambda: torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device),
+    )
 
 
 def memory_order(t: Tensor) -> tuple[int, ...]:
@@ -100,26 +98,19 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         packed = is_spikes(x)
         order = memory_order(x)
         kept = pack_bits(x, order) if packed else x
-        vectors = () if stats is None else stats.vectors
-        ctx.save_for_backward(kept, learnable, *vectors, *(saved or ()))
+        save_bn_context(ctx, kept, learnable, stats, saved, weight, bias, neuron, bn)
         ctx.geometry = (x.shape, x.dtype, packed, order)
-        ctx.count = None if stats is None else stats.count
-        ctx.kept = saved is not None
         # backward runs outside the forward's autocast context: recompute y under the same one
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        ctx.neuron, ctx.bn, ctx.synapse = neuron, bn, synapse
+        ctx.synapse = synapse
         ctx.synapse_params = synapse_params  # parameters: alive anyway, not activations
-        ctx.param_dtypes = param_dtypes(weight, bias)
         return spikes
 
     @staticmethod
     def backward(ctx, grad_spikes):
         forbid_double_backward("a fused block (memory='min')")
-        kept, learnable, *rest = ctx.saved_tensors
-        stats = None
-        if ctx.count is not None:
-            stats, rest = BNStats(*rest[:4], ctx.count), rest[4:]
+        kept, learnable, stats, saved = load_bn_context(ctx)
         shape, dtype, packed, order = ctx.geometry
         x = unpack_bits(kept, shape, dtype, order) if packed else kept
         needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[9:]
@@ -129,14 +120,10 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             x = x.detach().requires_grad_(needs_x)
             y = ctx.synapse(x)
         grad_y, grad_weight, grad_bias, grad_learnable = bn_neuron_grads(
-            y.detach(), stats, ctx.bn, ctx.neuron, learnable, grad_spikes,
-            tuple(rest) if ctx.kept else None, ctx.needs_input_grad[2:5],
+            y.detach(), stats, ctx.bn, ctx.neuron, learnable, grad_spikes, saved,
+            ctx.needs_input_grad[2:5],
         )  # fmt: skip
-        weight_dtype, bias_dtype = ctx.param_dtypes
-        grad_weight, grad_bias = (
-            _as_dtype(grad_weight, weight_dtype),
-            _as_dtype(grad_bias, bias_dtype),
-        )
+        grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         # the synapse's own backward, on the recomputed graph (only what needs a gradient)
         candidates = zip([x, *ctx.synapse_params], [needs_x, *params_need], strict=True)
         wanted = [t for t, need in candidates if need]
