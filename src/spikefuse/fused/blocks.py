@@ -177,7 +177,7 @@ class FusedBlock(nn.Module):
         if not x.dtype.is_floating_point:
             raise SpikefuseError(f"FusedBlock: input dtype must be floating point, got {x.dtype}")
 
-    def _channels_last(self, merged: Tensor) -> bool:
+    def _runs_channels_last(self, merged: Tensor) -> bool:
         """Whether the synapse runs channels-last: a Conv2d on CUDA (cuDNN's native layout, no
         transposes around the convolution; the kernels read that layout as it is)."""
         return self._kind is nn.Conv2d and merged.is_cuda
@@ -185,7 +185,7 @@ class FusedBlock(nn.Module):
     def _merged(self, x: Tensor) -> Tensor:
         """[T, B, ...] as the synapse's [T*B, ...] batch, in the layout it runs in."""
         merged = x.flatten(0, 1)
-        if self._channels_last(merged):
+        if self._runs_channels_last(merged):
             merged = merged.contiguous(memory_format=torch.channels_last)
         return merged
 
@@ -197,7 +197,7 @@ class FusedBlock(nn.Module):
     def _synapse_forward(self, x: Tensor) -> Tensor:
         """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe."""
         recipe = recipe_of(x.flatten(0, 1))
-        if recipe is not None and self._channels_last(x):  # recompute in the conv's layout
+        if recipe is not None and self._runs_channels_last(x):  # recompute in the conv's layout
             recipe = _channels_last(recipe)
         merged = self._merged(x)
         with saving_recomputed(merged, recipe):  # the very tensor the synapse saves
