@@ -21,11 +21,11 @@ import torch
 from torch import Tensor, nn
 
 from . import definitions as defs
+from .backends import compute_dtype
 from .cuda import unavailable_reason
 from .errors import BackendUnavailableError, SpikefuseError
 from .ops import run_neuron
 from .program import NeuronProgram
-from .reference import compute_dtype
 from .surrogate import Sigmoid, Surrogate, is_finite_real, runs_in_kernels
 
 log = logging.getLogger("spikefuse")

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .backends import compute_dtype
 from .errors import SpikefuseError
 from .program import NeuronProgram, lookup
 
@@ -51,7 +52,7 @@ def neuron_fptt(
     save_for_backward: bool,
     store_v_seq: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(spikes, v_seq, v_last, w_last, saved_v, saved_w); see :class:`spikefuse.reference.FPTTOut`."""
+    """(spikes, v_seq, v_last, w_last, saved_v, saved_w); see :class:`spikefuse.backends.FPTTOut`."""
     out = backend_module(backend).fptt(
         lookup(program), x_seq, v0, w0, learnable, constants, init, save_for_backward, store_v_seq
     )
@@ -61,7 +62,7 @@ def neuron_fptt(
 @neuron_fptt.register_fake
 def _(program, backend, x_seq, v0, w0, learnable, constants, init, save_for_backward, store_v_seq):
     prog = lookup(program)
-    cd = reference.compute_dtype(x_seq.dtype)
+    cd = compute_dtype(x_seq.dtype)
     state = x_seq.new_empty(x_seq.shape[1:], dtype=cd)
     out = (
         torch.empty_like(x_seq, memory_format=torch.contiguous_format),  # whatever x's strides
@@ -90,7 +91,7 @@ def neuron_bptt(
     constants: list[float],
     init: list[float],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(grad_x, grad_v0, grad_w0, grad_learnable); see :class:`spikefuse.reference.BPTTOut`."""
+    """(grad_x, grad_v0, grad_w0, grad_learnable); see :class:`spikefuse.backends.BPTTOut`."""
     out = _bptt(lookup(program), backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
                 saved_v, saved_w, x_seq, v0, w0, learnable, constants, init)  # fmt: skip
     return tuple(_or_empty(t, grad_spikes) for t in out)

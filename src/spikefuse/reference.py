@@ -11,35 +11,10 @@ Shapes: ``x_seq`` [T, *], states [*]; ``learnable`` [P] float32; ``constants`` f
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from .backends import BPTTOut, FPTTOut, compute_dtype
 from .program import NeuronProgram
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Arithmetic dtype for a storage dtype: float64 stays, everything else computes in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class FPTTOut(NamedTuple):
-    spikes: torch.Tensor  # [T, *], x dtype
-    v_seq: torch.Tensor | None  # [T, *], x dtype; None unless store_v_seq
-    v_last: torch.Tensor  # [*], compute dtype
-    w_last: torch.Tensor | None  # [*], compute dtype; None for one-state neurons
-    # What the backend keeps for its backward (None when not saving): here H[t] and, when a
-    # derivative needs it, W[t]; the cuda backend keeps V and W at chunk ends.
-    saved_v: torch.Tensor | None
-    saved_w: torch.Tensor | None
-
-
-class BPTTOut(NamedTuple):
-    grad_x: torch.Tensor  # [T, *], dtype of the spikes' gradient
-    grad_v0: torch.Tensor | None  # [*]; None when V started from a constant
-    grad_w0: torch.Tensor | None  # [*]; None when W started from a constant or does not exist
-    grad_learnable: torch.Tensor | None  # [P] compute dtype; None without learnable parameters
-
 
 SAVES_SEQUENCE = True  # forward keeps H[t] (and W[t]) for every step
 

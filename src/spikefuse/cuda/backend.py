@@ -16,9 +16,9 @@ import math
 
 import torch
 
+from ..backends import BPTTOut, FPTTOut
 from ..errors import BackendUnavailableError
 from ..program import NeuronProgram
-from ..reference import BPTTOut, FPTTOut
 from . import unavailable_reason
 from .codegen import (
     AFFINE_BPTT_VEC,

@@ -9,10 +9,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.utils import _pair
 
 from .. import layer, surrogate
+from ..backends import compute_dtype
 from ..errors import SpikefuseError
 from ..neuron import BaseNode, LIFNode
 from ..ops import forbid_double_backward, run_neuron
-from ..reference import compute_dtype
 from .bn_neuron import (
     BNNeuronFunction,
     BNSpec,

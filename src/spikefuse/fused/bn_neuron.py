@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..backends import compute_dtype
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
 from ..ops import _bptt, backend_module, forbid_double_backward
 from ..program import NeuronProgram
-from ..reference import compute_dtype
 
 
 @dataclass(frozen=True)
