@@ -98,11 +98,22 @@ class NeuronBackend(Protocol):
     ) -> BPTTOut: ...
 
 
+class AffineKernels(Protocol):
+    """Neuron kernels with a per-channel affine map (a folded BatchNorm) applied to their input,
+    used by the fused Conv/Linear -> BatchNorm -> neuron blocks (:mod:`spikefuse.fused`)."""
+
+    def affine_fptt(self, *args: object, **kwargs: object) -> object: ...
+
+    def affine_bptt(self, *args: object, **kwargs: object) -> object: ...
+
+
 # name -> module implementing NeuronBackend; imported on first use.
 _REGISTRY: dict[str, str] = {
     "torch": "spikefuse.reference",
     "cuda": "spikefuse.cuda.backend",
 }
+# name -> module implementing AffineKernels, for the backends that have them.
+_AFFINE_REGISTRY: dict[str, str] = {"cuda": "spikefuse.cuda.backend"}
 _ALIASES = {"cupy": "cuda"}
 
 
@@ -117,6 +128,13 @@ def get_backend(name: str) -> NeuronBackend:
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; registered: {sorted(_REGISTRY)}")
     return cast("NeuronBackend", importlib.import_module(_REGISTRY[name]))
+
+
+def affine_kernels(name: str) -> AffineKernels | None:
+    """Backend ``name``'s channel-affine kernels, or None if it has none (the fused blocks then
+    apply BatchNorm with torch ops and call the plain neuron)."""
+    module = _AFFINE_REGISTRY.get(canonical_name(name))
+    return None if module is None else cast("AffineKernels", importlib.import_module(module))
 
 
 def unavailable_reason(name: str, x: torch.Tensor) -> str | None:
