@@ -52,6 +52,9 @@ class StatefulEncoder(MemoryModule):
 
     Memories: ``spike`` (the train, None until the first call) and ``t`` (the next step)."""
 
+    spike: Tensor | None
+    t: int
+
     def __init__(self, T: int, step_mode: str = "s") -> None:
         super().__init__(step_mode)
         if not isinstance(T, int) or isinstance(T, bool) or T < 1:
@@ -65,13 +68,15 @@ class StatefulEncoder(MemoryModule):
         raise NotImplementedError
 
     def single_step_forward(self, x: Tensor | None = None) -> Tensor:
-        if self.spike is None:
+        spike = self.spike
+        if spike is None:
             if x is None:
                 raise SpikefuseError(f"{type(self).__name__}: the first call needs the input")
-            self.set_memory("spike", self.single_step_encode(x))
+            spike = self.single_step_encode(x)
+            self.set_memory("spike", spike)
         t = self.t
         self.set_memory("t", (t + 1) % self.T)
-        return self.spike[t]
+        return spike[t]
 
     def extra_repr(self) -> str:
         return f"T={self.T}, step_mode={self.step_mode}"
@@ -81,6 +86,8 @@ class PeriodicEncoder(StatefulEncoder):
     """Returns ``spike[t % T]`` at the t-th call for a given train ``spike`` [T, *]
     (T = ``spike.shape[0]``); the input is ignored. :meth:`reset` restarts at t = 0 and keeps
     the train."""
+
+    spike: Tensor  # the constructor's train, which reset() restores
 
     def __init__(self, spike: Tensor, step_mode: str = "s") -> None:
         if not isinstance(spike, Tensor) or spike.dim() < 1:

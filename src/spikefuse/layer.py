@@ -36,16 +36,19 @@ class SeqToANNContainer(nn.Sequential):
         return seq_to_ann(super().forward, x_seq)
 
 
-class _StepMode(StepModeMixin):
-    """Mixin: ``step_mode='m'`` applies the wrapped torch layer to ``[T, N, *]`` input.
+class _StepMode(StepModeMixin, nn.Module):
+    """Mixin: ``step_mode='m'`` applies the wrapped torch layer (the next class in the MRO) to
+    ``[T, N, *]`` input.
 
     ``_seq_dims`` are the input dimensions allowed in multi-step mode (``_seq_shape`` names them).
+    The output is a tensor, or a tuple of tensors where the torch layer returns one (MaxPool's
+    ``return_indices=True``).
     """
 
     _seq_dims: range = range(2, 64)
     _seq_shape: str = "[T, N, *]"
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
         if self.step_mode == "m":
             check_sequence(x, type(self).__name__, self._seq_shape, self._seq_dims)
             return split_time_batch(super().forward(x.flatten(0, 1)), x.shape[:2])
@@ -129,6 +132,8 @@ class Dropout(MemoryModule):
     The mask is a memory: call :func:`spikefuse.functional.reset_net` between sequences.
     """
 
+    mask: Tensor | None
+
     def __init__(self, p: float = 0.5, step_mode: str = "s") -> None:
         super().__init__(step_mode)
         if not (isinstance(p, (int, float)) and 0 <= p < 1):
@@ -190,6 +195,8 @@ class SynapseFilter(MemoryModule):
     runs a Python loop over T (this layer is not a fused kernel).
     """
 
+    out_i: Tensor | float  # the memory I[t-1]: 0.0 until the first step
+
     def __init__(self, tau: float = 100.0, learnable: bool = False, step_mode: str = "s") -> None:
         super().__init__(step_mode)
         if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 1):
@@ -240,14 +247,13 @@ class MultiStepContainer(nn.Sequential):
         return multi_step_forward(x_seq, super().forward)
 
 
-class StepModeContainer(nn.Sequential):
+class StepModeContainer(StepModeMixin, nn.Sequential):
     """Gives single-step modules a ``step_mode``: in 'm' mode it runs them step by step if
     ``stateful`` (:class:`MultiStepContainer`), else on merged ``[T*N, *]``
     (:class:`SeqToANNContainer`). :func:`spikefuse.functional.set_step_mode` sets the
     container's mode and leaves the contained modules single-step."""
 
     keeps_children_step_mode = True
-    step_mode = _StepMode.step_mode  # the validated property
 
     def __init__(self, stateful: bool, *args: nn.Module) -> None:
         super().__init__(*args)
@@ -269,6 +275,7 @@ class ElementWiseRecurrentContainer(MemoryModule):
     calls it (previous output first). ``sub_module`` must keep the shape and run single-step."""
 
     keeps_children_step_mode = True
+    y: Tensor | None  # the memory y[t-1]: None before the first step
 
     def __init__(
         self,
@@ -298,6 +305,7 @@ class LinearRecurrentContainer(MemoryModule):
     ``[N, *, out_features]`` (``rc = nn.Linear(in_features + out_features, in_features)``)."""
 
     keeps_children_step_mode = True
+    y: Tensor | None  # the memory y[t-1]: None before the first step
 
     def __init__(
         self,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -68,7 +68,7 @@ def _step_mode(kwargs: dict[str, Any]) -> str:
 def _norm(norm_layer: Callable[..., nn.Module], channels: int, step_mode: str) -> nn.Module:
     """``norm_layer(channels)`` as SpikingJelly calls it (any BatchNorm class or partial), set
     to the model's step mode where the layer has one."""
-    norm = norm_layer(channels)
+    norm: Any = norm_layer(channels)  # a class of any kind: it may or may not have a step_mode
     if hasattr(norm, "step_mode"):
         norm.step_mode = step_mode
     return norm
@@ -197,6 +197,8 @@ class SpikingVGG(nn.Module):
             if v == "M":
                 layers.append(layer.MaxPool2d(kernel_size=2, stride=2, step_mode=mode))
                 continue
+            if not isinstance(v, int):
+                raise SpikefuseError(f"cfg entries are channel counts or 'M', got {v!r}")
             layers.append(layer.Conv2d(in_channels, v, kernel_size=3, padding=1, step_mode=mode))
             if batch_norm:
                 layers.append(_norm(norm_layer, v, mode))
@@ -300,8 +302,18 @@ class SEWBasicBlock(BasicBlock):
         spiking_neuron: Callable[..., nn.Module] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(inplanes, planes, stride, downsample, groups, base_width, dilation,
-                         norm_layer, spiking_neuron, **kwargs)  # fmt: skip
+        super().__init__(
+            inplanes,
+            planes,
+            stride,
+            downsample,
+            groups=groups,
+            base_width=base_width,
+            dilation=dilation,
+            norm_layer=norm_layer,
+            spiking_neuron=spiking_neuron,
+            **kwargs,
+        )
         if downsample is not None:
             self.downsample_sn = _neuron(spiking_neuron, kwargs)
         self.cnf = _check_cnf(cnf)
@@ -319,7 +331,7 @@ class SEWBasicBlock(BasicBlock):
 
 
 def _make_layer(
-    block: type[nn.Module],
+    block: type[BasicBlock],
     inplanes: int,
     planes: int,
     blocks: int,
@@ -347,9 +359,14 @@ class SpikingResNet(nn.Module):
     four stages of ``block`` (64, 128, 256, 512 channels), adaptive average pooling, Linear.
     Only ``groups=1``, ``width_per_group=64`` and no dilation are supported (basic blocks)."""
 
+    layer1: nn.Sequential
+    layer2: nn.Sequential
+    layer3: nn.Sequential
+    layer4: nn.Sequential
+
     def __init__(
         self,
-        block: type[nn.Module],
+        block: type[BasicBlock],
         layers: Sequence[int],
         num_classes: int = 1000,
         zero_init_residual: bool = False,
@@ -361,15 +378,35 @@ class SpikingResNet(nn.Module):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        self._build(block, layers, num_classes, groups, width_per_group,
-                    replace_stride_with_dilation, norm_layer, spiking_neuron, kwargs)  # fmt: skip
-        if zero_init_residual:
-            for m in self.modules():
-                if isinstance(m, block):
-                    nn.init.constant_(m.bn2.weight, 0)
+        self._build(
+            block,
+            layers,
+            num_classes=num_classes,
+            zero_init_residual=zero_init_residual,
+            groups=groups,
+            width_per_group=width_per_group,
+            dilation=replace_stride_with_dilation,
+            norm_layer=norm_layer,
+            spiking_neuron=spiking_neuron,
+            kwargs=kwargs,
+        )
 
-    def _build(self, block, layers, num_classes, groups, width_per_group, dilation, norm_layer,
-               spiking_neuron, kwargs, **block_options) -> None:  # fmt: skip
+    def _build(
+        self,
+        block: type[BasicBlock],
+        layers: Sequence[int],
+        *,
+        num_classes: int,
+        zero_init_residual: bool,
+        groups: int,
+        width_per_group: int,
+        dilation: Sequence[bool] | None,
+        norm_layer: Callable[..., nn.Module] | None,
+        spiking_neuron: Callable[..., nn.Module] | None,
+        kwargs: dict[str, Any],
+        **block_options: Any,
+    ) -> None:
+        """Build the layers; ``kwargs`` go to every neuron, ``block_options`` to every block."""
         if groups != 1 or width_per_group != 64 or (dilation is not None and any(dilation)):
             raise SpikefuseError(
                 f"{type(self).__name__}: only groups=1, width_per_group=64 and no dilation are "
@@ -393,6 +430,11 @@ class SpikingResNet(nn.Module):
         self.avgpool = layer.AdaptiveAvgPool2d((1, 1), step_mode=mode)
         self.fc = layer.Linear(512 * block.expansion, num_classes, step_mode=mode)
         _init_resnet(self)
+        if zero_init_residual:
+            for m in self.modules():
+                if isinstance(m, block):
+                    # bn2 is a BatchNorm (norm_layer): its weight is a tensor
+                    nn.init.constant_(cast(Tensor, m.bn2.weight), 0)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.maxpool(self.sn1(self.bn1(self.conv1(x))))
@@ -407,7 +449,7 @@ class SEWResNet(SpikingResNet):
 
     def __init__(
         self,
-        block: type[nn.Module],
+        block: type[BasicBlock],
         layers: Sequence[int],
         num_classes: int = 1000,
         zero_init_residual: bool = False,
@@ -420,13 +462,19 @@ class SEWResNet(SpikingResNet):
         **kwargs: Any,
     ) -> None:
         nn.Module.__init__(self)
-        self._build(block, layers, num_classes, groups, width_per_group,
-                    replace_stride_with_dilation, norm_layer, spiking_neuron, kwargs,
-                    cnf=_check_cnf(cnf))  # fmt: skip
-        if zero_init_residual:
-            for m in self.modules():
-                if isinstance(m, block):
-                    nn.init.constant_(m.bn2.weight, 0)
+        self._build(
+            block,
+            layers,
+            num_classes=num_classes,
+            zero_init_residual=zero_init_residual,
+            groups=groups,
+            width_per_group=width_per_group,
+            dilation=replace_stride_with_dilation,
+            norm_layer=norm_layer,
+            spiking_neuron=spiking_neuron,
+            kwargs=kwargs,
+            cnf=_check_cnf(cnf),
+        )
 
 
 def spiking_resnet18(pretrained=False, progress=True, spiking_neuron=None, **kwargs):
@@ -444,15 +492,15 @@ def spiking_resnet34(pretrained=False, progress=True, spiking_neuron=None, **kwa
 def sew_resnet18(pretrained=False, progress=True, cnf=None, spiking_neuron=None, **kwargs):
     """SEW-ResNet-18 with connect function ``cnf`` ('ADD', 'AND' or 'IAND')."""
     _no_pretrained(pretrained)
-    return SEWResNet(SEWBasicBlock, [2, 2, 2, 2], cnf=cnf, spiking_neuron=spiking_neuron,
-                     **kwargs)  # fmt: skip
+    blocks = [2, 2, 2, 2]
+    return SEWResNet(SEWBasicBlock, blocks, cnf=cnf, spiking_neuron=spiking_neuron, **kwargs)
 
 
 def sew_resnet34(pretrained=False, progress=True, cnf=None, spiking_neuron=None, **kwargs):
     """SEW-ResNet-34 with connect function ``cnf`` ('ADD', 'AND' or 'IAND')."""
     _no_pretrained(pretrained)
-    return SEWResNet(SEWBasicBlock, [3, 4, 6, 3], cnf=cnf, spiking_neuron=spiking_neuron,
-                     **kwargs)  # fmt: skip
+    blocks = [3, 4, 6, 3]
+    return SEWResNet(SEWBasicBlock, blocks, cnf=cnf, spiking_neuron=spiking_neuron, **kwargs)
 
 
 class ResNet19(nn.Module):

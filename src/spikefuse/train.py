@@ -27,14 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
-from tqdm import tqdm
 
 from spikefuse import functional, layer, models, neuron
 from spikefuse.cuda import unavailable_reason
 from spikefuse.errors import BackendUnavailableError, SpikefuseError
+from spikefuse.extras import require
 from spikefuse.fused import fuse
 from spikefuse.fused.blocks import MEMORY_MODES
 
@@ -63,6 +61,12 @@ BACKENDS = ("auto", "torch", "cuda")
 DEVICES = ("auto", "cpu", "cuda")
 # numpy's and scikit-learn's generators both take seeds in [0, 2**32).
 MAX_SEED = 2**32 - 1
+
+# The optional packages (the "demo" extra) and what they are for; imported where used.
+TRAIN = "spikefuse train"
+NEEDS_DIGITS = {"sklearn": "the digits data set"}
+NEEDS_PLOT = {"matplotlib": "the training plot"}
+NEEDS_PROGRESS = {"tqdm": "the progress bar (or pass --quiet)"}
 
 NEURONS: dict[str, Callable[..., nn.Module]] = {
     "if": neuron.IFNode,
@@ -270,6 +274,10 @@ def _subset(seed: int, count: int, limit: int | None) -> np.ndarray | slice:
 def load_digits_split(seed: int, limit: int | None = None) -> Dataset:
     """Load the digits and split them reproducibly; ``limit`` keeps a random subset."""
     check_limit(limit)
+    require(TRAIN, "demo", NEEDS_DIGITS)
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
     images = digits.images.astype(np.float32) / 16.0  # pixel values are 0..16
     labels = digits.target.astype(np.int64)
@@ -353,7 +361,7 @@ def load_cifar10(data_dir: Path, seed: int, limit: int | None = None) -> Dataset
 
 def load_data(config: TrainConfig) -> Dataset:
     """The data set ``config`` names, split and limited as it says."""
-    if config.data == "cifar10":
+    if config.data_dir is not None:  # TrainConfig: a --data-dir exactly for --data cifar10
         return load_cifar10(Path(config.data_dir), config.seed, config.limit)
     return load_digits_split(config.seed, config.limit)
 
@@ -952,6 +960,7 @@ class TrainingLog:
         replace_file(self.png_path, self._plot(), "training plot")
 
     def _plot(self) -> bytes:
+        require(TRAIN, "demo", NEEDS_PLOT)
         # Figure, not pyplot: no global figure state and no GUI backend (PNG renders with Agg).
         from matplotlib.figure import Figure
 
@@ -1130,15 +1139,21 @@ def train_epoch(
     if graphed is not None:
         graphed.invalidate()  # captured with the last epoch's learning rate
     order = epoch_order(config, epoch, len(data.y_train), ranks).to(data.y_train.device)
-    batches = tqdm(
-        order.split(config.batch_size),
-        desc=f"epoch {epoch + 1}/{config.epochs}",
-        unit="batch",
-        leave=False,
-        disable=True if config.quiet or not ranks.main else None,  # None: only on a terminal
-    )
+    batches = order.split(config.batch_size)
+    progress = None
+    if not config.quiet and ranks.main:
+        require(TRAIN, "demo", NEEDS_PROGRESS)
+        from tqdm import tqdm
+
+        progress = tqdm(
+            batches,
+            desc=f"epoch {epoch + 1}/{config.epochs}",
+            unit="batch",
+            leave=False,
+            disable=None,  # only on a terminal
+        )
     total_loss = 0.0
-    for batch, index in enumerate(batches):
+    for batch, index in enumerate(batches if progress is None else progress):
         x, y = data.x_train[index], data.y_train[index]
         loss = step(x, y) if graphed is None else graphed(step, x, y)
         if ranks.distributed:  # every rank sees the same loss, so all stop together on NaN
@@ -1153,8 +1168,19 @@ def train_epoch(
                 f"is left as it was"
             )
         total_loss += value * len(index)
-        batches.set_postfix(loss=f"{value:.3f}")
+        if progress is not None:
+            progress.set_postfix(loss=f"{value:.3f}")
     return total_loss / len(order)
+
+
+def optional_needs(config: TrainConfig) -> dict[str, str]:
+    """The optional packages (:mod:`spikefuse.extras`) a run of ``config`` imports, and what
+    for. Every rank checks the same ones, so that a missing one stops all of them at once."""
+    return {
+        **NEEDS_PLOT,
+        **(NEEDS_DIGITS if config.data == "digits" else {}),
+        **(NEEDS_PROGRESS if not config.quiet else {}),
+    }
 
 
 def run(config: TrainConfig) -> float:
@@ -1166,6 +1192,7 @@ def run(config: TrainConfig) -> float:
     wrapped in DistributedDataParallel (gloo on the CPU, NCCL on GPUs, one per local rank),
     and rank 0 alone takes the lock, writes the checkpoint and log, and prints.
     """
+    require(TRAIN, "demo", optional_needs(config))
     ranks = ranks_from_env()
     device = resolve_device(config.device)
     if config.cuda_graph and device.type != "cuda":

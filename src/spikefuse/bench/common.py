@@ -22,7 +22,16 @@ from pathlib import Path
 
 import torch
 
+from ..extras import require
+
 MIB = 1024 * 1024
+
+
+def require_plots() -> None:
+    """Raise :class:`~spikefuse.extras.MissingExtraError` unless matplotlib (the ``bench``
+    extra) is installed; the benchmarks call it before measuring, so that a missing plotting
+    package does not surface only after a long run."""
+    require("spikefuse bench", "bench", {"matplotlib": "the result plots"})
 
 
 @dataclass
@@ -167,7 +176,7 @@ def measure(
         result.ms, result.queued_ms, result.host_ms = timing.synced, timing.queued, timing.host
         steps_peak = peak_mib(step, device, iters=min(iters, 3))  # NaN off CUDA
         result.peak_mib = steps_peak if math.isnan(steps_peak) else max(setup_peak, steps_peak)
-    except Exception as exc:  # noqa: BLE001 - a failing variant must not end the benchmark
+    except Exception as exc:  # a failing variant must not end the benchmark
         message = str(exc).strip().splitlines()
         result.error = f"{type(exc).__name__}: {message[0] if message else ''}"[:200]
     finally:
@@ -187,8 +196,8 @@ def format_table(results: Sequence[BenchResult], *, baseline: str | None = None)
         if not r.ok:
             rows.append([r.bench, r.variant, r.dtype, "FAILED: " + r.error])
             continue
-        row = [r.bench, r.variant, r.dtype, f"{r.ms:.2f}", _fmt(r.queued_ms, ".2f"),
-               _fmt(r.host_ms, ".2f"), _fmt(r.peak_mib, ".0f")]  # fmt: skip
+        row = [r.bench, r.variant, r.dtype, f"{r.ms:.2f}"]
+        row += [_fmt(r.queued_ms, ".2f"), _fmt(r.host_ms, ".2f"), _fmt(r.peak_mib, ".0f")]
         if baseline is not None:
             b = base.get(r.dtype)
             row += [
@@ -223,6 +232,7 @@ def write_csv(path: Path, results: Sequence[BenchResult]) -> None:
 
 def plot_results(path: Path, results: Sequence[BenchResult], title: str) -> None:
     """Grouped bars: ms/iter and peak MiB per variant, one bar colour per dtype."""
+    require_plots()
     import matplotlib
 
     matplotlib.use("Agg")  # file output only; never needs a display

@@ -34,9 +34,11 @@ with the Python-loop LIF; a fused variant prints how many of the Conv → BN →
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict, cast
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +46,15 @@ from torch import Tensor, nn
 
 from .. import functional, layer, models, neuron, surrogate
 from ..fused import fuse
-from .common import BenchResult, cuda_graphed, format_table, measure, plot_results, write_csv
+from .common import (
+    BenchResult,
+    cuda_graphed,
+    format_table,
+    measure,
+    plot_results,
+    require_plots,
+    write_csv,
+)
 
 # Paper's LIF (Table I): u[t] = ALPHA u[t-1] (1 - s[t-1]) + x[t]; s = [u >= TH];
 # surrogate derivative ETA inside (TH - HALF_WIDTH, TH + HALF_WIDTH).
@@ -137,12 +147,12 @@ def network(name: str, make: dict[str, Callable[..., list[nn.Module]]]) -> nn.Se
     layers: list[nn.Module] = []
     channels, size = IN_CHANNELS, IMAGE_SIZE
     for item in convs:
-        if item == POOL:
-            layers += make["pool"]()
-            size //= 2
-        else:
+        if isinstance(item, int):
             layers += make["conv"](channels, item)
             channels = item
+        else:  # POOL
+            layers += make["pool"]()
+            size //= 2
     layers += make["flatten"]()
     features = channels * size * size
     for width in fcs:
@@ -154,20 +164,36 @@ def network(name: str, make: dict[str, Callable[..., list[nn.Module]]]) -> nn.Se
 
 def vanilla_model(name: str) -> nn.Sequential:
     """Plain PyTorch: Conv/BN on the merged T·B batch, :class:`VanillaLIF` per layer."""
-    return network(name, {
+    make: dict[str, Callable[..., list[nn.Module]]] = {
         "conv": lambda i, o: [
-            Merged(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o)), VanillaLIF()
+            Merged(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o)),
+            VanillaLIF(),
         ],
         "fc": lambda i, o: [Merged(nn.Linear(i, o, bias=False), nn.BatchNorm1d(o)), VanillaLIF()],
         "pool": lambda: [Merged(nn.AvgPool2d(2))],
         "flatten": lambda: [Merged(nn.Flatten())],
         "classifier": lambda i, o: [Merged(nn.Linear(i, o))],
-    })  # fmt: skip
+    }
+    return network(name, make)
 
 
 # The paper's LIF as a SpikingJelly user writes it: decay 1 - 1/tau = 0.25, threshold 0.25,
 # hard reset to 0 (``neuron.LIFNode`` keyword arguments; the surrogate is chosen per model).
-SJ_LIF = dict(tau=4.0 / 3.0, decay_input=False, v_threshold=0.25, v_reset=0.0, step_mode="m")
+class LIFOptions(TypedDict):
+    tau: float
+    decay_input: bool
+    v_threshold: float
+    v_reset: float
+    step_mode: str
+
+
+SJ_LIF: LIFOptions = {
+    "tau": 4.0 / 3.0,
+    "decay_input": False,
+    "v_threshold": 0.25,
+    "v_reset": 0.0,
+    "step_mode": "m",
+}
 
 
 def sj_lif(backend: str, make_surrogate: Callable[[], surrogate.Surrogate]) -> neuron.LIFNode:
@@ -180,19 +206,22 @@ def spikefuse_model(
 ) -> nn.Sequential:
     """The same network from spikefuse layers and :func:`sj_lif` neurons (by default with
     SpikingJelly's default surrogate, Sigmoid with alpha = 4)."""
-    return network(name, {
+    make: dict[str, Callable[..., list[nn.Module]]] = {
         "conv": lambda i, o: [
             layer.Conv2d(i, o, 3, padding=1, bias=False, step_mode="m"),
-            layer.BatchNorm2d(o, step_mode="m"), sj_lif(backend, make_surrogate),
+            layer.BatchNorm2d(o, step_mode="m"),
+            sj_lif(backend, make_surrogate),
         ],
         "fc": lambda i, o: [
             layer.Linear(i, o, bias=False, step_mode="m"),
-            layer.BatchNorm1d(o, step_mode="m"), sj_lif(backend, make_surrogate),
+            layer.BatchNorm1d(o, step_mode="m"),
+            sj_lif(backend, make_surrogate),
         ],
         "pool": lambda: [layer.AvgPool2d(2, step_mode="m")],
         "flatten": lambda: [layer.Flatten(step_mode="m")],
         "classifier": lambda i, o: [layer.Linear(i, o, step_mode="m")],
-    })  # fmt: skip
+    }
+    return network(name, make)
 
 
 def zoo_model(model: str, backend: str | None) -> nn.Module:
@@ -200,8 +229,17 @@ def zoo_model(model: str, backend: str | None) -> nn.Module:
     when ``backend`` is None."""
     if backend is None:
         return ZOO[model].build(spiking_neuron=lambda **_: VanillaLIF(), step_mode="m")
-    return ZOO[model].build(spiking_neuron=neuron.LIFNode, **SJ_LIF,
-                            surrogate_function=surrogate.Sigmoid(), backend=backend)  # fmt: skip
+    return ZOO[model].build(
+        spiking_neuron=neuron.LIFNode,
+        **SJ_LIF,
+        surrogate_function=surrogate.Sigmoid(),
+        backend=backend,
+    )
+
+
+def compiled(net: nn.Module) -> nn.Module:
+    """``torch.compile(net)``: an OptimizedModule, which torch's annotation (a callable) hides."""
+    return cast(nn.Module, torch.compile(net))
 
 
 def build(variant: str, model: str, device: torch.device) -> nn.Module:
@@ -210,7 +248,7 @@ def build(variant: str, model: str, device: torch.device) -> nn.Module:
     base, _, mode = variant.partition("+")
     if base == "vanilla":
         net = zoo_model(model, None) if model in ZOO else vanilla_model(model)
-        return torch.compile(net) if variant == "vanilla-compile" else net
+        return compiled(net) if variant == "vanilla-compile" else net
     if base not in ("spikefuse", "fused", "fused-min"):
         raise ValueError(f"unknown variant {variant!r}")
     net = zoo_model(model, backend) if model in ZOO else spikefuse_model(model, backend)
@@ -218,7 +256,7 @@ def build(variant: str, model: str, device: torch.device) -> nn.Module:
         memory = "min" if base == "fused-min" else "default"
         net, report = fuse(net, inplace=True, return_report=True, memory=memory)
         print(f"  {variant}: fused {len(report.fused)} of {report.chains} chains", flush=True)
-    return torch.compile(net) if mode == "compile" else net
+    return compiled(net) if mode == "compile" else net
 
 
 def input_geometry(model: str) -> tuple[int, int]:
@@ -247,8 +285,10 @@ def training_step(
         x = images.unsqueeze(0).expand(T, -1, -1, -1, -1)  # the same image at every step
         # No autocast weight cache: CUDA graph capture needs it off (same speed here: each
         # weight is cast once per step anyway).
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None,
-                            cache_enabled=False):  # fmt: skip
+        autocast = torch.autocast(
+            device.type, dtype=amp or torch.float32, enabled=amp is not None, cache_enabled=False
+        )
+        with autocast:
             loss = F.cross_entropy(net(x).mean(0), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -285,7 +325,7 @@ def run(
                 f"e2e-{model}",
                 variant,
                 dtype,
-                lambda v=variant, d=dtype: setup_variant(v, model, device, T, batch, DTYPES[d]),
+                functools.partial(setup_variant, variant, model, device, T, batch, DTYPES[dtype]),
                 device,
                 warmup=warmup,
                 iters=iters,
@@ -350,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    require_plots()
     zoo = ZOO.get(args.model)
     if args.T is None:
         args.T = zoo.T if zoo else 10

@@ -23,8 +23,17 @@ from pathlib import Path
 import torch
 
 from .. import neuron
-from ..cuda import backend as cuda_backend
-from .common import MIB, BenchResult, cuda_graphed, format_table, time_step, write_csv
+from ..backends import get_backend
+from ..program import NeuronProgram
+from .common import (
+    MIB,
+    BenchResult,
+    cuda_graphed,
+    format_table,
+    require_plots,
+    time_step,
+    write_csv,
+)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -79,20 +88,57 @@ class _KernelsOnly:
     tensor, so the step skips ``backward``)."""
 
     def __init__(self, node: neuron.BaseNode, g: torch.Tensor) -> None:
+        if not isinstance(node.program, NeuronProgram):
+            raise TypeError(f"{type(node).__name__} has no kernel program (a torch-code neuron)")
         self.program, self.constants, self.g = node.program, node.constants(), g
+        self.backend = get_backend("cuda")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        init = [0.0, 0.0]
+        init = [0.0, 0.0]  # V and W start at 0
         x = x.detach()
-        out = cuda_backend.fptt(self.program, x, None, None, None, self.constants, init, True,
-                                False)  # fmt: skip
-        cuda_backend.bptt(self.program, self.g, None, None, None, out.saved_v, out.saved_w, x,
-                          None, None, None, self.constants, init)  # fmt: skip
+        out = self.backend.fptt(
+            program=self.program,
+            x_seq=x,
+            v0=None,
+            w0=None,
+            learnable=None,
+            constants=self.constants,
+            init=init,
+            save_for_backward=True,
+            store_v_seq=False,
+        )
+        self.backend.bptt(
+            program=self.program,
+            grad_spikes=self.g,
+            grad_v_seq=None,
+            grad_v_last=None,
+            grad_w_last=None,
+            x_seq=x,
+            saved_v=out.saved_v,
+            saved_w=out.saved_w,
+            v0=None,
+            w0=None,
+            learnable=None,
+            constants=self.constants,
+            init=init,
+        )
         return out.spikes
 
 
-def _measure(bench, variant, dtype, model, x, g, device, floor_bytes, warmup, iters,
-             graphed=False) -> BenchResult:  # fmt: skip
+def _measure(
+    bench: str,
+    variant: str,
+    dtype: str,
+    model: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    g: torch.Tensor,
+    device: torch.device,
+    floor_bytes: int,
+    *,
+    warmup: int,
+    iters: int,
+    graphed: bool = False,
+) -> BenchResult:
     r = BenchResult(bench=bench, variant=variant, dtype=dtype)
     try:
         if graphed:  # a leaf of its own: x's gradient node already belongs to the eager runs
@@ -109,7 +155,7 @@ def _measure(bench, variant, dtype, model, x, g, device, floor_bytes, warmup, it
         torch.cuda.synchronize(device)
         r.peak_mib = (torch.cuda.max_memory_allocated(device) - base) / MIB
         r.note = f"{floor_bytes / r.queued_ms / 1e6:.0f} GB/s"
-    except Exception as exc:  # noqa: BLE001 - one failing variant must not end the run
+    except Exception as exc:  # one failing variant must not end the run
         r.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}"
     return r
 
@@ -125,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     args = parser.parse_args(argv)
+    require_plots()
     if not torch.cuda.is_available():
         parser.error("the neuron benchmark needs a CUDA GPU")
     device = torch.device("cuda")
@@ -156,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
                 node.reset()
                 return node(x)
 
-            variants = [("torch loop", lif_loop, False), ("cuda", cuda_lif, False),
-                        ("cuda graphed", graphed_lif, True),
-                        ("cuda kernels only", _KernelsOnly(node, g), False)]  # fmt: skip
+            variants: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], bool]] = [
+                ("torch loop", lif_loop, False),
+                ("cuda", cuda_lif, False),
+                ("cuda graphed", graphed_lif, True),
+                ("cuda kernels only", _KernelsOnly(node, g), False),
+            ]
             if not args.no_compile:
                 variants.insert(1, ("torch.compile loop", compiled, False))
                 compiled_node = torch.compile(
@@ -171,8 +221,19 @@ def main(argv: list[str] | None = None) -> int:
 
                 variants.insert(4, ("cuda compiled", compiled_lif, False))
             for variant, model, graphed in variants:
-                r = _measure(f"LIF T={T}", variant, dtype_name, model, x, g, device, floor,
-                             args.warmup, args.iters, graphed)  # fmt: skip
+                r = _measure(
+                    f"LIF T={T}",
+                    variant,
+                    dtype_name,
+                    model,
+                    x,
+                    g,
+                    device,
+                    floor,
+                    warmup=args.warmup,
+                    iters=args.iters,
+                    graphed=graphed,
+                )
                 results.append(r)
                 print(format_table([r]).splitlines()[-1], r.note, flush=True)
             del x, g
@@ -194,16 +255,26 @@ def main(argv: list[str] | None = None) -> int:
             g = torch.randn_like(x)
             floor = 5 * x.numel() * x.element_size()
             for label, make in nodes.items():
-                node = make()
-                if isinstance(node, neuron.ParametricLIFNode):
-                    node = node.to(device)
+                compared = make()
+                if isinstance(compared, neuron.ParametricLIFNode):
+                    compared = compared.to(device)
 
-                def run(x, node=node):
+                def run(x, node=compared):
                     node.reset()
                     return node(x)
 
-                r = _measure(f"T={T}", label, dtype_name, run, x, g, device, floor,
-                             args.warmup, args.iters)  # fmt: skip
+                r = _measure(
+                    f"T={T}",
+                    label,
+                    dtype_name,
+                    run,
+                    x,
+                    g,
+                    device,
+                    floor,
+                    warmup=args.warmup,
+                    iters=args.iters,
+                )
                 neuron_results.append(r)
             del x, g
             torch.cuda.empty_cache()
@@ -223,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plot(path: Path, results: list[BenchResult], title: str) -> None:
     """ms per step against T, one panel per dtype, one line per variant (log-log)."""
+    require_plots()
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,8 +304,11 @@ def _plot(path: Path, results: list[BenchResult], title: str) -> None:
     fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 4), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes, strict=True):
         for variant in dict.fromkeys(r.variant for r in results):
-            pts = [(int(r.bench.split("=")[1]), r.ms) for r in results
-                   if r.dtype == dtype and r.variant == variant and r.ok]  # fmt: skip
+            pts = [
+                (int(r.bench.split("=")[1]), r.ms)
+                for r in results
+                if r.dtype == dtype and r.variant == variant and r.ok
+            ]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=variant)
         ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms (fwd+bwd)", title=dtype)

@@ -27,6 +27,7 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import torch.distributed as dist
 from torch import fx, nn
@@ -554,6 +555,28 @@ class _Fuser:
             names = tuple(_join(path, n) for n in chain.names)
             self.report.fused.append(FusedChain(names[0], names))
         self.report.skipped.extend(findings.skipped.values())
+
+
+@overload
+def fuse(
+    model: nn.Module,
+    inplace: bool = ...,
+    process_group: dist.ProcessGroup | None = ...,
+    *,
+    return_report: Literal[False] = ...,
+    memory: str = ...,
+) -> nn.Module: ...
+
+
+@overload
+def fuse(
+    model: nn.Module,
+    inplace: bool = ...,
+    process_group: dist.ProcessGroup | None = ...,
+    *,
+    return_report: Literal[True],
+    memory: str = ...,
+) -> tuple[nn.Module, FuseReport]: ...
 
 
 def fuse(

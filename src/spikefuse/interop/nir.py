@@ -74,12 +74,13 @@ import math
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 try:
     import nir
@@ -107,12 +108,9 @@ __all__ = [
 # NIR stores parameters in float32 by many exporters: values within this relative distance of
 # what a spikefuse neuron needs (r = 1, r = tau, dt r = 1) are taken as equal.
 _REL_TOL = 1e-6
-_LINEAR = (nn.Linear, layer.Linear)
-_CONV1D = (nn.Conv1d, layer.Conv1d)
-_CONV2D = (nn.Conv2d, layer.Conv2d)
-_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, layer.BatchNorm1d, layer.BatchNorm2d)
-_FLATTEN = (nn.Flatten, layer.Flatten)
-_AVGPOOL = (nn.AvgPool2d, layer.AvgPool2d)
+# The torch layers NIR can express; spikefuse's layer.Linear etc. are subclasses of them.
+_SYNAPSES = (nn.Linear, nn.Conv1d, nn.Conv2d)
+_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d)
 _CHAINS = (nn.Sequential, layer.SeqToANNContainer)
 _LIF_DEFS = {defs.LIF: True, defs.LIF_NO_DECAY_INPUT: False}  # definition -> decay_input
 _PLIF_DEFS = {defs.PLIF: True, defs.PLIF_NO_DECAY_INPUT: False}
@@ -128,6 +126,8 @@ class Scale(nn.Module):
     ``scale`` has the per-sample shape ``[*]``; input ``[..., *]`` (any leading dimensions,
     e.g. ``[T, N, *]``) is broadcast against it.
     """
+
+    scale: Tensor  # a buffer
 
     def __init__(self, scale: Tensor) -> None:
         super().__init__()
@@ -155,13 +155,22 @@ class LeakyIntegrator(nn.Module):
         self, tau: float, decay_input: bool = True, v_leak: float = 0.0, backend: str = "auto"
     ) -> None:
         super().__init__()
-        self.node = LIFNode(tau=tau, decay_input=decay_input, v_threshold=sys.float_info.max,
-                            v_reset=v_leak, surrogate_function=Rect(), step_mode="m",
-                            backend=backend, store_v_seq=True)  # fmt: skip
+        self.node = LIFNode(
+            tau=tau,
+            decay_input=decay_input,
+            v_threshold=sys.float_info.max,
+            v_reset=v_leak,
+            surrogate_function=Rect(),
+            step_mode="m",
+            backend=backend,
+            store_v_seq=True,
+        )
 
     def forward(self, x_seq: Tensor) -> Tensor:
         self.node(x_seq)
-        return self.node.v_seq
+        v_seq = self.node.v_seq
+        assert isinstance(v_seq, Tensor)  # store_v_seq=True, multi-step
+        return v_seq
 
 
 class NIRGraphModule(nn.Module):
@@ -311,10 +320,12 @@ class _Exporter:
         while i < len(leaves):
             name, module = leaves[i]
             bn = None
-            is_synapse = isinstance(module, (*_LINEAR, *_CONV1D, *_CONV2D))
-            if is_synapse and i + 1 < len(leaves) and isinstance(leaves[i + 1][1], _BATCHNORM):
-                bn = leaves[i + 1][1]
-                i += 1
+            is_synapse = isinstance(module, _SYNAPSES)
+            if is_synapse and i + 1 < len(leaves):
+                following = leaves[i + 1][1]
+                if isinstance(following, _BATCHNORM):
+                    bn = following
+                    i += 1
             node, shape = self.node(name, module, bn, shape)
             nodes.append((name, node))
             i += 1
@@ -338,11 +349,11 @@ class _Exporter:
         return _graph(nodes, edges, shape, out_shape)
 
     def node(
-        self, name: str, module: nn.Module, bn: nn.Module | None, shape: tuple[int, ...]
+        self, name: str, module: nn.Module, bn: _BatchNorm | None, shape: tuple[int, ...]
     ) -> tuple[nir.NIRNode, tuple[int, ...]]:
         """The NIR node for one leaf and its per-sample output shape."""
         where = f"{name} ({type(module).__name__})"
-        if isinstance(module, _LINEAR):
+        if isinstance(module, nn.Linear):
             if shape != (module.in_features,):
                 raise NIRConversionError(
                     f"{where}: NIR's Affine takes a vector of {module.in_features} features, "
@@ -351,16 +362,16 @@ class _Exporter:
             weight, bias = _folded(where, module, bn)
             node = nir.Linear(weight=weight) if bias is None else nir.Affine(weight, bias)
             return node, (module.out_features,)
-        if isinstance(module, (*_CONV1D, *_CONV2D)):
+        if isinstance(module, (nn.Conv1d, nn.Conv2d)):
             return self._conv(where, module, bn, shape)
         if isinstance(module, _BATCHNORM):
             raise NIRConversionError(
                 f"{where}: NIR has no BatchNorm; it can only be folded into a Conv/Linear that "
                 "directly precedes it"
             )
-        if isinstance(module, _FLATTEN):
+        if isinstance(module, nn.Flatten):
             return _flatten(where, module, shape)
-        if isinstance(module, _AVGPOOL):
+        if isinstance(module, nn.AvgPool2d):
             return _avg_pool(where, module, shape)
         if isinstance(module, Scale):
             if tuple(module.scale.shape) != shape:
@@ -373,11 +384,19 @@ class _Exporter:
             return self._neuron(where, module, shape), shape
         if isinstance(module, LeakyIntegrator):
             lif = module.node
-            return nir.LI(**self._leaky(lif.tau, lif.decay_input, lif.v_reset, shape)), shape
+            tau = cast(float, lif.tau)  # LIF's parameter, a float attribute
+            v_leak = lif.constants()[1]  # v_reset (a LeakyIntegrator resets hard)
+            return nir.LI(**self._leaky(tau, lif.decay_input, v_leak, shape)), shape
         raise NIRConversionError(f"{where}: no NIR equivalent is known for this module")
 
-    def _conv(self, where: str, conv: nn.Module, bn: nn.Module | None, shape: tuple[int, ...]):
-        two_d = isinstance(conv, _CONV2D)
+    def _conv(
+        self,
+        where: str,
+        conv: nn.Conv1d | nn.Conv2d,
+        bn: _BatchNorm | None,
+        shape: tuple[int, ...],
+    ) -> tuple[nir.NIRNode, tuple[int, ...]]:
+        two_d = isinstance(conv, nn.Conv2d)
         rank = 3 if two_d else 2
         if len(shape) != rank or shape[0] != conv.in_channels:
             raise NIRConversionError(
@@ -391,10 +410,16 @@ class _Exporter:
         weight, bias = _folded(where, conv, bn)
         if bias is None:  # NIR's Conv needs a bias; import turns an all-zero one into none
             bias = np.zeros(weight.shape[0], dtype=weight.dtype)
-        fn = F.conv2d if two_d else F.conv1d
-        meta = torch.empty((1, *shape), device="meta")
-        out = fn(meta, torch.empty(conv.weight.shape, device="meta"), None, conv.stride,
-                 conv.padding, conv.dilation, conv.groups)  # fmt: skip
+        convolve = F.conv2d if two_d else F.conv1d
+        out = convolve(  # on meta tensors: only the output shape is computed
+            torch.empty((1, *shape), device="meta"),
+            torch.empty(conv.weight.shape, device="meta"),
+            None,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+        )
         padding = conv.padding if isinstance(conv.padding, str) else _ints(conv.padding, two_d)
         kwargs = dict(
             weight=weight,
@@ -411,12 +436,12 @@ class _Exporter:
         return node, tuple(out.shape[1:])
 
     def _neuron(self, where: str, node: BaseNode, shape: tuple[int, ...]) -> nir.NIRNode:
-        if node.torch_code is not None:  # its charge is the user's torch code, not LIF's
+        definition = node.definition  # None only for a neuron whose charge is torch code
+        if node.torch_code is not None or definition is None:  # not LIF's charge
             raise NIRConversionError(
                 f"{where}: {type(node).__name__} runs torch code ({node.torch_code}); only "
                 "spikefuse's IF/LIF/PLIF definitions have a NIR equivalent"
             )
-        definition = node.definition
         if definition is not defs.IF and definition not in {**_LIF_DEFS, **_PLIF_DEFS}:
             raise NIRConversionError(
                 f"{where}: neuron {definition.name!r} has no NIR equivalent (NIR has IF and LIF; "
@@ -435,10 +460,11 @@ class _Exporter:
         if definition is defs.IF:
             return nir.IF(r=np.full(shape, 1.0 / self.dt, dtype=np.float64), **fire)
         if definition in _LIF_DEFS:
-            tau, decay_input = float(node.tau), _LIF_DEFS[definition]
+            tau, decay_input = float(cast(float, node.tau)), _LIF_DEFS[definition]
         else:  # PLIF exports its current tau = 1 / sigmoid(w) as a fixed LIF
-            decay = float(node.learnable_values(torch.device("cpu")).detach())
-            tau, decay_input = 1.0 / decay, _PLIF_DEFS[definition]
+            learned = node.learnable_values(torch.device("cpu"))
+            assert learned is not None  # PLIF learns its decay
+            tau, decay_input = 1.0 / float(learned.detach()), _PLIF_DEFS[definition]
         return nir.LIF(**self._leaky(tau, decay_input, v_reset, shape), **fire)
 
     def _leaky(
@@ -472,7 +498,7 @@ def _ints(value: Any, pair: bool) -> int | tuple[int, int]:
 
 
 def _folded(
-    where: str, synapse: nn.Module, bn: nn.Module | None
+    where: str, synapse: nn.Linear | nn.Conv1d | nn.Conv2d, bn: _BatchNorm | None
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Weight and bias of ``synapse`` with an eval-mode BatchNorm after it folded in."""
     weight = synapse.weight.detach()
@@ -480,7 +506,7 @@ def _folded(
     if bn is None:
         return _array(weight), None if bias is None else _array(bias)
     bn_where = f"{where} + {type(bn).__name__}"
-    if bn.training or bn.running_mean is None:
+    if bn.training or bn.running_mean is None or bn.running_var is None:
         raise NIRConversionError(
             f"{bn_where}: BatchNorm is folded with its running statistics, but it is in training "
             "mode or tracks none; call model.eval() (with track_running_stats=True) first"
@@ -498,7 +524,9 @@ def _folded(
     return _array(folded_weight), _array(centred * scale + shift)
 
 
-def _flatten(where: str, module: nn.Module, shape: tuple[int, ...]):
+def _flatten(
+    where: str, module: nn.Flatten, shape: tuple[int, ...]
+) -> tuple[nir.NIRNode, tuple[int, ...]]:
     # torch counts the batch dimension, NIR does not; negative dimensions mean the same in both.
     rank = len(shape) + 1
     if module.start_dim % rank == 0:
@@ -512,7 +540,9 @@ def _flatten(where: str, module: nn.Module, shape: tuple[int, ...]):
     return node, tuple(out.shape[1:])
 
 
-def _avg_pool(where: str, pool: nn.Module, shape: tuple[int, ...]):
+def _avg_pool(
+    where: str, pool: nn.AvgPool2d, shape: tuple[int, ...]
+) -> tuple[nir.NIRNode, tuple[int, ...]]:
     if len(shape) != 3:
         raise NIRConversionError(f"{where}: expects per-sample input [C, H, W], got {shape}")
     kernel, padding = _ints(pool.kernel_size, True), _ints(pool.padding, True)
@@ -581,8 +611,8 @@ def import_nir(
 
 
 def _adjacency(graph: nir.NIRGraph) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    preds = {name: [] for name in graph.nodes}
-    succs = {name: [] for name in graph.nodes}
+    preds: dict[str, list[str]] = {name: [] for name in graph.nodes}
+    succs: dict[str, list[str]] = {name: [] for name in graph.nodes}
     for a, b in graph.edges:
         for end in (a, b):
             if end not in graph.nodes:
@@ -657,12 +687,22 @@ def _graph_module(modules, keys, order, preds, succs, source, sink) -> NIRGraphM
     )
 
 
+class _NeuronOptions(TypedDict):
+    """The keyword arguments every imported neuron gets."""
+
+    detach_reset: bool
+    step_mode: str
+    backend: str
+
+
 class _Importer:
     def __init__(
         self, dt: float, surrogate_function: Surrogate | None, detach_reset: bool, backend: str
     ) -> None:
         self.dt = dt
-        self.neuron_options = dict(detach_reset=detach_reset, step_mode="m", backend=backend)
+        self.neuron_options = _NeuronOptions(
+            detach_reset=detach_reset, step_mode="m", backend=backend
+        )
         self.surrogate_function = surrogate_function
 
     def module(self, name: str, node: nir.NIRNode) -> nn.Module:
@@ -672,8 +712,13 @@ class _Importer:
             if weight.dim() != 2:
                 raise NIRConversionError(f"{where}: weight must be 2-D, got {tuple(weight.shape)}")
             bias = _tensor(where, "bias", node.bias) if isinstance(node, nir.Affine) else None
-            linear = layer.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
-                                  step_mode="m", dtype=weight.dtype)  # fmt: skip
+            linear = layer.Linear(
+                weight.shape[1],
+                weight.shape[0],
+                bias=bias is not None,
+                step_mode="m",
+                dtype=weight.dtype,
+            )
             return _load(linear, weight, bias)
         if isinstance(node, (nir.Conv1d, nir.Conv2d)):
             return self._conv(where, node)
@@ -724,8 +769,8 @@ class _Importer:
         weight = _tensor(where, "weight", node.weight)
         if weight.dim() != (4 if two_d else 3):
             raise NIRConversionError(f"{where}: weight has shape {tuple(weight.shape)}")
-        bias = _tensor(where, "bias", node.bias)
-        bias = None if not bool(bias.any()) else bias  # exporters write zeros for "no bias"
+        bias_values = _tensor(where, "bias", node.bias)
+        bias = bias_values if bool(bias_values.any()) else None  # exporters write 0 for no bias
         cls = layer.Conv2d if two_d else layer.Conv1d
         padding = node.padding if isinstance(node.padding, str) else _ints(node.padding, two_d)
         conv = cls(
@@ -790,10 +835,13 @@ def _tensor(where: str, field: str, value: Any) -> Tensor:
     return torch.from_numpy(np.array(array))  # a copy: the graph keeps its own arrays
 
 
-def _load(module: nn.Module, weight: Tensor, bias: Tensor | None) -> nn.Module:
+def _load(
+    module: nn.Linear | nn.Conv1d | nn.Conv2d, weight: Tensor, bias: Tensor | None
+) -> nn.Module:
     with torch.no_grad():
         module.weight.copy_(weight)
         if bias is not None:
+            assert module.bias is not None  # made with bias=True for a given bias
             module.bias.copy_(bias)
     return module
 
