@@ -50,9 +50,8 @@ def test_neurons_match_spikingjelly(name, v_reset):
 
 
 @pytest.mark.parametrize(
-    "name", ["Sigmoid", "ATan", "PiecewiseQuadratic", "PiecewiseExp", "SoftSign", "SuperSpike",
-             "Erf", "Rect"],
-)  # fmt: skip
+    "name", "Sigmoid ATan PiecewiseQuadratic PiecewiseExp SoftSign SuperSpike Erf Rect".split()
+)
 @pytest.mark.parametrize("alpha", [0.7, 3.0])
 def test_surrogates_match_spikingjelly(name, alpha):
     if not hasattr(sj_surrogate, name):
@@ -103,12 +102,14 @@ def test_encoders_match_spikingjelly():
     for enc_function in ("linear", "log"):
         ours = encoding.LatencyEncoder(6, enc_function=enc_function)
         theirs = sj_encoding.LatencyEncoder(6, enc_function=enc_function)
-        assert torch.equal(torch.stack([ours(x) for _ in range(8)]),
-                           torch.stack([theirs(x) for _ in range(8)]))  # fmt: skip
+        assert torch.equal(
+            torch.stack([ours(x) for _ in range(8)]), torch.stack([theirs(x) for _ in range(8)])
+        )
     y = x * (1 - 2.0**-5)
     ours, theirs = encoding.WeightedPhaseEncoder(5), sj_encoding.WeightedPhaseEncoder(5)
-    assert torch.equal(torch.stack([ours(y) for _ in range(5)]),
-                       torch.stack([theirs(y) for _ in range(5)]).to(F64))  # fmt: skip
+    assert torch.equal(
+        torch.stack([ours(y) for _ in range(5)]), torch.stack([theirs(y) for _ in range(5)]).to(F64)
+    )
 
 
 def csnn(neuron, layer, surrogate, channels=4):

@@ -303,9 +303,13 @@ def test_fused_block_and_window_pool_double_backward_raise():
 def test_float64_plif_gradcheck_wrt_w(decay_input):
     # soft reset with detach_reset: V is differentiable in w (no surrogate term) between spikes
     node = neuron.ParametricLIFNode(
-        init_tau=1.7, decay_input=decay_input, v_reset=None, detach_reset=True, step_mode="m",
+        init_tau=1.7,
+        decay_input=decay_input,
+        v_reset=None,
+        detach_reset=True,
+        step_mode="m",
         backend="torch",
-    ).double()  # fmt: skip
+    ).double()
     x = torch.rand(5, 6, dtype=F64, generator=torch.Generator().manual_seed(0)) * 0.9
 
     def run(w):

@@ -40,31 +40,31 @@ CASES = {
         neuron.LIFNode,
         32,
         1 + 16 + 3,
-    ),  # fmt: skip
+    ),
     "sew_resnet18_AND": (
         lambda **kw: models.sew_resnet18(cnf="AND", **kw),
         neuron.QIFNode,
         32,
         1 + 16 + 3,
-    ),  # fmt: skip
+    ),
     "sew_resnet34_ADD": (
         lambda **kw: models.sew_resnet34(cnf="ADD", **kw),
         neuron.LIFNode,
         32,
         1 + 32 + 3,
-    ),  # fmt: skip
+    ),
     "sew_resnet34_IAND": (
         lambda **kw: models.sew_resnet34(cnf="IAND", **kw),
         _if,
         32,
         1 + 32 + 3,
-    ),  # fmt: skip
+    ),
     "sew_resnet34_AND": (
         lambda **kw: models.sew_resnet34(cnf="AND", **kw),
         neuron.LIFNode,
         32,
         1 + 32 + 3,
-    ),  # fmt: skip
+    ),
     "spiking_resnet19": (models.spiking_resnet19, neuron.LIFNode, 8, 1 + 8 + 1),
 }
 
@@ -171,15 +171,19 @@ def test_unfused_state_dict_loads_into_the_fused_model_and_back():
         (
             lambda: models.spiking_vgg11_bn(pretrained=True, spiking_neuron=neuron.IFNode),
             "pretrained=True is not supported",
-        ),  # fmt: skip
+        ),
         (
             lambda: models.SpikingResNet(
                 models.BasicBlock, [2, 2, 2, 2], groups=2, spiking_neuron=neuron.IFNode
             ),
             "groups=1",
-        ),  # fmt: skip
+        ),
+        (
+            lambda: models.SpikingVGG([8, "X"], spiking_neuron=neuron.IFNode),
+            "cfg entries are channel counts or 'M', got 'X'",
+        ),
     ],
-    ids=["no-cnf", "bad-cnf", "no-neuron", "pretrained", "groups"],
+    ids=["no-cnf", "bad-cnf", "no-neuron", "pretrained", "groups", "bad-cfg"],
 )
 def test_bad_arguments_raise(make, match):
     with pytest.raises(SpikefuseError, match=match):

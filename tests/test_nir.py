@@ -128,8 +128,7 @@ def test_round_trip_conv_lif_is_exact(decay_input):
     model = conv_net(lif(decay_input))
     graph = assert_exact_round_trip(model, conv_input(), (1, 8, 8))
     kinds = [type(n).__name__ for n in graph.nodes.values()]
-    assert kinds == ["Input", "Conv2d", "LIF", "AvgPool2d", "Conv2d", "LIF", "Flatten", "Affine",
-                     "LIF", "Output"]  # fmt: skip
+    assert kinds == "Input Conv2d LIF AvgPool2d Conv2d LIF Flatten Affine LIF Output".split()
     node = graph.nodes["1"]
     assert node.tau.shape == (4, 8, 8) and np.all(node.tau == 2.5)
     assert np.all(node.r == (1.0 if decay_input else 2.5))
@@ -245,13 +244,20 @@ def residual_graph() -> nir.NIRGraph:
 
     def lif_node(shape, tau, r):
         full = lambda v: np.full(shape, v)  # noqa: E731
-        return nir.LIF(tau=full(tau), r=full(r), v_leak=full(0.0), v_threshold=full(0.5),
-                       v_reset=full(0.0))  # fmt: skip
+        return nir.LIF(
+            tau=full(tau), r=full(r), v_leak=full(0.0), v_threshold=full(0.5), v_reset=full(0.0)
+        )
 
     def conv(c_in, c_out):
-        return nir.Conv2d(input_shape=(6, 6), weight=rng.normal(0, 1.0, (c_out, c_in, 3, 3)),
-                          stride=1, padding=1, dilation=1, groups=1,
-                          bias=rng.normal(0, 0.2, c_out))  # fmt: skip
+        return nir.Conv2d(
+            input_shape=(6, 6),
+            weight=rng.normal(0, 1.0, (c_out, c_in, 3, 3)),
+            stride=1,
+            padding=1,
+            dilation=1,
+            groups=1,
+            bias=rng.normal(0, 0.2, c_out),
+        )
 
     nodes = {
         "input": nir.Input(input_type=np.array([2, 6, 6])),
@@ -264,9 +270,17 @@ def residual_graph() -> nir.NIRGraph:
         "lif3": lif_node((4,), 2.0, 1.0),
         "output": nir.Output(output_type=np.array([4])),
     }
-    edges = [("input", "conv1"), ("conv1", "lif1"), ("lif1", "block.conv2"),
-             ("block.conv2", "block.lif2"), ("block.lif2", "flat"), ("lif1", "flat"),
-             ("flat", "fc"), ("fc", "lif3"), ("lif3", "output")]  # fmt: skip
+    edges = [
+        ("input", "conv1"),
+        ("conv1", "lif1"),
+        ("lif1", "block.conv2"),
+        ("block.conv2", "block.lif2"),
+        ("block.lif2", "flat"),
+        ("lif1", "flat"),
+        ("flat", "fc"),
+        ("fc", "lif3"),
+        ("lif3", "output"),
+    ]
     return nir.NIRGraph(nodes=nodes, edges=edges)
 
 
@@ -275,8 +289,11 @@ def test_residual_graph_imports_runs_fuses_and_round_trips():
     model = import_nir(graph, dt=1.0, backend="torch")
     assert isinstance(model, NIRGraphModule)
     assert list(model.chains) == ["conv1", "block_conv2", "flat"]
-    assert model.sources == {"conv1": ("",), "block_conv2": ("conv1",),
-                             "flat": ("block_conv2", "conv1")}  # fmt: skip
+    assert model.sources == {
+        "conv1": ("",),
+        "block_conv2": ("conv1",),
+        "flat": ("block_conv2", "conv1"),
+    }
     torch.manual_seed(6)
     x = torch.rand(T, N, 2, 6, 6, dtype=torch.float64)
     c = model.chains
@@ -303,8 +320,8 @@ def test_residual_graph_imports_runs_fuses_and_round_trips():
             if hasattr(node, field):
                 assert np.array_equal(getattr(node, field), getattr(other, field)), (name, field)
     assert torch.equal(run(import_nir(again, dt=1.0), x), out)
-    assert torch.equal(run(fused, x), run(import_nir(export_nir(fused, (2, 6, 6), dt=1.0),
-                                                     dt=1.0), x))  # fmt: skip
+    fused_round_trip = import_nir(export_nir(fused, (2, 6, 6), dt=1.0), dt=1.0)
+    assert torch.equal(run(fused, x), run(fused_round_trip, x))
 
 
 def test_imported_model_fuses_and_runs_on_every_backend():
@@ -535,18 +552,28 @@ def test_snntorch_to_spikefuse_gives_the_same_spikes(kind):
 
     def leaky(beta, threshold, shape):
         # snnTorch exports per-neuron parameters only when given per neuron (type check)
-        return snn.Leaky(beta=torch.full(shape, beta), threshold=torch.full(shape, threshold),
-                         reset_mechanism="zero", init_hidden=True)  # fmt: skip
+        return snn.Leaky(
+            beta=torch.full(shape, beta),
+            threshold=torch.full(shape, threshold),
+            reset_mechanism="zero",
+            init_hidden=True,
+        )
 
     torch.manual_seed(9)
     if kind == "conv":
-        net = nn.Sequential(nn.Conv2d(1, 3, 3), leaky(0.8, 0.5, (3, 6, 6)), nn.Flatten(),
-                            nn.Linear(108, 4), leaky(0.7, 0.5, (4,)))  # fmt: skip
+        net = nn.Sequential(
+            nn.Conv2d(1, 3, 3),
+            leaky(0.8, 0.5, (3, 6, 6)),
+            nn.Flatten(),
+            nn.Linear(108, 4),
+            leaky(0.7, 0.5, (4,)),
+        )
         x = torch.rand(T, N, 1, 8, 8) * 2
         graph = export_to_nir(net, x[0, :1], ignore_dims=[0])
     else:
-        net = nn.Sequential(nn.Linear(12, 10), leaky(0.8, 0.5, (10,)), nn.Linear(10, 4),
-                            leaky(0.6, 0.3, (4,)))  # fmt: skip
+        net = nn.Sequential(
+            nn.Linear(12, 10), leaky(0.8, 0.5, (10,)), nn.Linear(10, 4), leaky(0.6, 0.3, (4,))
+        )
         x = torch.rand(T, N, 12) * 2
         graph = export_to_nir(net, x[0, :1], ignore_dims=[0])
     model = import_nir(graph, dt=1e-4)
@@ -596,8 +623,9 @@ def test_norse_to_spikefuse_gives_the_same_spikes():
 
     def cell(n, v_th):
         # per-neuron parameters, so that Norse's export gives NIR arrays of one shape
-        params = norse.LIFBoxParameters(tau_mem_inv=torch.full((n,), 0.4),
-                                        v_leak=torch.zeros(n), v_th=torch.full((n,), v_th))  # fmt: skip
+        params = norse.LIFBoxParameters(
+            tau_mem_inv=torch.full((n,), 0.4), v_leak=torch.zeros(n), v_th=torch.full((n,), v_th)
+        )
         return norse.LIFBoxCell(params, dt=1.0)
 
     net = scaled(

@@ -94,8 +94,19 @@ def test_spiking_mode_in_a_neuron_runs_torch_code():
 
 
 # ---- Izhikevich: SpikingJelly's default a = 0 and its update order -------------------------------
-def izhikevich_reference(x_seq, v_reset, tau=2.0, v_c=0.8, a0=1.0, v_th=1.0, v_rest=-0.1,
-                         w_rest=0.0, tau_w=2.0, a=0.0, b=0.0):  # fmt: skip
+def izhikevich_reference(
+    x_seq,
+    v_reset,
+    tau=2.0,
+    v_c=0.8,
+    a0=1.0,
+    v_th=1.0,
+    v_rest=-0.1,
+    w_rest=0.0,
+    tau_w=2.0,
+    a=0.0,
+    b=0.0,
+):
     """SpikingJelly's IzhikevichNode, step by step: charge, adaptation, fire, reset."""
     v = torch.full_like(x_seq[0], 0.0 if v_reset is None else v_reset)
     w = torch.full_like(x_seq[0], w_rest)

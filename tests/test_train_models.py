@@ -236,11 +236,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ddp_worker(rank: int, port: int, folder: str, argv: list[str]) -> None:
+def _set_torchrun_environment(rank: int, port: int) -> None:
+    """What torchrun sets for rank ``rank`` of WORLD processes on this host."""
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(WORLD),
+    )
+
+
+def _ddp_worker(rank: int, port: int, folder: str, argv: list[str]) -> None:
+    _set_torchrun_environment(rank, port)
     # Keep each rank's final weights: the model evaluate() sees after the last epoch.
     evaluate = train_module.evaluate
 
@@ -282,17 +291,13 @@ def test_two_gloo_processes_train_identical_replicas(
         torch.testing.assert_close(saved[key], rank0[key], rtol=0, atol=0, msg=key)
     out = capfd.readouterr().out
     assert out.count("epoch 1/1: ") == 1 and "processes: 2" in out  # rank 0 alone prints
-    assert sorted(p.name for p in checkpoint.parent.iterdir()) == [
-        "digits.csv", "digits.png", "digits.pt"
-    ]  # fmt: skip
+    written = sorted(p.name for p in checkpoint.parent.iterdir())
+    assert written == ["digits.csv", "digits.png", "digits.pt"]
 
 
 def _status_worker(rank: int, port: int, folder: str, argv: list[list[str]]) -> None:
     """Run rank ``rank`` with ``argv[rank]``; write its exit status to ``rank<r>.status``."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-    )  # fmt: skip
+    _set_torchrun_environment(rank, port)
     Path(folder, f"rank{rank}.status").write_text(str(main(["train", *argv[rank]])))
 
 
@@ -453,8 +458,8 @@ def test_min_memory_training_matches_default_fused(tmp_path):
     """--fuse --memory min trains exactly like --fuse (same gradients, recomputed)."""
     from spikefuse.cli import main
 
-    common = ["train", "--limit", "200", "--batch-size", "50", "--T", "2", "--device", "cpu",
-              "--quiet", "--epochs", "1", "--fuse"]  # fmt: skip
+    options = "--limit 200 --batch-size 50 --T 2 --device cpu --quiet --epochs 1 --fuse"
+    common = ["train", *options.split()]
     assert main([*common, "--checkpoint", str(tmp_path / "a.pt")]) == 0
     assert main([*common, "--memory", "min", "--checkpoint", str(tmp_path / "b.pt")]) == 0
     a = torch.load(tmp_path / "a.pt", weights_only=True)["model"]
