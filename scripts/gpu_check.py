@@ -27,12 +27,17 @@ from pathlib import Path
 from typing import TextIO
 
 ROOT = Path(__file__).resolve().parents[1]
+DTYPES = ("float32", "float16", "bfloat16")
 
 
-def summary(report: Path) -> tuple[dict[str, int], float]:
-    """(test counts by outcome, seconds) from pytest's JUnit XML report."""
-    suite = ET.parse(report).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+def test_suite(report: Path) -> ET.Element:
+    """The <testsuite> of pytest's JUnit XML report."""
+    root = ET.parse(report).getroot()
+    return root if root.tag == "testsuite" else root.find("testsuite")
+
+
+def outcome_counts(suite: ET.Element) -> dict[str, int]:
+    """Test counts by outcome."""
     total, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
     failed, errors = int(suite.get("failures", 0)), int(suite.get("errors", 0))
     counts = {
@@ -41,7 +46,23 @@ def summary(report: Path) -> tuple[dict[str, int], float]:
         "errors": errors,
         "skipped": skipped,
     }
-    return counts, float(suite.get("time", 0.0))
+    return counts
+
+
+def worst_errors_by_dtype(suite: ET.Element) -> dict[str, dict[str, float]]:
+    """The largest of each ``worst_*`` property the kernel-variant tests record, by the dtype
+    their name carries: dtype -> {"value": ..., "grad": ..., "spike_mismatch": ...}."""
+    worst: dict[str, dict[str, float]] = {}
+    for case in suite.iter("testcase"):
+        dtype = next((d for d in DTYPES if f"-{d}-" in case.get("name", "")), None)
+        if dtype is None or not case.get("name", "").startswith("test_kernel_matches_reference"):
+            continue
+        for prop in case.iter("property"):
+            name = prop.get("name", "")
+            if name.startswith("worst_"):
+                kind = worst.setdefault(dtype, {})
+                kind[name[6:]] = max(kind.get(name[6:], 0.0), float(prop.get("value", "nan")))
+    return worst
 
 
 def tee(log: TextIO, text: str) -> None:
@@ -73,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     marker = "gpu and quick" if args.quick else "gpu"
     command = [sys.executable, "-m", "pytest", str(ROOT / "tests"), "-m", marker, "-q", "-rA"]
     command += [f"--junitxml={report}", "-p", "no:cacheprovider", *pytest_args]
+    report.unlink(missing_ok=True)  # a report from an earlier run must not count
     start = time.perf_counter()
     with log.open("w") as out:
         tee(out, f"device: {device_name()}\n$ {shlex.join(command)}\n")
@@ -81,18 +103,22 @@ def main(argv: list[str] | None = None) -> int:
         ) as pytest:
             for line in pytest.stdout:
                 tee(out, line)
-        status = pytest.returncode
-    seconds = time.perf_counter() - start
-    if not report.exists():  # pytest stopped before running anything (a usage error)
-        print(f"GPU check: pytest exited with status {status} before running tests; log: {log}")
-        return 1
-    counts, _ = summary(report)
-    ok = status == 0 and counts["passed"] > 0
-    outcome = ", ".join(f"{n} {k}" for k, n in counts.items() if n or k == "passed")
-    print(
-        f"GPU check on {device_name()}{' (quick)' if args.quick else ''}: {outcome} in "
-        f"{seconds:.0f} s: {'PASS' if ok else 'FAIL'}; log: {log}"
-    )
+        seconds = time.perf_counter() - start
+        if not report.exists():  # pytest stopped before running anything (a usage error)
+            status = pytest.returncode
+            tee(out, f"GPU check: pytest exited with {status} before running tests; log: {log}\n")
+            return 1
+        suite = test_suite(report)
+        for dtype, worst in worst_errors_by_dtype(suite).items():
+            errors = ", ".join(f"{kind} {err:.2e}" for kind, err in worst.items())
+            tee(out, f"worst normalised error vs the float32 reference, {dtype}: {errors}\n")
+        counts = outcome_counts(suite)
+        ok = pytest.returncode == 0 and counts["passed"] > 0
+        outcome = ", ".join(f"{n} {k}" for k, n in counts.items() if n or k == "passed")
+        quick = " (quick)" if args.quick else ""
+        verdict = "PASS" if ok else "FAIL"
+        summary = f"GPU check on {device_name()}{quick}: {outcome} in {seconds:.0f} s: {verdict}"
+        tee(out, f"{summary}; log: {log}\n")
     return 0 if ok else 1
 
 
