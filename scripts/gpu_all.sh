@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one go, logs under ${OUT:-gpu_results}:
-#   scripts/gpu_all.sh check   kernel variants vs reference, cuda:1 placement, DDP equivalence
+#   scripts/gpu_all.sh check   the GPU tests (pytest -m gpu, via scripts/gpu_check.py: kernels vs
+#                              reference, fused blocks, graphs, compile, training), DDP equivalence
 #   scripts/gpu_all.sh bench   neuron and end-to-end benchmarks
+# Arguments after check/all go to scripts/gpu_check.py (e.g. --quick, or pytest's -k EXPR).
 set -uo pipefail
 OUT="${OUT:-gpu_results}"
 export PYTHONPATH="${PYTHONPATH:-}:$(cd "$(dirname "$0")/.." && pwd)/src"
 mkdir -p "$OUT"
 status=0
-case "${1:-all}" in
+task="${1:-all}"
+[[ $# -gt 0 ]] && shift
+case "$task" in
   check|all)
-    python3 scripts/gpu_check.py --out "$OUT/check" || status=1
+    python3 scripts/gpu_check.py --out "$OUT/check" "$@" || status=1
     if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
       torchrun --nproc_per_node=2 scripts/ddp_check.py 2>&1 | tee "$OUT/ddp_check.log" || status=1
     else

@@ -17,23 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import SMALL, train
 from spikefuse import train as train_module
-from spikefuse.cli import main
 from spikefuse.train import CHECKPOINT_VERSION, payload_digest
-
-SMALL = ["--limit", "200", "--batch-size", "50", "--T", "2", "--device", "cpu", "--quiet"]
-
-
-def train(checkpoint: Path, *extra: str) -> int:
-    return main(["train", *SMALL, "--checkpoint", str(checkpoint), *extra])
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A checkpoint after one epoch of the SMALL run (read it, don't modify it)."""
-    path = tmp_path_factory.mktemp("ckpt") / "digits.pt"
-    assert train(path, "--epochs", "1") == 0
-    return path
 
 
 @pytest.fixture

@@ -12,24 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import train
 from spikefuse.cli import main
 from spikefuse.errors import SpikefuseError
 from spikefuse.train import CHECKPOINT_FORMAT, CheckpointError, TrainConfig, run
-
-# A few hundred samples and two time steps: each epoch takes a fraction of a second.
-SMALL = ["--limit", "200", "--batch-size", "50", "--T", "2", "--device", "cpu", "--quiet"]
-
-
-def train(checkpoint: Path, *extra: str) -> int:
-    return main(["train", *SMALL, "--checkpoint", str(checkpoint), *extra])
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A checkpoint after one epoch of the SMALL run (read it, don't modify it)."""
-    path = tmp_path_factory.mktemp("ckpt") / "digits.pt"
-    assert train(path, "--epochs", "1") == 0
-    return path
 
 
 def test_train_prints_progress_and_saves_checkpoint(

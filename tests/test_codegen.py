@@ -1,6 +1,6 @@
 """Code generation: every kernel variant compiles with nvcc (sm_80 and sm_90), source is readable,
 and the hand-written-snippet extension path works. GPU execution is checked by
-scripts/gpu_check.py on a GPU machine."""
+tests/gpu (``pytest -m gpu`` on a GPU machine)."""
 
 from __future__ import annotations
 

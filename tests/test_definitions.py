@@ -9,6 +9,7 @@ import pytest
 import sympy as sp
 import torch
 
+from conftest import reldiff
 from spikefuse import SpikefuseError, functional, neuron
 from spikefuse import definitions as defs
 from spikefuse import reference as ref
@@ -130,11 +131,6 @@ def test_nonlinear_in_x_needs_x():
     assert same(p.dh_dx, 1 - sp.tanh(x) ** 2)
 
 
-def _reldiff(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.abs().max().item()
-    return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
-
-
 def _bptt_vs_oracle(definition, params, learnable=(), hard=True, detach=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     T, shape = 5, (3, 7)
@@ -166,10 +162,10 @@ def _bptt_vs_oracle(definition, params, learnable=(), hard=True, detach=False, s
     loss = (s * gs).sum() + (vs * gv).sum() + (vl * gl).sum()
     inputs = [xo, vo] + ([lo] if learnable else [])
     grads = torch.autograd.grad(loss, inputs)
-    assert _reldiff(back.grad_x, grads[0]) < 1e-10
-    assert _reldiff(back.grad_v0, grads[1]) < 1e-10
+    assert reldiff(back.grad_x, grads[0]) < 1e-10
+    assert reldiff(back.grad_v0, grads[1]) < 1e-10
     if learnable:
-        assert _reldiff(back.grad_learnable, grads[2]) < 1e-10
+        assert reldiff(back.grad_learnable, grads[2]) < 1e-10
     assert 0 < s.sum() < s.numel()  # the test exercised both spiking and silent steps
 
 
@@ -240,8 +236,8 @@ def test_user_neuron_module_gradients(definition, params):
     so, _, vl, _ = ref.oracle(node.program, xo, vo, xo.new_empty(0), torch.empty(0), consts)
     assert torch.equal(s.detach(), so.detach())
     ox, ov = torch.autograd.grad((so * gs).sum() + (vl * gl).sum(), [xo, vo])
-    assert _reldiff(gx, ox) < 1e-10
-    assert _reldiff(gv0, ov) < 1e-10
+    assert reldiff(gx, ox) < 1e-10
+    assert reldiff(gv0, ov) < 1e-10
 
 
 def test_base_node_param_validation():
@@ -277,7 +273,7 @@ def test_user_adaptive_neuron_matches_oracle():
     so, _, _, wl = ref.oracle(node.program, xo, v0, w0, torch.empty(0), consts)
     assert torch.equal(s.detach(), so.detach())
     (ox,) = torch.autograd.grad((so * gs).sum() + (wl * gw).sum(), [xo])
-    assert _reldiff(gx, ox) < 1e-10
+    assert reldiff(gx, ox) < 1e-10
 
 
 # ---- bad definitions ----------------------------------------------------------------------------

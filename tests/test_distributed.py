@@ -1,26 +1,25 @@
 """Synchronised fused BatchNorm: 2 gloo processes × batch B train exactly like 1 × batch 2B.
 
-Runs ``scripts/ddp_check.py`` (DDP-wrapped fused model vs a whole-batch reference, several SGD
-steps) in two processes started with torch.multiprocessing on a free loopback port.
+Runs the DDP check ``scripts/ddp_check.py`` (DDP-wrapped fused model vs a whole-batch reference,
+several SGD steps) as a program in two processes, the way torchrun starts it, on a free
+loopback port.
 """
 
 from __future__ import annotations
 
 import os
-import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # spawned workers inherit sys.path, so they find it too
+import spikefuse
+from conftest import free_port
 
-import ddp_check  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]
+SRC = str(Path(spikefuse.__file__).resolve().parents[1])
 WORLD = 2
 
 pytestmark = pytest.mark.skipif(
@@ -28,24 +27,39 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, argv: list[str]) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    status = ddp_check.main(argv)
-    if status != 0:
-        raise AssertionError(f"rank {rank}: the 2-process run differs from the 1-process run")
-
-
-def test_two_processes_match_one_process_with_double_batch(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on CPU even where GPUs exist
-    argv = ["--dtype", "float64", "float32"]
-    mp.spawn(_worker, args=(_free_port(), argv), nprocs=WORLD, join=True)
+def test_two_processes_match_one_process_with_double_batch():
+    port = free_port()
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",  # gloo on CPU even where GPUs exist
+        "OMP_NUM_THREADS": "1",
+        # the spikefuse these tests import
+        "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(WORLD),
+        "LOCAL_WORLD_SIZE": str(WORLD),
+    }
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "ddp_check.py"),
+        "--dtype",
+        "float64",
+        "float32",
+    ]
+    ranks = [
+        subprocess.Popen(
+            command,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(WORLD)
+    ]
+    outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    for rank, (process, output) in enumerate(zip(ranks, outputs, strict=True)):
+        assert process.returncode == 0, (
+            f"rank {rank}: the 2-process run differs from the 1-process run\n{output}"
+        )
+    assert outputs[0].count("PASS") == 2, outputs[0]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
 
-from spikefuse import functional, layer, neuron, surrogate
+from spikefuse import cli, functional, layer, neuron, surrogate
 from spikefuse.bench import e2e
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import (
@@ -34,13 +34,7 @@ FP32_TOL = dict(rtol=1e-4, atol=1e-5)
 FP64_TOL = dict(rtol=1e-9, atol=1e-11)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Small tensors: intra-op threads only add contention on the 2-core CI machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lif(**kw) -> neuron.LIFNode:
@@ -522,7 +516,7 @@ def test_e2e_bench_smoke(tmp_path, monkeypatch, capsys):
     argv = ["--model", "small", "--device", "cpu", "--T", "2", "--batch", "2", "--iters", "1",
             "--warmup", "0", "--variants", "vanilla", "spikefuse", "fused", "--dtypes", "fp32",
             "--out", str(tmp_path)]  # fmt: skip
-    assert e2e.main(argv) == 0
+    assert cli.main(["bench", "e2e", *argv]) == 0  # the shipped subcommand
     out = capsys.readouterr().out
     assert "FAILED: RuntimeError: simulated failure" in out
     rows = list(csv.DictReader((tmp_path / "e2e_small.csv").open()))

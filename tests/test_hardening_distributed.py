@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from spikefuse.fused import FusedLinearBNNeuron, paper_lif
 
 WORLD = 2
@@ -23,12 +23,6 @@ WORLD = 2
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
 )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _block() -> FusedLinearBNNeuron:
@@ -72,7 +66,7 @@ def _worker(rank: int, port: int) -> None:
 
 def test_rank_with_no_samples_contributes_nothing(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
 
 
 def _join_worker(rank: int, port: int) -> None:
@@ -111,4 +105,4 @@ def test_join_without_early_termination_is_refused(monkeypatch):
     """Issue 10: DDP with Join and uneven batch counts aborted inside the fused BN all-reduce;
     now a Join context that would let ranks run out silently is refused with what to do."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    mp.spawn(_join_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_join_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -10,13 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import gen
 from spikefuse import SpikefuseError, functional, layer, neuron
 
 F64 = torch.float64
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 # ---- Dropout: one mask per sequence until reset() ------------------------------------------------

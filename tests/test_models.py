@@ -15,12 +15,7 @@ T, B = 2, 2
 FP64_TOL = dict(rtol=1e-9, atol=1e-11)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _if(**kw):

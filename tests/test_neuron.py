@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import gen, reldiff
 from spikefuse import BackendUnavailableError, SpikefuseError, functional, layer, neuron
 from spikefuse import surrogate as sg
 
@@ -27,15 +28,6 @@ NODES = {
     "eif": lambda **kw: neuron.EIFNode(tau=2.0, delta_T=0.7, theta_rh=0.6, v_rest=0.05, **kw),
     "izh": lambda **kw: neuron.IzhikevichNode(a0=0.9, tau_w=3.0, a=0.6, b=0.25, w_rest=0.1, **kw),
 }
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def reldiff(got, want) -> float:
-    scale = want.abs().max().item()
-    return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
 # ---- single-step == multi-step --------------------------------------------------------------------

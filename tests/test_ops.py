@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from conftest import gen
 from spikefuse import definitions as defs
 from spikefuse import layer, neuron
 from spikefuse import reference as ref
@@ -17,10 +18,6 @@ from spikefuse.program import NeuronProgram
 
 FPTT = torch.ops.spikefuse.neuron_fptt.default
 BPTT = torch.ops.spikefuse.neuron_bptt.default
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 # ---- torch.compile ------------------------------------------------------------------------------

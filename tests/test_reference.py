@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 
 import pytest
 import torch
 
+from conftest import reldiff, seed_of
 from spikefuse import definitions as defs
 from spikefuse import neuron
 from spikefuse import reference as ref
@@ -17,19 +17,6 @@ from spikefuse import surrogate as sg
 from spikefuse.program import NeuronProgram
 
 F64 = torch.float64
-
-
-def seed_of(*parts) -> int:
-    """A seed that is stable across runs (str hashes are randomized per process)."""
-    return zlib.crc32(repr(parts).encode())
-
-
-def reldiff(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want| (absolute when want is all zero)."""
-    assert got.shape == want.shape, (got.shape, want.shape)
-    scale = want.abs().max().item() if want.numel() else 0.0
-    err = (got.to(F64) - want.to(F64)).abs().max().item() if want.numel() else 0.0
-    return err / (scale if scale > 0 else 1.0)
 
 
 # ================================================================================================

@@ -10,14 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import gen
 from spikefuse import SpikefuseError, functional, layer, neuron
 from spikefuse import surrogate as sg
 
 F64 = torch.float64
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def max_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -77,7 +77,7 @@ def points(seed: int = 0) -> torch.Tensor:
     return torch.cat([grid, rnd, edges])
 
 
-def assert_close(got, want, tol=1e-12):
+def assert_abs_close(got, want, tol=1e-12):
     assert got.dtype == torch.float64
     assert got.shape == want.shape
     err = (got - want).abs().max().item()
@@ -95,7 +95,7 @@ def test_default_alpha_and_formula(cls):
     assert s.alpha == alpha
     assert s.hyperparameters() == {"alpha": alpha}
     x = points()
-    assert_close(s.derivative(x), formula(x, alpha))
+    assert_abs_close(s.derivative(x), formula(x, alpha))
 
 
 @pytest.mark.parametrize("alpha", [0.3, 1.7, 5.0])
@@ -104,18 +104,18 @@ def test_custom_alpha_formula(cls, alpha):
     formula, _ = ALPHA_SURROGATES[cls]
     s = cls(alpha=alpha)
     x = points(seed=int(alpha * 10))
-    assert_close(s.derivative(x), formula(x, alpha))
+    assert_abs_close(s.derivative(x), formula(x, alpha))
 
 
 def test_rect_default_and_custom():
     s = sg.RectWindow()
     assert s.hyperparameters() == {"eta": 1.0, "th_l": -0.5, "th_r": 0.5}
     x = points()
-    assert_close(s.derivative(x), rect_d(x, 1.0, -0.5, 0.5))
+    assert_abs_close(s.derivative(x), rect_d(x, 1.0, -0.5, 0.5))
     # the window is open: exactly on an edge the derivative is 0
     assert s.derivative(torch.tensor([-0.5, 0.5], dtype=torch.float64)).tolist() == [0.0, 0.0]
     s = sg.RectWindow(eta=2.5, th_l=-0.25, th_r=0.75)  # the DATE'22 window around threshold 0.25
-    assert_close(s.derivative(x), rect_d(x, 2.5, -0.25, 0.75))
+    assert_abs_close(s.derivative(x), rect_d(x, 2.5, -0.25, 0.75))
 
 
 ALL_INSTANCES = [cls() for cls in sg.ALL] + [sg.Sigmoid(alpha=0.5), sg.RectWindow(eta=3.0)]
@@ -140,7 +140,7 @@ def test_autograd_gives_derivative(surrogate):
     (grad,) = torch.autograd.grad((surrogate(x) * upstream).sum(), [x])
     assert torch.equal(grad, upstream * surrogate.derivative(x.detach()))
     if isinstance(surrogate, sg.Sigmoid):  # and the formula (not just self-consistency)
-        assert_close(grad, upstream * sigmoid_d(x.detach(), surrogate.alpha))
+        assert_abs_close(grad, upstream * sigmoid_d(x.detach(), surrogate.alpha))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -194,7 +194,7 @@ def triangle_d(x, gamma):
 def test_user_surrogate_derivative_and_key():
     s = Triangle(1.5)
     x = points()
-    assert_close(s.derivative(x), triangle_d(x, 1.5))
+    assert_abs_close(s.derivative(x), triangle_d(x, 1.5))
     assert "Triangle" in s.key and s.key != Triangle(2.0).key
     assert "gamma=1.5" in repr(s)
     assert isinstance(s.derivative_expr, sp.Expr)
@@ -222,7 +222,7 @@ def test_user_surrogate_in_neuron(hard):
     (gx,) = torch.autograd.grad(s.sum(), [xs])
     hh = xs.detach() / tau  # v0 = 0 (= v_reset for hard, 0 for soft reset)
     assert torch.equal(s.detach(), (hh >= vth).double())
-    assert_close(gx, triangle_d(hh - vth, 1.5) / tau)
+    assert_abs_close(gx, triangle_d(hh - vth, 1.5) / tau)
 
 
 def test_user_surrogate_bptt_matches_oracle():

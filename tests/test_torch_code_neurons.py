@@ -11,14 +11,11 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import gen
 from spikefuse import BackendUnavailableError, NeuronDef, SpikefuseError, functional, neuron
 from spikefuse import surrogate as sg
 
 F64 = torch.float64
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 class SigmoidSpike(torch.autograd.Function):

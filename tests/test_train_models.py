@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from spikefuse import train as train_module
 from spikefuse.cli import main
 from spikefuse.errors import SpikefuseError
@@ -230,12 +230,6 @@ def test_cifar10_options_are_validated_while_parsing(
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _set_torchrun_environment(rank: int, port: int) -> None:
     """What torchrun sets for rank ``rank`` of WORLD processes on this host."""
     os.environ.update(
@@ -276,7 +270,7 @@ def test_two_gloo_processes_train_identical_replicas(
     argv = [*QUICK, "--limit", "100", "--batch-size", "10", "--checkpoint", str(checkpoint)]
     mp.spawn(
         _ddp_worker,
-        args=(_free_port(), str(tmp_path), argv + (["--fuse"] if fused else [])),
+        args=(free_port(), str(tmp_path), argv + (["--fuse"] if fused else [])),
         nprocs=WORLD,
         join=True,
     )
@@ -313,7 +307,7 @@ def test_when_rank_0_refuses_the_checkpoint_every_rank_stops(
     capfd.readouterr()
     before = checkpoint.read_bytes()
     argv = [*QUICK, "--limit", "20", "--checkpoint", str(checkpoint)]
-    args = (_free_port(), str(tmp_path), [argv] * WORLD)
+    args = (free_port(), str(tmp_path), [argv] * WORLD)
     mp.spawn(_status_worker, args=args, nprocs=WORLD, join=True)
     assert [Path(tmp_path, f"rank{r}.status").read_text() for r in range(WORLD)] == ["1", "1"]
     err = capfd.readouterr().err
@@ -331,7 +325,7 @@ def test_when_another_rank_cannot_read_the_data_every_rank_stops(
     checkpoint = tmp_path / "run.pt"
     argv = [*QUICK, "--data", "cifar10", "--limit", "10", "--checkpoint", str(checkpoint)]
     per_rank = [[*argv, "--data-dir", str(cifar)], [*argv, "--data-dir", str(tmp_path / "none")]]
-    mp.spawn(_status_worker, args=(_free_port(), str(tmp_path), per_rank), nprocs=WORLD, join=True)
+    mp.spawn(_status_worker, args=(free_port(), str(tmp_path), per_rank), nprocs=WORLD, join=True)
     assert [Path(tmp_path, f"rank{r}.status").read_text() for r in range(WORLD)] == ["1", "1"]
     err = capfd.readouterr().err
     assert f"rank 1 stopped the run: CIFAR-10 file '{tmp_path / 'none'}" in err

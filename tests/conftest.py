@@ -1,0 +1,125 @@
+"""Helpers shared by the tests (import them with ``from conftest import ...``), and the ``gpu``
+marker's skip: a test marked ``@pytest.mark.gpu`` runs only where the cuda backend can run, and
+is skipped elsewhere with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from spikefuse.backends import unavailable_reason
+
+# Normalised error bounds per storage dtype, (values, gradients): what a kernel computing in
+# float32 from 16-bit storage may differ from the float32 reference by.
+TOLERANCE = {
+    torch.float32: (1e-5, 1e-4),
+    torch.float16: (2e-3, 2e-2),
+    torch.bfloat16: (1e-2, 6e-2),
+}
+
+
+def _cuda_problem() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU and CuPy: PyTorch sees no CUDA GPU"
+    reason = unavailable_reason("cuda", torch.empty(0, device="cuda"))
+    return None if reason is None else f"needs a CUDA GPU and CuPy: {reason}"
+
+
+#: Why the cuda backend cannot run here, or None where it can.
+CUDA_PROBLEM = _cuda_problem()
+#: Skips a test where the cuda backend cannot run (every ``gpu``-marked test gets it).
+requires_cuda = pytest.mark.skipif(CUDA_PROBLEM is not None, reason=CUDA_PROBLEM or "")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(requires_cuda)
+
+
+def gen(seed: int, device: str = "cpu") -> torch.Generator:
+    """A random generator seeded with ``seed`` on ``device``."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def seed_of(*parts: object) -> int:
+    """A seed that is stable across runs (str hashes are randomized per process)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where a and b differ, NaN counting as equal to NaN (the NaN policy: a diverged neuron
+    gives NaN spikes on every backend)."""
+    a, b = a.float(), b.float()
+    return (a != b) & ~(a.isnan() & b.isnan())
+
+
+def reldiff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max|got - want| / max|want| (absolute where want is all zero), in float64, over the
+    elements finite in both; inf unless the non-finite elements (NaN, ±inf) are the same in
+    both, so that a NaN never passes as a small error."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    got, want = got.double(), want.double()
+    finite = got.isfinite() & want.isfinite()
+    if differ(got[~finite], want[~finite]).any():
+        return math.inf
+    got, want = got[finite], want[finite]
+    if not want.numel():
+        return 0.0
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    return err / scale if scale > 0 else err
+
+
+def assert_close(
+    got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, *, grad: bool, what: str = ""
+) -> float:
+    """Assert ``reldiff(got, want)`` within :data:`TOLERANCE` of storage ``dtype`` (the gradient
+    bound if ``grad``); returns the error."""
+    tol = TOLERANCE[dtype][1 if grad else 0]
+    err = reldiff(got, want)
+    assert err <= tol, f"{what or 'result'}: normalised error {err:.2e} > {tol:.0e}"
+    return err
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for torch.distributed's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: on small tensors more only add contention on the
+    2-core CI machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- the training CLI -------------------------------------------------------------------------
+# A few hundred samples and two time steps: each epoch takes a fraction of a second.
+SMALL = ["--limit", "200", "--batch-size", "50", "--T", "2", "--device", "cpu", "--quiet"]
+
+
+def train(checkpoint: Path, *extra: str) -> int:
+    """``spikefuse train`` on the SMALL run, checkpointing to ``checkpoint``; the exit status."""
+    from spikefuse.cli import main  # imported when used: spawned test workers import conftest
+
+    return main(["train", *SMALL, "--checkpoint", str(checkpoint), *extra])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint after one epoch of the SMALL run (read it, don't modify it)."""
+    path = tmp_path_factory.mktemp("ckpt") / "digits.pt"
+    assert train(path, "--epochs", "1") == 0
+    return path

@@ -1,0 +1,182 @@
+"""The fused Conv/Linear -> BatchNorm -> neuron blocks on the GPU: the channel-affine
+(BatchNorm-folded) kernels against BatchNorm + the reference neuron, and fused models (both
+memory modes) against the unfused modules."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import assert_close, differ, gen, reldiff, seed_of
+from spikefuse import backends, functional, fuse, layer, neuron, surrogate
+from spikefuse.fused import FusedBlock, paper_lif
+
+from .variants import AFFINE_CHUNK, CHUNK, DTYPES, ONE_STATE, Variant, params
+
+pytestmark = pytest.mark.gpu
+
+AFFINE_VARIANTS = [
+    Variant(name, surrogate.Rect, dtype, hard, affine=True)
+    for name, dtype, hard in itertools.product(ONE_STATE, DTYPES, (True, False))
+]
+# (T, the synapse output's shape [B, C, *S], synapse): channels-first with odd sizes and a
+# partial chunk (a Conv1d), channels innermost (a Conv2d runs channels-last on CUDA),
+# Linear-shaped at T = 1, and a larger map.
+AFFINE_SHAPES = [
+    (max(AFFINE_CHUNK.values()) + 5, (3, 5, 9), nn.Conv1d),
+    (4, (2, 7, 6, 6), nn.Conv2d),
+    (1, (5, 33), nn.Linear),
+    (10, (4, 16, 8, 8), nn.Conv2d),
+]
+
+
+def identity_block(
+    variant: Variant,
+    synapse_kind: type[nn.Module],
+    backend: str,
+    channels: int,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    batch_stats: bool,
+) -> FusedBlock:
+    """synapse -> BatchNorm -> neuron whose synapse is the identity in the variant's dtype, so
+    that the kernels see the test's synapse output y exactly: BatchNorm with (gamma, beta),
+    batch statistics or the running ones (mean 0, variance 1.5)."""
+    if synapse_kind is nn.Linear:
+        synapse, bn = nn.Linear(channels, channels, bias=False), nn.BatchNorm1d(channels)
+    else:
+        synapse = synapse_kind(channels, channels, 1, bias=False)
+        bn = nn.BatchNorm2d(channels) if synapse_kind is nn.Conv2d else nn.BatchNorm1d(channels)
+    eye = torch.eye(channels)
+    with torch.no_grad():
+        synapse.weight.copy_(eye.view(synapse.weight.shape))
+        bn.weight.copy_(gamma)
+        bn.bias.copy_(beta)
+        bn.running_var.fill_(1.5)
+    synapse = synapse.to("cuda", variant.dtype)
+    bn = bn.cuda().train(batch_stats)
+    return FusedBlock(synapse, bn, variant.make(step_mode="m", backend=backend).cuda())
+
+
+def run_affine(block: FusedBlock, y: torch.Tensor, upstream: torch.Tensor) -> dict:
+    """Spikes and the gradients of y, BatchNorm's weight and bias (and PLIF's tau)."""
+    y = y.detach().clone().requires_grad_()
+    spikes = block(y)
+    (spikes.float() * upstream).sum().backward()
+    res = {
+        "spikes": spikes.detach(),
+        "grad_y": y.grad,
+        "grad_gamma": block.bn.weight.grad,
+        "grad_beta": block.bn.bias.grad,
+    }
+    if isinstance(block.node, neuron.ParametricLIFNode):
+        res["grad_w_param"] = block.node.w.grad.reshape(1)
+    return res
+
+
+@pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
+@pytest.mark.parametrize(
+    "shape_case", AFFINE_SHAPES, ids=lambda c: f"T{c[0]}-{'x'.join(map(str, c[1]))}-{c[2].__name__}"
+)
+@pytest.mark.parametrize("variant", params(AFFINE_VARIANTS))
+def test_affine_kernels_match_batchnorm_and_reference(
+    variant, shape_case, batch_stats, monkeypatch, no_tf32
+):
+    """Both sides see the same synapse output y and BatchNorm statistics, so spikes must be
+    identical in every dtype; gradients within the variant's tolerance."""
+    T, shape, synapse_kind = shape_case
+    g = gen(seed_of(variant.id, T, shape, batch_stats), device="cuda")
+    y = (torch.randn((T, *shape), generator=g, device="cuda") * 0.8 + 0.3).to(variant.dtype)
+    c = shape[1]
+    gamma = torch.rand(c, generator=g, device="cuda") + 0.5
+    beta = torch.rand(c, generator=g, device="cuda") * 0.6 - 0.2
+    upstream = torch.randn((T, *shape), generator=g, device="cuda").to(variant.dtype).float()
+
+    # the cuda side must take the BN-folded kernels, the reference BatchNorm + the neuron
+    assert backends.affine_kernels("torch") is None
+    affine = backends.affine_kernels("cuda")
+    launched = []
+    real_fptt = affine.affine_fptt
+    monkeypatch.setattr(
+        affine, "affine_fptt", lambda *a, **k: launched.append(1) or real_fptt(*a, **k)
+    )
+    results = {}
+    for backend in ("cuda", "torch"):
+        block = identity_block(variant, synapse_kind, backend, c, gamma, beta, batch_stats)
+        results[backend] = run_affine(block, y, upstream)
+        assert bool(launched) == (backend == "cuda"), f"{backend}: affine kernels launched"
+    got, ref = results["cuda"], results["torch"]
+
+    spikes = got["spikes"]
+    if synapse_kind is nn.Conv2d:  # the spikes keep the convolution's channels-last layout
+        assert spikes.flatten(0, 1).is_contiguous(memory_format=torch.channels_last)
+    else:
+        assert spikes.is_contiguous()
+    assert differ(spikes, ref["spikes"]).sum().item() == 0, "spikes differ"
+    for key, want in ref.items():
+        if key != "spikes":
+            assert_close(got[key], want, variant.dtype, grad=True, what=key)
+
+
+# ---- fused models vs the unfused modules --------------------------------------------------------
+def paper_net() -> nn.Sequential:
+    """A small CNN of Conv/Linear -> BN -> the paper's LIF (cuda) blocks, channels-last."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        layer.Conv2d(3, 16, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(16, step_mode="m"),
+        paper_lif(backend="cuda"),
+        layer.AvgPool2d(2, step_mode="m"),
+        layer.Conv2d(16, 32, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(32, step_mode="m"),
+        paper_lif(backend="cuda"),
+        layer.Flatten(step_mode="m"),
+        layer.Linear(32 * 8 * 8, 64, bias=False, step_mode="m"),
+        layer.BatchNorm1d(64, step_mode="m"),
+        paper_lif(backend="cuda"),
+        layer.Linear(64, 10, step_mode="m"),
+    ).cuda()
+    # The fused convolutions run channels-last: the reference too (its weights), so that both
+    # get the same cuDNN algorithm.
+    return model.to(memory_format=torch.channels_last)
+
+
+def training_step(net: nn.Module, x: torch.Tensor, autocast: bool) -> dict:
+    """Output, input gradient, parameter gradients (in module order: the fused blocks name them
+    differently) and BatchNorm's running statistics after one step."""
+    xs = x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = net(xs).float()
+    weights = torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)
+    (out * weights).sum().backward()
+    functional.reset_net(net)
+    grads = {f"param{i}": p.grad.clone() for i, p in enumerate(net.parameters())}
+    stats = {
+        f"buffer{i}": b.clone() for i, b in enumerate(net.buffers()) if b.dtype.is_floating_point
+    }
+    net.zero_grad(set_to_none=True)
+    return {"out": out.detach(), "grad_x": xs.grad, **grads, **stats}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("memory", ["default", "min"])
+@pytest.mark.parametrize("T", [CHUNK // 2, max(AFFINE_CHUNK.values()) + 3])  # > 16: checkpoints
+def test_fused_model_matches_unfused(T, memory, no_tf32, record_property):
+    """fp32 within 1e-4 over the output, x's gradient, the parameter gradients and the running
+    statistics; bf16 autocast against the fp32 unfused model is recorded, not checked (bf16
+    flips spikes near the threshold)."""
+    model = paper_net()
+    fused = fuse(model, memory=memory)  # before any step changes BatchNorm
+    x = torch.randn(T, 8, 3, 16, 16, device="cuda")
+    want = training_step(model, x, False)
+    got = training_step(fused, x, False)
+    errors = {k: reldiff(got[k], w) for k, w in want.items()}
+    worst = max(errors, key=errors.get)
+    record_property("worst_fp32", errors[worst])
+    assert errors[worst] < 1e-4, f"{worst}: normalised error {errors[worst]:.2e}"
+    if memory == "default":
+        got16 = training_step(fused, x, True)
+        record_property("worst_bf16_autocast", max(reldiff(got16[k], w) for k, w in want.items()))
