@@ -13,18 +13,11 @@ from ..backends import compute_dtype
 from ..errors import SpikefuseError
 from ..neuron import BaseNode, LIFNode
 from ..ops import forbid_double_backward, run_neuron
-from .bn_neuron import (
-    BNNeuronFunction,
-    BNSpec,
-    BNStats,
-    NeuronCall,
-    bn_neuron_forward,
-    bn_statistics,
-    is_distributed,
-    refuse_join,
-)
+from .bn_neuron import BNNeuronFunction, bn_neuron_forward
 from .low_memory import SynapseRecomputeFunction, mark_spikes
+from .neuron_call import NeuronCall
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
+from .statistics import BNSpec, BNStats, bn_statistics, is_distributed, refuse_join
 
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
 MEMORY_MODES = ("default", "min")
@@ -223,8 +216,18 @@ class FusedBlock(nn.Module):
             y = self._synapse_call(x)
         neuron, learnable, bn, stats = self._prepare(y)
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
-        spikes = SynapseRecomputeFunction.apply(x, y, weight, bias, learnable, stats, bn, neuron,
-                                                self._synapse_call, *self.synapse.parameters())  # fmt: skip
+        spikes = SynapseRecomputeFunction.apply(
+            x,
+            y,
+            weight,
+            bias,
+            learnable,
+            stats,
+            bn,
+            neuron,
+            self._synapse_call,
+            *self.synapse.parameters(),
+        )
         return mark_spikes(spikes)
 
     def _bn_spec(self) -> BNSpec | None:
@@ -290,9 +293,17 @@ class FusedBlock(nn.Module):
         y = y.unflatten(0, x.shape[:2])
         neuron = NeuronCall.from_node(self.node, y)
         learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
-        init = [neuron.v_init, 0.0]  # every call starts from the reset state, as in eager
-        spikes, _, _, _ = run_neuron(neuron.program, neuron.backend, y, None, None, learnable,
-                                     list(neuron.constants), init, False)  # fmt: skip
+        spikes, _, _, _ = run_neuron(
+            program=neuron.program,
+            backend=neuron.backend,
+            x_seq=y,
+            v0=None,
+            w0=None,
+            learnable=learnable,
+            constants=neuron.constants,
+            init=[neuron.v_init, 0.0],  # every call starts from the reset state, as in eager
+            store_v_seq=False,
+        )
         return spikes
 
 
