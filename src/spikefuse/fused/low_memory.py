@@ -54,7 +54,8 @@ def _bit_weights(device: torch.device) -> Tensor:
 def memory_order(t: Tensor) -> tuple[int, ...]:
     """The dimension order in which ``t``'s elements lie in memory (outermost first), when
     that order is dense (e.g. a channels-last map), else the logical order."""
-    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    strides = t.stride()
+    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
     return order if t.permute(order).is_contiguous() else tuple(range(t.dim()))
 
 
