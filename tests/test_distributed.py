@@ -35,10 +35,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, argv: list[str]) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-    )  # fmt: skip
+    addresses = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ranks = dict(RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(**addresses, **ranks, WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
     status = ddp_check.main(argv)
     if status != 0:

@@ -10,8 +10,9 @@ the containers or custom ``forward`` methods, and replaces each by a :class:`Fus
    whose output is used only by a neuron call (or the synapse directly followed by the neuron).
 2. The traced graph is only evidence: the model is patched in place, keeping the user's
    classes. The synapse's attribute becomes the FusedBlock (which holds the original synapse,
-   BatchNorm and neuron), the BatchNorm's and neuron's attributes become ``nn.Identity``; the
-   forward still calls all three, which together compute what the chain did.
+   BatchNorm and neuron), the BatchNorm's and neuron's attributes become :class:`FusedAway`
+   (an ``nn.Identity``); the forward still calls all three, which together compute what the
+   chain did.
 3. Where tracing fails (data-dependent control flow, ...), each child is tried on its own and
    an ``nn.Sequential``'s children are searched in order (its forward is known).
 4. State dict hooks on the module holding each chain save the chain's parameters and buffers
@@ -27,7 +28,7 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch.distributed as dist
 from torch import fx, nn
@@ -57,7 +58,7 @@ class FusedChain:
     """A chain replaced by a FusedBlock.
 
     ``modules``: the original modules' names (synapse, [BatchNorm], neuron); ``block``: where
-    the FusedBlock is (the synapse's name; the others are now ``nn.Identity``)."""
+    the FusedBlock is (the synapse's name; the others are now :class:`FusedAway`)."""
 
     block: str
     modules: tuple[str, ...]
@@ -472,11 +473,49 @@ def _parent(name: str) -> list[str]:
     return name.split(".")[:-1]
 
 
+class FusedAttributeError(SpikefuseError, AttributeError):
+    """An attribute of a module that :func:`fuse` absorbed into a FusedBlock was read."""
+
+
+class FusedAway(nn.Identity):
+    """What stands at a fused BatchNorm's or neuron's place: passes its input through (the
+    FusedBlock at the synapse's place did the work) and, when the model reads an attribute of
+    the module that was here (e.g. a neuron's ``.v``), raises :class:`FusedAttributeError`
+    naming that module and the block (an AttributeError: ``hasattr`` stays False)."""
+
+    def __init__(self, name: str, block: str, is_neuron: bool) -> None:
+        super().__init__()
+        self.fused_name, self.block, self.is_neuron = name, block, is_neuron
+
+    def __getattr__(self, attribute: str) -> Any:
+        try:
+            return super().__getattr__(attribute)
+        except AttributeError:
+            if attribute.startswith("_"):  # Python's and torch's own probes
+                raise
+        where = f"'{self.fused_name}' was fused into the FusedBlock at '{self.block}' (fuse())"
+        if self.is_neuron:
+            raise FusedAttributeError(
+                f"{where}, which runs the neuron from its reset state on every call and keeps no "
+                f"neuron state: fused blocks do not expose per-step potentials, so "
+                f"'{self.fused_name}.{attribute}' does not exist; read it from the unfused model"
+            )
+        raise FusedAttributeError(
+            f"{where}: '{self.fused_name}.{attribute}' does not exist; the BatchNorm is "
+            f"'{self.block}.bn'"
+        )
+
+
 def _replace(
-    root: nn.Module, chain: _Chain, process_group: dist.ProcessGroup | None, memory: str
+    root: nn.Module,
+    path: str,
+    chain: _Chain,
+    process_group: dist.ProcessGroup | None,
+    memory: str,
 ) -> None:
-    """Put a FusedBlock at the synapse's place, Identity at the BN's and neuron's, and hook the
-    lowest module holding all three so that state dicts keep the unfused keys."""
+    """Put a FusedBlock at the synapse's place, :class:`FusedAway` at the BN's and neuron's,
+    and hook the lowest module holding all three so that state dicts keep the unfused keys
+    (``path``: root's name in the model, for messages)."""
     container = root.get_submodule(chain.synapse)
     synapse_bn = _as_synapse_bn(container)
     assert synapse_bn is not None  # _examine found it
@@ -493,8 +532,10 @@ def _replace(
     assert isinstance(node, BaseNode)  # _examine found it
     originals["node"] = chain.node
     _set_submodule(root, chain.synapse, FusedBlock(synapse, bn, node, process_group, memory))
+    block = _join(path, chain.synapse)
     for name in chain.names[1:]:
-        _set_submodule(root, name, nn.Identity())
+        away = FusedAway(_join(path, name), block, is_neuron=name == chain.node)
+        _set_submodule(root, name, away)
     parents = [_parent(name) for name in chain.names]
     common = []
     for parts in zip(*parents, strict=False):
@@ -560,7 +601,7 @@ class _Fuser:
             _set_submodule(root, name, SpikePool(pool))
             self.report.pools.append(_join(path, name))
         for chain in findings.chains.values():
-            _replace(root, chain, self.process_group, self.memory)
+            _replace(root, path, chain, self.process_group, self.memory)
             names = tuple(_join(path, n) for n in chain.names)
             self.report.fused.append(FusedChain(names[0], names))
         self.report.skipped.extend(findings.skipped.values())
@@ -598,10 +639,13 @@ def fuse(
 
     The model is patched in place of the copy (its classes stay): the synapse's attribute
     becomes the FusedBlock, holding the original modules (parameters and buffers are shared,
-    not copied), and the BatchNorm's and neuron's attributes become ``nn.Identity``. The
-    state_dict keys stay those of the unfused model (``named_parameters`` shows the blocks'
-    names, e.g. ``conv1.synapse.weight``), so state dicts of fused and unfused models load into
-    each other with ``strict=True``; the fused naming loads too.
+    not copied), and the BatchNorm's and neuron's attributes become :class:`FusedAway`: an
+    ``nn.Identity`` that raises :class:`FusedAttributeError` naming the block when the forward
+    reads an attribute of the module that was there (fused blocks keep no per-step state, such
+    as a neuron's ``.v``). The state_dict keys stay those of the unfused model
+    (``named_parameters`` shows the blocks' names, e.g. ``conv1.synapse.weight``), so state
+    dicts of fused and unfused models load into each other with ``strict=True``; the fused
+    naming loads too.
 
     ``process_group``: what the fused BatchNorms synchronise over (None: the default group).
     ``memory``: ``"default"`` (blocks keep their Conv/Linear output, as in the DATE'22 paper) or
