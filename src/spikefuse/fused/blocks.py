@@ -153,18 +153,18 @@ class FusedBlock(nn.Module):
             )
         self.synapse, self.bn, self.node = synapse, bn, node
         self._kind = kind
-        self._input_rank = _INPUT_RANK[kind]
         self.process_group = process_group
         self.memory = memory
 
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
             raise SpikefuseError(f"FusedBlock: input must be a tensor, got {type(x).__name__}")
-        if x.dim() != self._input_rank:
+        rank = _INPUT_RANK[self._kind]
+        if x.dim() != rank:
             expected = "[T, B, F]" if self._kind is nn.Linear else "[T, B, C, ...]"
             raise SpikefuseError(
-                f"FusedBlock({self._kind.__name__}): expected input {expected} of rank "
-                f"{self._input_rank}, got shape {tuple(x.shape)}"
+                f"FusedBlock({self._kind.__name__}): expected input {expected} of rank {rank}, "
+                f"got shape {tuple(x.shape)}"
             )
         if x.shape[0] == 0:
             raise SpikefuseError("FusedBlock: the input has T = 0 time steps")
