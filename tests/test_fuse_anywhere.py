@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from spikefuse import functional, layer, neuron
+from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock, FuseReport, SpikePool, fuse
 
 T, B, C = 2, 3, 4
@@ -186,13 +187,14 @@ def test_copies_keep_the_unfused_keys(duplicate, tmp_path):
 def test_report_names_every_reason_a_chain_is_left_unfused(caplog):
     """issue 10: store_v_seq, Izhikevich, 's' mode and Dropout between layers were skipped
     without a word; ModuleList models were not fused at all."""
-    model = nn.Sequential(
-        conv(3, C), bn(), lif(store_v_seq=True),
-        conv(), bn(), neuron.IzhikevichNode(step_mode="m", backend="torch"),
-        conv(), bn(), neuron.LIFNode(step_mode="s", backend="torch"),
-        conv(), bn(), layer.Dropout(0.5, step_mode="m"), lif(),
-        conv(step_mode="s"), lif(),
-    )  # fmt: skip
+    rows = [
+        [conv(3, C), bn(), lif(store_v_seq=True)],
+        [conv(), bn(), neuron.IzhikevichNode(step_mode="m", backend="torch")],
+        [conv(), bn(), neuron.LIFNode(step_mode="s", backend="torch")],
+        [conv(), bn(), layer.Dropout(0.5, step_mode="m"), lif()],
+        [conv(step_mode="s"), lif()],
+    ]
+    model = nn.Sequential(*(module for row in rows for module in row))
 
     class Looping(nn.Module):
         def __init__(self):
@@ -415,3 +417,39 @@ def test_optional_forward_arguments_are_traced_both_ways():
     )
     x = torch.rand(T, B, 3, 4, 4, dtype=torch.float64) * 2
     assert_equivalent(model, fused, x)
+
+
+class _ReadsPotential(nn.Module):
+    """A forward that fx cannot trace (so fuse() converts its children one by one) and that
+    reads its neuron's membrane potential after the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(conv(3, C), bn(), lif())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spikes = self.body(x)
+        if spikes.sum() < 0:  # data-dependent control flow: not traceable
+            raise AssertionError("spikes are 0 or 1")
+        return spikes, self.body[2].v
+
+
+def test_reading_a_fused_modules_attribute_names_the_block():
+    """issue 13: a forward reading a fused neuron's .v failed with "'Identity' object has no
+    attribute 'v'"; it now names the module, the block and why (no per-step potentials)."""
+    model = _ReadsPotential()
+    x = torch.randn(T, B, 3, 6, 6)
+    model(x)  # unfused: fine
+    fused, report = fuse(model, return_report=True)
+    assert [chain.modules for chain in report.fused] == [("body.0", "body.1", "body.2")]
+    with pytest.raises(
+        SpikefuseError, match=r"'body\.2' was fused into the FusedBlock at 'body\.0'"
+    ):
+        fused(x)
+    with pytest.raises(AttributeError, match="do not expose per-step potentials"):
+        _ = fused.body[2].v
+    with pytest.raises(
+        AttributeError, match=r"'body\.1\.running_mean'.*BatchNorm is 'body\.0\.bn'"
+    ):
+        _ = fused.body[1].running_mean
+    assert not hasattr(fused.body[2], "v")

@@ -41,6 +41,18 @@ def lif(**kw) -> neuron.LIFNode:
     return paper_lif(backend="torch", **kw)
 
 
+def conv_bn_lif(c_in: int, c_out: int) -> list[nn.Module]:
+    """Conv2d (3x3, padding 1, no bias) → BatchNorm2d → :func:`lif`, multi-step."""
+    conv = layer.Conv2d(c_in, c_out, 3, padding=1, bias=False, step_mode="m")
+    return [conv, layer.BatchNorm2d(c_out, step_mode="m"), lif()]
+
+
+def linear_bn_lif(f_in: int, f_out: int) -> list[nn.Module]:
+    """Linear (no bias) → BatchNorm1d → :func:`lif`, multi-step."""
+    linear = layer.Linear(f_in, f_out, bias=False, step_mode="m")
+    return [linear, layer.BatchNorm1d(f_out, step_mode="m"), lif()]
+
+
 def randomize_bn(model: nn.Module) -> None:
     """Non-trivial affine parameters, so that the gamma/beta paths are exercised."""
     gen = torch.Generator().manual_seed(3)
@@ -58,15 +70,21 @@ def conv_stack(dtype: torch.dtype, bn: bool = True, node=lif) -> nn.Sequential:
     def norm(c: int, kind=layer.BatchNorm2d) -> list[nn.Module]:
         return [kind(c, step_mode="m")] if bn else []
 
+    def block(synapse: nn.Module, channels: int, kind=layer.BatchNorm2d) -> list[nn.Module]:
+        return [synapse, *norm(channels, kind), node()]
+
+    def conv(c_in: int, bias: bool) -> nn.Module:
+        return layer.Conv2d(c_in, 8, 3, padding=1, bias=bias, step_mode="m")
+
     model = nn.Sequential(
-        layer.Conv2d(3, 8, 3, padding=1, bias=not bn, step_mode="m"), *norm(8), node(),
+        *block(conv(3, bias=not bn), 8),
         layer.AvgPool2d(2, step_mode="m"),
-        layer.Conv2d(8, 8, 3, padding=1, bias=False, step_mode="m"), *norm(8), node(),
-        layer.Conv2d(8, 8, 3, padding=1, bias=True, step_mode="m"), *norm(8), node(),
+        *block(conv(8, bias=False), 8),
+        *block(conv(8, bias=True), 8),
         layer.Flatten(step_mode="m"),
-        layer.Linear(8 * 4 * 4, 16, step_mode="m"), *norm(16, layer.BatchNorm1d), node(),
+        *block(layer.Linear(8 * 4 * 4, 16, step_mode="m"), 16, layer.BatchNorm1d),
         nn.Linear(16, 10),
-    ).to(dtype)  # fmt: skip
+    ).to(dtype)
     randomize_bn(model)
     return model
 
@@ -151,7 +169,7 @@ def test_batchnorm_options(bn_options):
             detach_reset=True,
             step_mode="m",
             backend="torch",
-        ),  # fmt: skip
+        ),
         lambda: neuron.ParametricLIFNode(init_tau=3.0, step_mode="m", backend="torch"),
         lambda: neuron.QIFNode(step_mode="m", backend="torch"),
     ],
@@ -188,12 +206,16 @@ def test_container_patterns_and_shared_parameters():
     assert blocks[1].bn is None and blocks[2].bn is not None
     ref = copy.deepcopy(model)
     # Undo the fusion in the copy by rebuilding the original layout for comparison.
+    first, second, third = ref[0], ref[2][1], ref[3]
     unfused = nn.Sequential(
-        layer.SeqToANNContainer(ref[0].synapse, ref[0].bn), ref[0].node,
-        nn.Sequential(ref[2][0], ref[2][1].synapse, ref[2][1].node),
-        layer.SeqToANNContainer(ref[3].synapse), layer.SeqToANNContainer(ref[3].bn), ref[3].node,
+        layer.SeqToANNContainer(first.synapse, first.bn),
+        first.node,
+        nn.Sequential(ref[2][0], second.synapse, second.node),
+        layer.SeqToANNContainer(third.synapse),
+        layer.SeqToANNContainer(third.bn),
+        third.node,
         ref[6],
-    )  # fmt: skip
+    )
     x = torch.randn(T, B, 3, 8, 8, dtype=torch.float64)
     assert_same_training_step(unfused, model, x, FP64_TOL)
 
@@ -334,12 +356,7 @@ def test_saved_memory_per_block():
     s1; BN2 saves y2; the neuron H2.
     """
     t, b, c, h, w = 4, 8, 16, 8, 8
-    model = nn.Sequential(
-        layer.Conv2d(3, c, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(c, step_mode="m"), lif(),
-        layer.Conv2d(c, c, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(c, step_mode="m"), lif(),
-    )  # fmt: skip
+    model = nn.Sequential(*conv_bn_lif(3, c), *conv_bn_lif(c, c))
     x = torch.randn(t, b, 3, h, w)
     n = t * b * c * h * w  # elements of one conv output
     vectors = 2 * c * 4  # mean, invstd
@@ -390,16 +407,13 @@ def test_saved_memory_with_pooling():
     """
     t, b, c, f = 2, 4, 8, 6
     model = nn.Sequential(
-        layer.Conv2d(3, c, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(c, step_mode="m"), lif(),
+        *conv_bn_lif(3, c),
         layer.AvgPool2d(2, step_mode="m"),
-        layer.Conv2d(c, c, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(c, step_mode="m"), lif(),
+        *conv_bn_lif(c, c),
         layer.SeqToANNContainer(nn.AvgPool2d(2)),
         layer.Flatten(step_mode="m"),
-        layer.Linear(c * 4, f, bias=False, step_mode="m"),
-        layer.BatchNorm1d(f, step_mode="m"), lif(),
-    )  # fmt: skip
+        *linear_bn_lif(c * 4, f),
+    )
     x = torch.randn(t, b, 3, 8, 8)
     n1, n2, n3 = t * b * c * 64, t * b * c * 16, t * b * f
     vectors = 2 * 4 * (c + c + f)  # mean and invstd per channel
@@ -445,17 +459,14 @@ def test_bf16_parameters():
 def digits_model() -> nn.Sequential:
     torch.manual_seed(1)
     return nn.Sequential(
-        layer.Conv2d(1, 16, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(16, step_mode="m"), lif(),
+        *conv_bn_lif(1, 16),
         layer.AvgPool2d(2, step_mode="m"),
-        layer.Conv2d(16, 32, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(32, step_mode="m"), lif(),
+        *conv_bn_lif(16, 32),
         layer.AvgPool2d(2, step_mode="m"),
         layer.Flatten(step_mode="m"),
-        layer.Linear(32 * 4, 64, bias=False, step_mode="m"),
-        layer.BatchNorm1d(64, step_mode="m"), lif(),
+        *linear_bn_lif(32 * 4, 64),
         layer.Linear(64, 10, step_mode="m"),
-    )  # fmt: skip
+    )
 
 
 def train_digits(model: nn.Module, steps: int, t: int = 4, batch: int = 64) -> torch.Tensor:
@@ -513,9 +524,11 @@ def test_e2e_bench_smoke(tmp_path, monkeypatch, capsys):
         return real_build(variant, model, device)
 
     monkeypatch.setattr(e2e, "build", build)
-    argv = ["--model", "small", "--device", "cpu", "--T", "2", "--batch", "2", "--iters", "1",
-            "--warmup", "0", "--variants", "vanilla", "spikefuse", "fused", "--dtypes", "fp32",
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        *("--model", "small", "--device", "cpu", "--T", "2", "--batch", "2", "--iters", "1"),
+        *("--warmup", "0", "--variants", "vanilla", "spikefuse", "fused", "--dtypes", "fp32"),
+        *("--out", str(tmp_path)),
+    ]
     assert cli.main(["bench", "e2e", *argv]) == 0  # the shipped subcommand
     out = capsys.readouterr().out
     assert "FAILED: RuntimeError: simulated failure" in out
@@ -536,3 +549,13 @@ def test_chunked_forward_refuses_fused_blocks():
     with pytest.raises(SpikefuseError, match="restart at every chunk"):
         functional.chunk_multi_step_forward(3, x, model)
     assert torch.equal(functional.chunk_multi_step_forward(6, x, model), model(x))
+
+
+def test_a_surrogate_changed_to_torch_code_after_building_is_a_clear_error():
+    """The block checks its neuron at construction; a torch-code surrogate set later used to
+    fail deep in the reference backend ('NoneType' has no attribute 'torch_functions')."""
+    block = FusedLinearBNNeuron(4, 3, node=lif())
+    block.node.surrogate_function = surrogate.Sigmoid(spiking=False)
+    with pytest.raises(SpikefuseError, match="LIFNode runs torch code"):
+        block(torch.randn(T, B, 4))
+    assert block.bn.num_batches_tracked.item() == 0  # refused before BatchNorm counted the batch

@@ -20,7 +20,7 @@ from spikefuse import surrogate as sg
 from spikefuse.cuda.codegen import DefinitionKernel
 from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.fused import FusedBlock, FusedLinearBNNeuron, WindowAvgPool, fuse, paper_lif
-from spikefuse.fused.bn_neuron import batch_stats
+from spikefuse.fused.statistics import batch_stats
 from spikefuse.program import NeuronProgram, lookup
 
 F64 = torch.float64

@@ -7,11 +7,18 @@ import pytest
 import torch
 from torch import nn
 
-from spikefuse import fuse, layer
+from spikefuse import fuse
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock
 from spikefuse.fused.low_memory import mark_spikes, memory_order, pack_bits, unpack_bits
-from test_fused import FP64_TOL, assert_same_training_step, conv_stack, lif, saved_bytes
+from test_fused import (
+    FP64_TOL,
+    assert_same_training_step,
+    conv_bn_lif,
+    conv_stack,
+    lif,
+    saved_bytes,
+)
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
@@ -48,12 +55,7 @@ def test_min_memory_keeps_only_the_packed_input():
     """Conv-BN-LIF, Conv-BN-LIF: the first block keeps nothing new (its input is the model
     input), the second its input spikes at 1 bit each; both keep mean and invstd."""
     t, b, c, h, w = 4, 8, 16, 8, 8
-    model = nn.Sequential(
-        layer.Conv2d(3, c, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(c, step_mode="m"), lif(),
-        layer.Conv2d(c, c, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(c, step_mode="m"), lif(),
-    )  # fmt: skip
+    model = nn.Sequential(*conv_bn_lif(3, c), *conv_bn_lif(c, c))
     x = torch.randn(t, b, 3, h, w)
     spikes = t * b * c * h * w
     vectors = 2 * c * 4  # mean, invstd

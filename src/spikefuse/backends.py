@@ -10,7 +10,7 @@ another.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, cast, overload
 
 import torch
 
@@ -102,9 +102,63 @@ class AffineKernels(Protocol):
     """Neuron kernels with a per-channel affine map (a folded BatchNorm) applied to their input,
     used by the fused Conv/Linear -> BatchNorm -> neuron blocks (:mod:`spikefuse.fused`)."""
 
-    def affine_fptt(self, *args: object, **kwargs: object) -> object: ...
+    def affine_fptt(
+        self,
+        program: NeuronProgram,
+        y: torch.Tensor,
+        mean: torch.Tensor,
+        invstd: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        learnable: torch.Tensor | None,
+        constants: list[float],
+        v_init: float,
+        save_for_backward: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(spikes, chunk checkpoints or None) of neuron(y * scale[c] + shift[c])."""
+        ...
 
-    def affine_bptt(self, *args: object, **kwargs: object) -> object: ...
+    @overload
+    def affine_bptt(
+        self,
+        program: NeuronProgram,
+        y: torch.Tensor,
+        grad_spikes: torch.Tensor,
+        saved_v: torch.Tensor | None,
+        learnable: torch.Tensor | None,
+        constants: list[float],
+        v_init: float,
+        mean: torch.Tensor,
+        invstd: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        totals: torch.Tensor | None = None,
+        inv_count: float = 0.0,
+        *,
+        grad_y: Literal[False],
+    ) -> tuple[None, torch.Tensor, torch.Tensor | None]:
+        """Pass 1: (None, per-channel sums [2, C], dL/dlearnable or None)."""
+
+    @overload
+    def affine_bptt(
+        self,
+        program: NeuronProgram,
+        y: torch.Tensor,
+        grad_spikes: torch.Tensor,
+        saved_v: torch.Tensor | None,
+        learnable: torch.Tensor | None,
+        constants: list[float],
+        v_init: float,
+        mean: torch.Tensor,
+        invstd: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        totals: torch.Tensor | None = None,
+        inv_count: float = 0.0,
+        *,
+        grad_y: Literal[True],
+    ) -> tuple[torch.Tensor, None, None]:
+        """Pass 2: (dL/dy, None, None)."""
 
 
 # name -> module implementing NeuronBackend; imported on first use.

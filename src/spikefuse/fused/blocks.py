@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -13,24 +15,19 @@ from ..backends import compute_dtype
 from ..errors import SpikefuseError
 from ..neuron import BaseNode, LIFNode
 from ..ops import forbid_double_backward, run_neuron
-from .bn_neuron import (
-    BNNeuronFunction,
-    BNSpec,
-    BNStats,
-    NeuronCall,
-    bn_neuron_forward,
-    bn_statistics,
-    is_distributed,
-    refuse_join,
-)
+from .bn_neuron import BNNeuronFunction, bn_neuron_forward
 from .low_memory import SynapseRecomputeFunction, mark_spikes
+from .neuron_call import NeuronCall
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
+from .statistics import BNSpec, BNStats, bn_statistics, is_distributed, refuse_join
 
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
 MEMORY_MODES = ("default", "min")
 POOLS = (nn.AvgPool2d, nn.MaxPool2d)
 # The BatchNorm class that matches each synapse: channels are dim 1 of the merged [T*B, C, *].
 _BN_FOR = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Linear: nn.BatchNorm1d}
+# The rank of each synapse's multi-step input [T, B, C, *spatial].
+_INPUT_RANK: dict[type[nn.Module], int] = {nn.Conv1d: 4, nn.Conv2d: 5, nn.Linear: 3}
 # Classes whose forward is exactly the torch layer's (plain or with spikefuse's step_mode); a
 # subclass with its own forward is left unfused.
 _EXACT = {
@@ -48,7 +45,7 @@ def paper_lif(**kwargs) -> LIFNode:
     """The DATE'22 paper's LIF: u[t] = 0.25 u[t-1] (1 - s[t-1]) + x[t], threshold 0.25, hard reset
     to 0, rectangular surrogate 1 on (-0.25, 0.75); multi-step. ``kwargs`` override (e.g.
     ``backend``)."""
-    options = dict(
+    options: dict[str, Any] = dict(
         tau=4.0 / 3.0,  # 1 - 1/tau = 0.25
         decay_input=False,
         v_threshold=0.25,
@@ -146,7 +143,7 @@ class FusedBlock(nn.Module):
                 f"FusedBlock: {type(node).__name__} runs torch code ({own_code}); only neurons "
                 "defined by a NeuronDef with a spikefuse Surrogate can be fused"
             )
-        if node.definition.adaptive:
+        if node.definition is not None and node.definition.adaptive:  # None: torch code, above
             raise SpikefuseError(
                 f"FusedBlock: only one-state neurons can be fused, {type(node).__name__} has two"
             )
@@ -162,15 +159,12 @@ class FusedBlock(nn.Module):
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
             raise SpikefuseError(f"FusedBlock: input must be a tensor, got {type(x).__name__}")
-        rank = {nn.Conv1d: 4, nn.Conv2d: 5}.get(self._kind)
-        if rank is not None and x.dim() != rank:
+        rank = _INPUT_RANK[self._kind]
+        if x.dim() != rank:
+            expected = "[T, B, F]" if self._kind is nn.Linear else "[T, B, C, ...]"
             raise SpikefuseError(
-                f"FusedBlock({self._kind.__name__}): expected input [T, B, C, ...] of rank {rank}, "
+                f"FusedBlock({self._kind.__name__}): expected input {expected} of rank {rank}, "
                 f"got shape {tuple(x.shape)}"
-            )
-        if self._kind is nn.Linear and x.dim() != 3:
-            raise SpikefuseError(
-                f"FusedBlock(Linear): expected input [T, B, F], got shape {tuple(x.shape)}"
             )
         if x.shape[0] == 0:
             raise SpikefuseError("FusedBlock: the input has T = 0 time steps")
@@ -223,8 +217,18 @@ class FusedBlock(nn.Module):
             y = self._synapse_call(x)
         neuron, learnable, bn, stats = self._prepare(y)
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
-        spikes = SynapseRecomputeFunction.apply(x, y, weight, bias, learnable, stats, bn, neuron,
-                                                self._synapse_call, *self.synapse.parameters())  # fmt: skip
+        spikes = SynapseRecomputeFunction.apply(
+            x,
+            y,
+            weight,
+            bias,
+            learnable,
+            stats,
+            bn,
+            neuron,
+            self._synapse_call,
+            *self.synapse.parameters(),
+        )
         return mark_spikes(spikes)
 
     def _bn_spec(self) -> BNSpec | None:
@@ -233,12 +237,14 @@ class FusedBlock(nn.Module):
         if bn is None:
             return None
         batch_stats = bn.training or not bn.track_running_stats
-        momentum = None
+        momentum: float | Tensor | None = None
         if bn.training and bn.track_running_stats:
-            bn.num_batches_tracked.add_(1)
+            tracked = bn.num_batches_tracked
+            assert tracked is not None  # torch registers it with track_running_stats
+            tracked.add_(1)
             momentum = bn.momentum
             if momentum is None:  # cumulative moving average, as in torch's BatchNorm, but
-                momentum = 1.0 / bn.num_batches_tracked  # on the device: no host sync
+                momentum = 1.0 / tracked  # on the device: no host sync
         return BNSpec(
             weight=bn.weight,
             bias=bn.bias,
@@ -290,9 +296,17 @@ class FusedBlock(nn.Module):
         y = y.unflatten(0, x.shape[:2])
         neuron = NeuronCall.from_node(self.node, y)
         learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
-        init = [neuron.v_init, 0.0]  # every call starts from the reset state, as in eager
-        spikes, _, _, _ = run_neuron(neuron.program, neuron.backend, y, None, None, learnable,
-                                     list(neuron.constants), init, False)  # fmt: skip
+        spikes, _, _, _ = run_neuron(
+            program=neuron.program,
+            backend=neuron.backend,
+            x_seq=y,
+            v0=None,
+            w0=None,
+            learnable=learnable,
+            constants=neuron.constants,
+            init=[neuron.v_init, 0.0],  # every call starts from the reset state, as in eager
+            store_v_seq=False,
+        )
         return spikes
 
 
@@ -372,7 +386,7 @@ class SpikePool(nn.Module):
         if getattr(pool, "return_indices", False):
             raise SpikefuseError("SpikePool: return_indices=True is not supported")
         self.pool = pool
-        self._kind = kind
+        self._kind: type[nn.Module] = kind
         self._window = _window_size(pool)
 
     def _pool(self, merged: Tensor) -> Tensor:

@@ -10,8 +10,9 @@ the containers or custom ``forward`` methods, and replaces each by a :class:`Fus
    whose output is used only by a neuron call (or the synapse directly followed by the neuron).
 2. The traced graph is only evidence: the model is patched in place, keeping the user's
    classes. The synapse's attribute becomes the FusedBlock (which holds the original synapse,
-   BatchNorm and neuron), the BatchNorm's and neuron's attributes become ``nn.Identity``; the
-   forward still calls all three, which together compute what the chain did.
+   BatchNorm and neuron), the BatchNorm's and neuron's attributes become :class:`FusedAway`
+   (an ``nn.Identity``); the forward still calls all three, which together compute what the
+   chain did.
 3. Where tracing fails (data-dependent control flow, ...), each child is tried on its own and
    an ``nn.Sequential``'s children are searched in order (its forward is known).
 4. State dict hooks on the module holding each chain save the chain's parameters and buffers
@@ -27,7 +28,7 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal, overload
+from typing import Any, Literal, TypeGuard, overload
 
 import torch.distributed as dist
 from torch import fx, nn
@@ -57,7 +58,7 @@ class FusedChain:
     """A chain replaced by a FusedBlock.
 
     ``modules``: the original modules' names (synapse, [BatchNorm], neuron); ``block``: where
-    the FusedBlock is (the synapse's name; the others are now ``nn.Identity``)."""
+    the FusedBlock is (the synapse's name; the others are now :class:`FusedAway`)."""
 
     block: str
     modules: tuple[str, ...]
@@ -128,30 +129,32 @@ def _multi_step(module: nn.Module) -> bool:
     return mode == "m" or (mode is None and type(module) is nn.Linear)
 
 
-def _as_synapse_bn(module: nn.Module) -> tuple[nn.Module, nn.Module | None] | None:
+def _as_synapse_bn(module: nn.Module) -> tuple[nn.Module, _BatchNorm | None] | None:
     """(synapse, bn or None) if ``module`` applies a synapse (then BN) to [T, B, ...] input."""
     if type(module) is layer.SeqToANNContainer and len(module) in (1, 2):
-        inner = list(module)
-        if _synapse_kind(inner[0]) is None or getattr(inner[0], "step_mode", "s") != "s":
+        synapse, *rest = module
+        if _synapse_kind(synapse) is None or getattr(synapse, "step_mode", "s") != "s":
             return None
-        if len(inner) == 2 and not _is_bn_for(inner[1], inner[0], step_mode="s"):
-            return None
-        return inner[0], inner[1] if len(inner) == 2 else None
+        if not rest:
+            return synapse, None
+        bn = rest[0]
+        return (synapse, bn) if _is_bn_for(bn, synapse, step_mode="s") else None
     if _synapse_kind(module) is not None and _multi_step(module):
         return module, None
     return None
 
 
-def _is_bn_for(bn: nn.Module, synapse: nn.Module, step_mode: str) -> bool:
+def _is_bn_for(bn: nn.Module, synapse: nn.Module, step_mode: str) -> TypeGuard[_BatchNorm]:
     kind = _synapse_kind(synapse)
     # Inside SeqToANNContainer a layer must run single-step ('s' or a plain torch layer).
     mode = getattr(bn, "step_mode", "s")
-    return type(bn) in _EXACT[_BN_FOR[kind]] and mode == step_mode
+    return kind is not None and type(bn) in _EXACT[_BN_FOR[kind]] and mode == step_mode
 
 
-def _as_bn(module: nn.Module, synapse: nn.Module) -> nn.Module | None:
+def _as_bn(module: nn.Module, synapse: nn.Module) -> _BatchNorm | None:
     if type(module) is layer.SeqToANNContainer and len(module) == 1:
-        return module[0] if _is_bn_for(module[0], synapse, step_mode="s") else None
+        inner = module[0]
+        return inner if _is_bn_for(inner, synapse, step_mode="s") else None
     return module if _is_bn_for(module, synapse, step_mode="m") else None
 
 
@@ -183,7 +186,7 @@ def _is_bn_like(module: nn.Module) -> bool:
 
 def _synapse_problem(module: nn.Module) -> str:
     contained = type(module) is layer.SeqToANNContainer
-    inner = module[0] if contained else module
+    inner = module[0] if type(module) is layer.SeqToANNContainer else module
     name = type(inner).__name__
     if _synapse_kind(inner) is None:
         return f"{name} is a subclass with its own forward; only torch's and spikefuse's fuse"
@@ -198,7 +201,9 @@ def _synapse_problem(module: nn.Module) -> str:
 
 def _bn_problem(module: nn.Module, synapse: nn.Module) -> str:
     inner = module[0] if type(module) is layer.SeqToANNContainer else module
-    expected = _BN_FOR[_synapse_kind(synapse)]
+    kind = _synapse_kind(synapse)
+    assert kind is not None  # called for the synapse of a chain
+    expected = _BN_FOR[kind]
     if not isinstance(inner, expected):
         return f"a {type(synapse).__name__} needs {expected.__name__}, got {type(inner).__name__}"
     if type(inner) not in _EXACT[expected]:
@@ -213,7 +218,7 @@ def _node_problem(node: BaseNode) -> str | None:
         return f"{type(node).__name__} runs torch code ({node.torch_code}); fused blocks run NeuronDefs"
     if node._overrides_step_forward:
         return f"{type(node).__name__} overrides single_step_forward/multi_step_forward"
-    if node.definition.adaptive:
+    if node.definition is not None and node.definition.adaptive:  # None: torch code, above
         return f"{type(node).__name__} has two states; only one-state neurons fuse"
     if node.store_v_seq:
         return "the neuron has store_v_seq=True; fused blocks never keep V"
@@ -280,7 +285,7 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
 
     def describe(user: fx.Node) -> str:
         if user.op == "call_module":
-            return f"'{full(user.target)}'"
+            return f"'{full(str(user.target))}'"
         if user.op == "output":
             return "the forward's return value" if not path else f"the return value of '{path}'"
         name = getattr(user.target, "__name__", str(user.target))
@@ -305,15 +310,15 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
         if nxt is None or not isinstance(modules[nxt.target], BaseNode):
             users = list(last.users)
             where = ", ".join(describe(u) for u in users) or "nothing"
-            reason = f"the output of '{full(last.target)}' goes to {where}"
+            goes_to = f"the output of '{full(last.target)}' goes to {where}"
             reaches = any(
                 u.op == "call_module" and isinstance(modules[u.target], BaseNode) for u in users
             )
-            found.skipped[call.target] = SkippedCandidate(names, reason, reaches)
+            found.skipped[call.target] = SkippedCandidate(names, goes_to, reaches)
             continue
         chain_nodes.append(nxt)
         names = tuple(full(n.target) for n in chain_nodes)
-        reason = None
+        reason: str | None
         synapse_bn = _as_synapse_bn(module)
         if synapse_bn is None:
             reason = _synapse_problem(module)
@@ -326,8 +331,8 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
         if reason is not None:
             found.skipped[call.target] = SkippedCandidate(names, reason, True)
             continue
-        bn_name = None if bn_call is None else bn_call.target
-        found.chains[call.target] = _Chain(call.target, bn_name, nxt.target)
+        bn_name = None if bn_call is None else str(bn_call.target)
+        found.chains[call.target] = _Chain(call.target, bn_name, str(nxt.target))
     return found
 
 
@@ -468,13 +473,53 @@ def _parent(name: str) -> list[str]:
     return name.split(".")[:-1]
 
 
+class FusedAttributeError(SpikefuseError, AttributeError):
+    """An attribute of a module that :func:`fuse` absorbed into a FusedBlock was read."""
+
+
+class FusedAway(nn.Identity):
+    """What stands at a fused BatchNorm's or neuron's place: passes its input through (the
+    FusedBlock at the synapse's place did the work) and, when the model reads an attribute of
+    the module that was here (e.g. a neuron's ``.v``), raises :class:`FusedAttributeError`
+    naming that module and the block (an AttributeError: ``hasattr`` stays False)."""
+
+    def __init__(self, name: str, block: str, is_neuron: bool) -> None:
+        super().__init__()
+        self.fused_name, self.block, self.is_neuron = name, block, is_neuron
+
+    def __getattr__(self, attribute: str) -> Any:
+        try:
+            return super().__getattr__(attribute)
+        except AttributeError:
+            if attribute.startswith("_"):  # Python's and torch's own probes
+                raise
+        where = f"'{self.fused_name}' was fused into the FusedBlock at '{self.block}' (fuse())"
+        if self.is_neuron:
+            raise FusedAttributeError(
+                f"{where}, which runs the neuron from its reset state on every call and keeps no "
+                f"neuron state: fused blocks do not expose per-step potentials, so "
+                f"'{self.fused_name}.{attribute}' does not exist; read it from the unfused model"
+            )
+        raise FusedAttributeError(
+            f"{where}: '{self.fused_name}.{attribute}' does not exist; the BatchNorm is "
+            f"'{self.block}.bn'"
+        )
+
+
 def _replace(
-    root: nn.Module, chain: _Chain, process_group: dist.ProcessGroup | None, memory: str
+    root: nn.Module,
+    path: str,
+    chain: _Chain,
+    process_group: dist.ProcessGroup | None,
+    memory: str,
 ) -> None:
-    """Put a FusedBlock at the synapse's place, Identity at the BN's and neuron's, and hook the
-    lowest module holding all three so that state dicts keep the unfused keys."""
+    """Put a FusedBlock at the synapse's place, :class:`FusedAway` at the BN's and neuron's,
+    and hook the lowest module holding all three so that state dicts keep the unfused keys
+    (``path``: root's name in the model, for messages)."""
     container = root.get_submodule(chain.synapse)
-    synapse, bn = _as_synapse_bn(container)
+    synapse_bn = _as_synapse_bn(container)
+    assert synapse_bn is not None  # _examine found it
+    synapse, bn = synapse_bn
     contained = type(container) is layer.SeqToANNContainer
     originals = {"synapse": chain.synapse + (".0" if contained else "")}
     if bn is not None:
@@ -484,10 +529,13 @@ def _replace(
         bn = _as_bn(separate, synapse)
         originals["bn"] = chain.bn + (".0" if type(separate) is layer.SeqToANNContainer else "")
     node = root.get_submodule(chain.node)
+    assert isinstance(node, BaseNode)  # _examine found it
     originals["node"] = chain.node
     _set_submodule(root, chain.synapse, FusedBlock(synapse, bn, node, process_group, memory))
+    block = _join(path, chain.synapse)
     for name in chain.names[1:]:
-        _set_submodule(root, name, nn.Identity())
+        away = FusedAway(_join(path, name), block, is_neuron=name == chain.node)
+        _set_submodule(root, name, away)
     parents = [_parent(name) for name in chain.names]
     common = []
     for parts in zip(*parents, strict=False):
@@ -548,10 +596,12 @@ class _Fuser:
 
     def _apply(self, root: nn.Module, path: str, findings: _Findings) -> None:
         for name in findings.pools:
-            _set_submodule(root, name, SpikePool(_as_pool(root.get_submodule(name))))
+            pool = _as_pool(root.get_submodule(name))
+            assert pool is not None  # _examine found it
+            _set_submodule(root, name, SpikePool(pool))
             self.report.pools.append(_join(path, name))
         for chain in findings.chains.values():
-            _replace(root, chain, self.process_group, self.memory)
+            _replace(root, path, chain, self.process_group, self.memory)
             names = tuple(_join(path, n) for n in chain.names)
             self.report.fused.append(FusedChain(names[0], names))
         self.report.skipped.extend(findings.skipped.values())
@@ -611,10 +661,13 @@ def fuse(
 
     The model is patched in place of the copy (its classes stay): the synapse's attribute
     becomes the FusedBlock, holding the original modules (parameters and buffers are shared,
-    not copied), and the BatchNorm's and neuron's attributes become ``nn.Identity``. The
-    state_dict keys stay those of the unfused model (``named_parameters`` shows the blocks'
-    names, e.g. ``conv1.synapse.weight``), so state dicts of fused and unfused models load into
-    each other with ``strict=True``; the fused naming loads too.
+    not copied), and the BatchNorm's and neuron's attributes become :class:`FusedAway`: an
+    ``nn.Identity`` that raises :class:`FusedAttributeError` naming the block when the forward
+    reads an attribute of the module that was there (fused blocks keep no per-step state, such
+    as a neuron's ``.v``). The state_dict keys stay those of the unfused model
+    (``named_parameters`` shows the blocks' names, e.g. ``conv1.synapse.weight``), so state
+    dicts of fused and unfused models load into each other with ``strict=True``; the fused
+    naming loads too.
 
     ``process_group``: what the fused BatchNorms synchronise over (None: the default group).
     ``memory``: ``"default"`` (blocks keep their Conv/Linear output, as in the DATE'22 paper) or

@@ -17,16 +17,15 @@ from torch import Tensor
 
 from ..ops import forbid_double_backward
 from .bn_neuron import (
-    BNSpec,
-    BNStats,
-    NeuronCall,
     bn_neuron_forward,
     bn_neuron_grads,
     bn_param_grads,
-    device_constant,
     load_bn_context,
     save_bn_context,
 )
+from .device_constants import device_constant
+from .neuron_call import NeuronCall
+from .statistics import BNSpec, BNStats
 
 _SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
 
@@ -55,7 +54,8 @@ def _bit_weights(device: torch.device) -> Tensor:
 def memory_order(t: Tensor) -> tuple[int, ...]:
     """The dimension order in which ``t``'s elements lie in memory (outermost first), when
     that order is dense (e.g. a channels-last map), else the logical order."""
-    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    strides = t.stride()
+    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
     return order if t.permute(order).is_contiguous() else tuple(range(t.dim()))
 
 
@@ -91,14 +91,34 @@ class SynapseRecomputeFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, y, weight, bias, learnable, stats: BNStats | None, bn: BNSpec | None,
-                neuron: NeuronCall, synapse: Callable[[Tensor], Tensor],
-                *synapse_params):  # fmt: skip
+    def forward(
+        ctx,
+        x,
+        y,
+        weight,
+        bias,
+        learnable,
+        stats: BNStats | None,
+        bn: BNSpec | None,
+        neuron: NeuronCall,
+        synapse: Callable[[Tensor], Tensor],
+        *synapse_params,
+    ):
         spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, True)
         packed = is_spikes(x)
         order = memory_order(x)
         kept = pack_bits(x, order) if packed else x
-        save_bn_context(ctx, kept, learnable, stats, saved, weight, bias, neuron, bn)
+        save_bn_context(
+            ctx,
+            kept,
+            learnable,
+            stats=stats,
+            saved=saved,
+            weight=weight,
+            bias=bias,
+            neuron=neuron,
+            bn=bn,
+        )
         ctx.geometry = (x.shape, x.dtype, packed, order)
         # backward runs outside the forward's autocast context: recompute y under the same one
         device = x.device.type
@@ -120,9 +140,15 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             x = x.detach().requires_grad_(needs_x)
             y = ctx.synapse(x)
         grad_y, grad_weight, grad_bias, grad_learnable = bn_neuron_grads(
-            y.detach(), stats, ctx.bn, ctx.neuron, learnable, grad_spikes, saved,
-            ctx.needs_input_grad[2:5],
-        )  # fmt: skip
+            y=y.detach(),
+            stats=stats,
+            bn=ctx.bn,
+            neuron=ctx.neuron,
+            learnable=learnable,
+            grad_spikes=grad_spikes,
+            saved=saved,
+            needs=ctx.needs_input_grad[2:5],
+        )
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         # the synapse's own backward, on the recomputed graph (only what needs a gradient)
         candidates = zip([x, *ctx.synapse_params], [needs_x, *params_need], strict=True)
@@ -130,5 +156,6 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         grads = iter(torch.autograd.grad(y, wanted, grad_y) if wanted else ())
         grad_x = next(grads) if needs_x else None
         grad_params = [next(grads) if need else None for need in params_need]
-        return (grad_x, None, grad_weight, grad_bias, grad_learnable, None, None, None, None,
-                *grad_params)  # fmt: skip
+        # x, y, weight, bias, learnable, stats, bn, neuron, synapse, *synapse_params
+        grads_in = (grad_x, None, grad_weight, grad_bias, grad_learnable, None, None, None, None)
+        return *grads_in, *grad_params

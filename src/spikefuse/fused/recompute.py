@@ -116,5 +116,5 @@ class _Restore:
         return _strided(self.recipe(), self.shape, self.stride)
 
 
-def _unpack(saved: object) -> Tensor:
+def _unpack(saved: _Restore | Tensor) -> Tensor:
     return saved.unpack() if isinstance(saved, _Restore) else saved

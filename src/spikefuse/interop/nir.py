@@ -277,7 +277,7 @@ def _leaves(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
         yield f"{prefix}.node", module.node
     elif isinstance(module, SpikePool):
         yield prefix, module.pool
-    elif type(module) is not nn.Identity:
+    elif not isinstance(module, nn.Identity):  # incl. what fuse() leaves at fused modules
         yield prefix, module
 
 

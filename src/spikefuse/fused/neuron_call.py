@@ -1,0 +1,128 @@
+"""The fused blocks' view of a neuron: one call through the backend, from the reset state."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..backends import AffineKernels, NeuronBackend, affine_kernels, get_backend
+from ..errors import SpikefuseError
+from ..neuron import BaseNode
+from ..program import NeuronProgram
+
+#: What :meth:`NeuronCall.forward` keeps for backward: ``(checkpoints,)`` (the tensor may be
+#: None: for T <= CHUNK the cuda backend needs nothing), or None when nothing was kept.
+Kept = tuple[Tensor | None] | None
+
+
+# Looked up once per backend name (the registry imports modules: not traceable by dynamo).
+_neuron_kernels = functools.cache(get_backend)
+_affine_kernels = functools.cache(affine_kernels)
+
+
+@dataclass(frozen=True, eq=False)
+class NeuronCall:
+    """What the neuron ops need from a node, fixed for one forward/backward pair.
+
+    Every call starts from the node's reset state (``v = v_reset``, or 0 for soft reset).
+    """
+
+    program: NeuronProgram
+    backend: str  # resolved: 'torch' or 'cuda'
+    constants: list[float]
+    v_init: float
+
+    # Looked up on first use, once per call (``torch.compile`` traces only the fields above).
+    @functools.cached_property
+    def kernels(self) -> NeuronBackend:
+        """The backend's neuron kernels (``fptt``/``bptt``)."""
+        return _neuron_kernels(self.backend)
+
+    @functools.cached_property
+    def affine(self) -> AffineKernels | None:
+        """The backend's channel-affine kernels (BatchNorm folded into the neuron: the cuda
+        backend), or None (BatchNorm then runs as torch ops before the plain neuron)."""
+        return _affine_kernels(self.backend)
+
+    @classmethod
+    def from_node(cls, node: BaseNode, x: Tensor) -> NeuronCall:
+        program = node.program
+        if not isinstance(program, NeuronProgram):  # e.g. a torch-code surrogate set since
+            raise SpikefuseError(
+                f"fused blocks run neurons in kernels; {type(node).__name__} runs torch code "
+                f"({node.torch_code}): give it a spikefuse Surrogate in spiking mode"
+            )
+        if program.definition.adaptive:
+            raise SpikefuseError(
+                f"fused blocks support one-state neurons only; {type(node).__name__} has two states"
+            )
+        v_init = 0.0 if node.v_reset is None else float(node.v_reset)
+        backend = node.resolve_backend(x)
+        # the node validates its constants on assignment and caches them
+        constants = list(node._constants or node.constants())
+        return cls(program, backend, constants, v_init)
+
+    def forward(self, x: Tensor, learnable: Tensor | None, save: bool) -> tuple[Tensor, Kept]:
+        """Spikes [T, *] in x's dtype, and what backward can reuse (None: nothing was kept).
+
+        With ``save``, what the backend's forward saves is kept if it is small (the cuda
+        backend's chunk checkpoints: 1/CHUNK of x's elements); a saved [T, N] sequence (the
+        reference backend's H) would be as large as x, so it is recomputed in backward instead.
+        """
+        keep = save and not self.kernels.SAVES_SEQUENCE
+        out = self.kernels.fptt(
+            program=self.program,
+            x_seq=x,
+            v0=None,
+            w0=None,
+            learnable=learnable,
+            constants=self.constants,
+            init=[self.v_init, 0.0],
+            save_for_backward=keep,
+            store_v_seq=False,
+        )
+        return out.spikes, ((out.saved_v,) if keep else None)
+
+    def input_grad(
+        self, x: Tensor, learnable: Tensor | None, grad_spikes: Tensor, saved: Kept
+    ) -> tuple[Tensor, Tensor | None]:
+        """BPTT from x: dL/dx [T, *] and dL/d(learnable) [P] (None without learnable params).
+
+        ``saved`` is what :meth:`forward` kept; when None, the neuron's forward is recomputed
+        first to get what the backend's BPTT needs.
+        """
+        kernels, init = self.kernels, [self.v_init, 0.0]
+        if saved is None:
+            out = kernels.fptt(
+                program=self.program,
+                x_seq=x,
+                v0=None,
+                w0=None,
+                learnable=learnable,
+                constants=self.constants,
+                init=init,
+                save_for_backward=True,
+                store_v_seq=False,
+            )
+            saved = (out.saved_v,)
+        grads = kernels.bptt(
+            program=self.program,
+            grad_spikes=grad_spikes.to(x.dtype),
+            grad_v_seq=None,
+            grad_v_last=None,
+            grad_w_last=None,
+            saved_v=saved[0],
+            saved_w=None,
+            x_seq=x if kernels.keeps_x(self.program) else None,
+            v0=None,
+            w0=None,
+            learnable=learnable,
+            constants=self.constants,
+            init=init,
+        )
+        grad_learnable = grads.grad_learnable
+        if learnable is not None and grad_learnable is not None:
+            grad_learnable = grad_learnable.to(learnable.dtype)
+        return grads.grad_x, grad_learnable

@@ -1,0 +1,209 @@
+"""BatchNorm's per-channel statistics for the fused blocks, synchronised across processes.
+
+The batch statistics of the synapse output ``y`` [T, B, C, *spatial] over every dimension but C
+(tdBN), all-reduced across processes when torch.distributed is initialised (so N processes with
+batch B normalise like one with batch N·B), the running-statistics update, and the all-reduce
+of backward's per-channel sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..backends import compute_dtype
+from ..errors import SpikefuseError
+from .device_constants import device_constant
+
+
+@dataclass(frozen=True)
+class BNStats:
+    """Per-channel vectors [C] (compute dtype) of one BatchNorm call: x = y * scale + shift with
+    scale = invstd * weight and shift = bias - mean * scale.
+
+    ``weight``/``bias`` are gamma/beta in the compute dtype (None: 1 and 0). ``count`` is the
+    number of elements per channel the statistics were taken over (all processes; a 0-dim
+    tensor when distributed), 0 for running statistics.
+    """
+
+    mean: Tensor
+    invstd: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+    count: int | Tensor
+
+    @property
+    def scale(self) -> Tensor:
+        return self.invstd if self.weight is None else self.invstd * self.weight
+
+    def shift(self, scale: Tensor) -> Tensor:
+        shift = -self.mean * scale
+        return shift if self.bias is None else shift + self.bias
+
+    @property
+    def vectors(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """(mean, invstd, weight, bias): what the channel-affine kernels read."""
+        return self.mean, self.invstd, self.weight, self.bias
+
+
+@dataclass
+class BNSpec:
+    """The BatchNorm side of a fused call (None weight/bias: affine=False).
+
+    ``batch_stats`` says whether statistics come from the batch (training, or no running
+    statistics) or from ``running_mean``/``running_var``; ``momentum`` is the running-average
+    factor of this call: a float, a 0-dim tensor (torch's cumulative average, 1 /
+    num_batches_tracked, kept on the device) or None (do not update the running statistics).
+    """
+
+    weight: Tensor | None
+    bias: Tensor | None
+    running_mean: Tensor | None
+    running_var: Tensor | None
+    batch_stats: bool
+    momentum: float | Tensor | None
+    eps: float
+    group: dist.ProcessGroup | None = None
+
+
+def reduce_dims(ndim: int) -> list[int]:
+    """The dimensions of a [T, B, C, *spatial] tensor that per-channel statistics sum over."""
+    return [0, 1, *range(3, ndim)]
+
+
+def is_distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _local_mean_var(y: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance of y [T, B, C, *] in the compute dtype, one pass."""
+    if y.is_cuda:
+        # Welford in float32 over the [T*B, C, *] view, any storage dtype, NCHW or channels-last,
+        # without a float32 copy of y. It returns 1/sqrt(var) (0 where var is 0).
+        mean, invstd = torch.batch_norm_stats(y.flatten(0, 1), 0.0)
+        return mean, torch.where(invstd > 0, invstd.reciprocal().square(), 0.0)
+    var, mean = torch.var_mean(y.to(compute_dtype(y.dtype)), dim=reduce_dims(y.dim()), correction=0)
+    return mean, var
+
+
+def batch_stats(
+    y: Tensor, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, Tensor, int | Tensor]:
+    """Per-channel (mean, biased var) over all dims but C, across processes; and the count n.
+
+    Each process computes its local mean/var in one pass; processes then all-reduce
+    (n·mean, n·(var + mean²), n) in float64 so recombining the moments loses nothing. A process
+    with no samples (n = 0) contributes zeros instead of the NaN moments of an empty tensor. Across
+    processes n stays a 0-dim tensor: reading it on the host would stall the GPU stream.
+    """
+    count = y.numel() // y.shape[2]
+    if count == 0:  # no samples here: contribute nothing (n = 0) to the statistics of the rest
+        mean = var = y.new_zeros(y.shape[2], dtype=compute_dtype(y.dtype))
+    else:
+        mean, var = _local_mean_var(y)
+    if not is_distributed(group):
+        return mean, var, count
+    n = float(count)
+    packed = torch.cat(
+        [
+            mean.double() * n,
+            (var.double() + mean.double() ** 2) * n,
+            mean.new_full((1,), n, dtype=torch.float64),
+        ]
+    )
+    dist.all_reduce(packed, group=group)
+    c = mean.numel()
+    total = packed[-1]
+    g_mean = packed[:c] / total
+    g_var = (packed[c : 2 * c] / total - g_mean**2).clamp_(min=0)
+    return g_mean.to(mean.dtype), g_var.to(mean.dtype), total
+
+
+def refuse_join() -> None:
+    """Raise inside a ``torch.distributed.algorithms.Join`` context that would let ranks run out
+    of batches silently: the fused BatchNorm all-reduces (statistics in forward, sums in
+    backward) are collectives that Join cannot shadow, so the remaining ranks would hang or
+    pair them with other collectives. With ``throw_on_early_termination=True`` torch stops every
+    rank once one runs out, before any fused block runs, which is safe.
+
+    Reads the DDP module whose forward is running (PyTorch records it, with its join settings).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    config = getattr(ddp, "_join_config", None)
+    if config is not None and config.enable and not config.throw_on_early_termination:
+        raise SpikefuseError(
+            "fused blocks synchronise BatchNorm across processes with their own all-reduces, "
+            "which torch.distributed.algorithms.Join cannot shadow for ranks that ran out of "
+            "batches: give every rank the same number of batches (e.g. DistributedSampler("
+            "drop_last=True)), use Join(..., throw_on_early_termination=True), or train unfused"
+        )
+
+
+def all_reduce_sums(sums: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Sum a small per-channel tensor over processes, in place (no-op when not distributed)."""
+    if is_distributed(group):
+        dist.all_reduce(sums, group=group)
+    return sums
+
+
+def _count_tensor(count: int, like: Tensor) -> Tensor:
+    """[count] for batch_norm_gather_stats_with_counts."""
+    key = ("count", like.device, count, like.dtype)
+    return device_constant(key, lambda: like.new_full((1,), float(count)))
+
+
+def _check_count(count: int, y: Tensor) -> None:
+    if count <= 1:
+        raise SpikefuseError(
+            f"BatchNorm in training needs more than 1 value per channel, got {count} "
+            f"(input shape {tuple(y.shape)})"
+        )
+
+
+@torch.no_grad()
+def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
+    """The per-channel vectors to normalise y with; updates the running statistics in training.
+
+    No autograd here: BNNeuronFunction's backward carries the gradient through the statistics.
+    On one CUDA process this is two launches: ``batch_norm_stats`` (Welford, any storage dtype
+    and layout) and, when the running statistics are updated, the running-average update of
+    ``batch_norm_gather_stats_with_counts`` (unbiased variance, torch's BatchNorm formula).
+    """
+    cd = compute_dtype(y.dtype)
+    weight = None if bn.weight is None else bn.weight.detach().to(cd)
+    bias = None if bn.bias is None else bn.bias.detach().to(cd)
+    running_mean, running_var, momentum = bn.running_mean, bn.running_var, bn.momentum
+    if not bn.batch_stats:
+        assert running_mean is not None and running_var is not None  # batch_stats=False: tracked
+        mean, var = running_mean.to(cd), running_var.to(cd)
+        return BNStats(mean, torch.rsqrt(var + bn.eps), weight, bias, 0)
+    if y.is_cuda and not isinstance(momentum, Tensor) and not is_distributed(bn.group):
+        local_count = y.numel() // y.shape[2]
+        _check_count(local_count, y)
+        flat = y.flatten(0, 1)
+        mean, invstd = torch.batch_norm_stats(flat, bn.eps)
+        if momentum is not None and running_mean is not None and running_var is not None:
+            torch.batch_norm_gather_stats_with_counts(
+                flat,
+                mean[None],
+                invstd[None],
+                running_mean,
+                running_var,
+                momentum,
+                bn.eps,
+                _count_tensor(local_count, mean),
+            )
+        return BNStats(mean, invstd, weight, bias, local_count)
+    mean, var, count = batch_stats(y, bn.group)
+    if isinstance(count, int):
+        _check_count(count, y)
+    if momentum is not None and running_mean is not None and running_var is not None:
+        unbiased = var * (count / (count - 1))
+        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+        running_var.lerp_(unbiased.to(running_var.dtype), momentum)
+    return BNStats(mean, torch.rsqrt(var + bn.eps), weight, bias, count)
