@@ -9,6 +9,7 @@ import pytest
 import sympy as sp
 import torch
 
+from oracle import oracle
 from spikefuse import SpikefuseError, functional, neuron
 from spikefuse import definitions as defs
 from spikefuse import reference as ref
@@ -160,7 +161,7 @@ def _bptt_vs_oracle(definition, params, learnable=(), hard=True, detach=False, s
 
     xo, vo = xs.clone().requires_grad_(), v0.clone().requires_grad_()
     lo = lrn.double().requires_grad_()
-    s, vs, vl, _ = ref.oracle(program, xo, vo, w0, lo, consts)
+    s, vs, vl, _ = oracle(program, xo, vo, w0, lo, consts)
     assert torch.equal(out.spikes, s.detach())
     assert torch.allclose(out.v_seq, vs.detach(), rtol=0, atol=1e-12)
     loss = (s * gs).sum() + (vs * gv).sum() + (vl * gl).sum()
@@ -237,7 +238,7 @@ def test_user_neuron_module_gradients(definition, params):
 
     consts = [1.0, 0.0] + [params[p] for p in definition.params]
     xo, vo = xs.detach().clone().requires_grad_(), v0.detach().clone().requires_grad_()
-    so, _, vl, _ = ref.oracle(node.program, xo, vo, xo.new_empty(0), torch.empty(0), consts)
+    so, _, vl, _ = oracle(node.program, xo, vo, xo.new_empty(0), torch.empty(0), consts)
     assert torch.equal(s.detach(), so.detach())
     ox, ov = torch.autograd.grad((so * gs).sum() + (vl * gl).sum(), [xo, vo])
     assert _reldiff(gx, ox) < 1e-10
@@ -274,7 +275,7 @@ def test_user_adaptive_neuron_matches_oracle():
     xo = xs.detach().clone().requires_grad_()
     consts = [1.0, 0.0] + list(params.values())
     v0, w0 = torch.zeros(7, dtype=xs.dtype), torch.full((7,), 0.2, dtype=xs.dtype)
-    so, _, _, wl = ref.oracle(node.program, xo, v0, w0, torch.empty(0), consts)
+    so, _, _, wl = oracle(node.program, xo, v0, w0, torch.empty(0), consts)
     assert torch.equal(s.detach(), so.detach())
     (ox,) = torch.autograd.grad((so * gs).sum() + (wl * gw).sum(), [xo])
     assert _reldiff(gx, ox) < 1e-10

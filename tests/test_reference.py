@@ -10,6 +10,7 @@ import zlib
 import pytest
 import torch
 
+from oracle import oracle
 from spikefuse import definitions as defs
 from spikefuse import neuron
 from spikefuse import reference as ref
@@ -233,7 +234,7 @@ def check_bptt_against_oracle(prog, params, hard, T, shape, seed, vth=0.9):
 
     xo, v0o, w0o = (t.clone().requires_grad_() for t in (xs, v0, w0))
     lo = lrn.to(F64).requires_grad_()
-    s, vs, vl, wl = ref.oracle(prog, xo, v0o, w0o, lo, consts)
+    s, vs, vl, wl = oracle(prog, xo, v0o, w0o, lo, consts)
     assert torch.equal(out.spikes, s.detach())
     assert reldiff(out.v_seq, vs.detach()) < 1e-12
     assert reldiff(out.v_last, vl.detach()) < 1e-12
@@ -311,7 +312,7 @@ def test_bptt_without_upstream_v_grads():
     back = ref.bptt(prog, gs, None, None, None, out.saved_v, out.saved_w, None, v0, w0, None,
                     consts, [0.0, 0.0])  # fmt: skip
     xo, v0o, w0o = (t.clone().requires_grad_() for t in (xs, v0, w0))
-    s, *_ = ref.oracle(prog, xo, v0o, w0o, torch.empty(0), consts)
+    s, *_ = oracle(prog, xo, v0o, w0o, torch.empty(0), consts)
     gx, gv0, gw0 = torch.autograd.grad((s * gs).sum(), [xo, v0o, w0o])
     assert reldiff(back.grad_x, gx) < 1e-10
     assert reldiff(back.grad_v0, gv0) < 1e-10
@@ -420,7 +421,7 @@ def test_module_matches_oracle(name, v_reset, detach):
     else:
         learnable = torch.empty(0)
     consts = module_constants(name, vth, v_reset)
-    so, vso, vlo, wlo = ref.oracle(
+    so, vso, vlo, wlo = oracle(
         node.program, xo, v0o, w0o if adaptive else xo.new_empty(0), learnable, consts
     )
     assert torch.equal(s.detach(), so.detach())

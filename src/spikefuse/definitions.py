@@ -25,6 +25,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import sympy as sp
 
@@ -300,6 +301,14 @@ class NeuronDef:
             f"{self.name}: h={self.charge_expr}; z={self.adaptation_expr if self.adaptive else ''};"
             f" jump={self.jump_expr}; params={','.join(self.params)}"
         )
+
+
+def torch_function(definition: NeuronDef, expr: sp.Expr) -> Callable[..., Any]:
+    """``expr`` (an equation or partial of ``definition``) as a function evaluated with torch
+    ops, of (v, x, w, h, *all_params); it returns a tensor, or a Python number where ``expr`` is
+    a constant."""
+    args = [definition.symbols[n] for n in ("v", "x", "w", "h", *definition.all_params)]
+    return sp.lambdify(args, expr, modules="torch")
 
 
 IF = NeuronDef("if", charge="v + x")

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .backends import BACKEND_NAMES
 from .errors import SpikefuseError
-from .neuron import BACKEND_NAMES, STEP_MODES
+from .neuron import STEP_MODES
 
 Steps = nn.Module | Sequence[nn.Module] | Callable[[Tensor], Any]
 

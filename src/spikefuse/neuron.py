@@ -13,16 +13,15 @@ import copy
 import functools
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import sympy as sp
 import torch
 from torch import Tensor, nn
 
+from . import backends
 from . import definitions as defs
-from .backends import compute_dtype
-from .cuda import unavailable_reason
+from .backends import BACKEND_NAMES, compute_dtype
 from .errors import BackendUnavailableError, SpikefuseError
 from .ops import run_neuron
 from .program import NeuronProgram
@@ -30,7 +29,6 @@ from .surrogate import Sigmoid, Surrogate, is_finite_real, runs_in_kernels
 
 log = logging.getLogger("spikefuse")
 STEP_MODES = ("s", "m")
-BACKEND_NAMES = ("auto", "torch", "cuda", "cupy")
 # Methods a SpikingJelly-style subclass overrides with torch code (then only the torch backend
 # runs it, as a per-step loop with autograd through the user's code).
 TORCH_CODE_HOOKS = ("neuronal_charge", "neuronal_fire", "neuronal_reset")
@@ -306,7 +304,7 @@ class BaseNode(MemoryModule):
             raise SpikefuseError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
         if name not in self.supported_backends:
             raise self._torch_code_error(self.torch_code)
-        self._backend = "cuda" if name == "cupy" else name
+        self._backend = backends.canonical_name(name)
 
     # ---- what the kernels get ----------------------------------------------------------------
     _PROGRAM_FIELDS = ("surrogate_function", "v_reset", "detach_reset")
@@ -430,14 +428,9 @@ class BaseNode(MemoryModule):
         return value, 0.0
 
     def resolve_backend(self, x_seq: Tensor) -> str:
-        """The backend that runs for this input (raises if an explicit one cannot)."""
-        if self.backend == "torch":
-            chosen = "torch"
-        else:
-            reason = unavailable_reason(x_seq)
-            if self.backend == "cuda" and reason is not None:
-                raise BackendUnavailableError(f"{type(self).__name__}: backend 'cuda': {reason}")
-            chosen = "cuda" if reason is None else "torch"
+        """The backend that runs for this input (raises if an explicit one cannot); see
+        :func:`spikefuse.backends.resolve`. Logs the choice when it changes."""
+        chosen = backends.resolve(self.backend, x_seq, type(self).__name__)
         if chosen != self.last_backend and not torch.compiler.is_compiling():
             log.info("%s: backend=%r runs %s", type(self).__name__, self.backend, chosen)
             self.last_backend = chosen
@@ -636,12 +629,11 @@ class SimpleBaseNode(BaseNode):
 
 
 @functools.lru_cache(maxsize=64)
-def _torch_equations(definition: defs.NeuronDef) -> tuple:
+def _torch_equations(definition: defs.NeuronDef) -> tuple[Callable[..., Any], ...]:
     """charge, adaptation and jump of ``definition`` as torch functions of
     (v, x, w, h, *all_params), for torch-code neurons."""
-    args = [definition.symbols[n] for n in ("v", "x", "w", "h", *definition.all_params)]
     exprs = (definition.charge_expr, definition.adaptation_expr, definition.jump_expr)
-    return tuple(sp.lambdify(args, e, modules="torch") for e in exprs)
+    return tuple(defs.torch_function(definition, e) for e in exprs)
 
 
 class IFNode(BaseNode):

@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends import compute_dtype
+from ..backends import compute_dtype, get_backend
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
-from ..ops import _bptt, backend_module, forbid_double_backward
+from ..ops import _bptt, forbid_double_backward
 from ..program import NeuronProgram
 
 
@@ -72,7 +72,7 @@ class NeuronCall:
     def affine_backend(self):
         """The backend module if it has channel-affine kernels (BatchNorm folded into the
         neuron: ``affine_fptt``/``affine_bptt``, the cuda backend), else None."""
-        backend = backend_module(self.backend)
+        backend = get_backend(self.backend)
         return backend if hasattr(backend, "affine_fptt") else None
 
     def forward(
@@ -84,7 +84,7 @@ class NeuronCall:
         backend's chunk checkpoints: 1/CHUNK of x's elements); a saved [T, N] sequence (the
         reference backend's H) would be as large as x, so it is recomputed in backward instead.
         """
-        backend = backend_module(self.backend)
+        backend = get_backend(self.backend)
         keep = save and not backend.SAVES_SEQUENCE
         out = backend.fptt(self.program, x, None, None, learnable, list(self.constants),
                            [self.v_init, 0.0], keep, False)  # fmt: skip
@@ -99,7 +99,7 @@ class NeuronCall:
         backend needs nothing); when None, the neuron's forward is recomputed first to get what
         the backend's BPTT needs.
         """
-        backend = backend_module(self.backend)
+        backend = get_backend(self.backend)
         init = [self.v_init, 0.0]
         constants = list(self.constants)
         if saved is None:
