@@ -149,15 +149,38 @@ def _bptt_vs_oracle(definition, params, learnable=(), hard=True, detach=False, s
     v0 = 0.4 * torch.randn(shape, generator=g, dtype=torch.float64)
     w0 = torch.empty(0, dtype=torch.float64)
     lrn_in = lrn if learnable else None
-    out = ref.fptt(program, xs, v0, None, lrn_in, consts, [0.0, 0.0], True, True)
+    out = ref.fptt(
+        program,
+        xs,
+        v0,
+        w0=None,
+        learnable=lrn_in,
+        constants=consts,
+        init=[0.0, 0.0],
+        save_for_backward=True,
+        store_v_seq=True,
+    )
     gs, gv = (
         torch.randn(xs.shape, generator=g, dtype=xs.dtype),
         torch.randn(xs.shape, generator=g, dtype=xs.dtype),
     )
     gl = torch.randn(shape, generator=g, dtype=xs.dtype)
     keep_x = xs if ref.keeps_x(program) else None
-    back = ref.bptt(program, gs, gv, gl, None, out.saved_v, out.saved_w, keep_x, v0, None,
-                    lrn_in, consts, [0.0, 0.0])  # fmt: skip
+    back = ref.bptt(
+        program,
+        gs,
+        gv,
+        gl,
+        grad_w_last=None,
+        saved_v=out.saved_v,
+        saved_w=out.saved_w,
+        x_seq=keep_x,
+        v0=v0,
+        w0=None,
+        learnable=lrn_in,
+        constants=consts,
+        init=[0.0, 0.0],
+    )
 
     xo, vo = xs.clone().requires_grad_(), v0.clone().requires_grad_()
     lo = lrn.double().requires_grad_()

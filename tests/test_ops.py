@@ -205,7 +205,8 @@ def _fptt_args(case: str):
         v0, w0, lrn, consts, save, store = None, None, None, [1.0, 0.0, 2.0], True, False
     else:
         raise AssertionError(case)
-    return (p.key, "torch", x, v0, w0, lrn, consts, [0.2, 0.1], save, store)  # fmt: skip
+    init = [0.2, 0.1]
+    return (p.key, "torch", x, v0, w0, lrn, consts, init, save, store)
 
 
 # opcheck's default test_utils (test_schema, test_autograd_registration, test_faketensor,
@@ -252,12 +253,37 @@ def test_opcheck_bptt(case):
         x = torch.randn(T, N, generator=g, dtype=dtype) + 0.8
         v0, w0 = torch.zeros(N, dtype=dtype), torch.full((N,), 0.1, dtype=dtype)
     init = [0.0, 0.0]
-    out = ref.fptt(p, x, v0, w0, None, consts, init, True, False)
+    out = ref.fptt(
+        p,
+        x,
+        v0,
+        w0,
+        learnable=None,
+        constants=consts,
+        init=init,
+        save_for_backward=True,
+        store_v_seq=False,
+    )
     gs = torch.randn(T, N, generator=g).to(dtype)
     gvl = torch.randn(N, generator=g).to(v0.dtype)
     gwl = torch.randn(N, generator=g).to(dtype) if w0 is not None else None
-    args = (p.key, "torch", gs, None, gvl, gwl, out.saved_v, out.saved_w, None, v0, w0, None,
-            consts, init)  # fmt: skip
+    grad_v_seq = x_seq = learnable = None
+    args = (
+        p.key,
+        "torch",
+        gs,
+        grad_v_seq,
+        gvl,
+        gwl,
+        out.saved_v,
+        out.saved_w,
+        x_seq,
+        v0,
+        w0,
+        learnable,
+        consts,
+        init,
+    )
     torch.library.opcheck(BPTT, args)
 
 

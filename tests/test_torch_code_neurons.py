@@ -80,11 +80,20 @@ def test_square_if_node_forward_and_autograd(step_mode):
 class LeakyNode(neuron.BaseNode):
     """A SpikingJelly-style neuron with its own __init__ calling BaseNode positionally."""
 
-    def __init__(self, tau=2.0, v_threshold=1.0, v_reset=0.0, surrogate_function=None,
-                 detach_reset=False, step_mode="s", backend="torch",
-                 store_v_seq=False):  # fmt: skip
-        super().__init__(v_threshold, v_reset, surrogate_function, detach_reset, step_mode,
-                         backend, store_v_seq)  # fmt: skip
+    def __init__(
+        self,
+        tau=2.0,
+        v_threshold=1.0,
+        v_reset=0.0,
+        surrogate_function=None,
+        detach_reset=False,
+        step_mode="s",
+        backend="torch",
+        store_v_seq=False,
+    ):
+        super().__init__(
+            v_threshold, v_reset, surrogate_function, detach_reset, step_mode, backend, store_v_seq
+        )
         self.tau = tau
 
     def neuronal_charge(self, x):

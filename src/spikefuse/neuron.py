@@ -469,15 +469,16 @@ class BaseNode(MemoryModule):
                 f"{type(self).__name__}: parameters are on {learnable.device} but the input is on "
                 f"{x_seq.device}; move the module with .to(device)"
             )
+        multi_step = self.step_mode == "m"
+        store_v_seq = self.store_v_seq and multi_step
+        init = [v_init, w_init]
         spikes, v_seq, v_last, w_last = run_neuron(
-            self.program, backend, x_seq, v0, w0, learnable, constants, [v_init, w_init],
-            self.store_v_seq and self.step_mode == "m",
-        )  # fmt: skip
+            self.program, backend, x_seq, v0, w0, learnable, constants, init, store_v_seq
+        )
         self.set_memory("v", v_last)
         if self.definition.adaptive:
             self.set_memory("w", w_last)
-        multi_step = self.step_mode == "m"
-        self.set_memory("v_seq", v_seq if self.store_v_seq and multi_step else None)
+        self.set_memory("v_seq", v_seq if store_v_seq else None)
         return spikes if multi_step else spikes[0]
 
     def single_step_forward(self, x: Tensor) -> Tensor:
@@ -596,8 +597,8 @@ class BaseNode(MemoryModule):
                 f"detach_reset={self.detach_reset}, step_mode={self.step_mode}, "
                 f"backend={self.backend} (torch code)"
             )
-        params = ", ".join(f"{p}={getattr(self, p)}" for p in self.definition.params
-                           if p not in self.learnable_params)  # fmt: skip
+        own = [p for p in self.definition.params if p not in self.learnable_params]
+        params = ", ".join(f"{p}={getattr(self, p)}" for p in own)
         ran = f" (ran: {self.last_backend})" if self.backend == "auto" and self.last_backend else ""
         return (
             f"{params + ', ' if params else ''}v_threshold={self.v_threshold}, "
@@ -649,8 +650,17 @@ class IFNode(BaseNode):
         backend: str = "auto",
         store_v_seq: bool = False,
     ) -> None:
-        super().__init__(defs.IF, {}, v_threshold, v_reset, surrogate_function, detach_reset,
-                         step_mode, backend, store_v_seq)  # fmt: skip
+        super().__init__(
+            defs.IF,
+            {},
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+        )
 
 
 class LIFNode(BaseNode):
@@ -677,8 +687,17 @@ class LIFNode(BaseNode):
     ) -> None:
         self.decay_input = decay_input
         definition = defs.LIF if decay_input else defs.LIF_NO_DECAY_INPUT
-        super().__init__(definition, {"tau": tau}, v_threshold, v_reset, surrogate_function,
-                         detach_reset, step_mode, backend, store_v_seq)  # fmt: skip
+        super().__init__(
+            definition,
+            {"tau": tau},
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+        )
 
 
 class ParametricLIFNode(BaseNode):
@@ -708,8 +727,17 @@ class ParametricLIFNode(BaseNode):
             )
         self.decay_input = decay_input
         definition = defs.PLIF if decay_input else defs.PLIF_NO_DECAY_INPUT
-        super().__init__(definition, {}, v_threshold, v_reset, surrogate_function, detach_reset,
-                         step_mode, backend, store_v_seq)  # fmt: skip
+        super().__init__(
+            definition,
+            {},
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+        )
         self.w = nn.Parameter(torch.tensor(-math.log(init_tau - 1.0)))
 
     def learnable_values(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -739,8 +767,17 @@ class QIFNode(BaseNode):
         store_v_seq: bool = False,
     ) -> None:
         params = {"tau": tau, "a0": a0, "v_rest": v_rest, "v_c": v_c}
-        super().__init__(defs.QIF, params, v_threshold, v_reset, surrogate_function, detach_reset,
-                         step_mode, backend, store_v_seq)  # fmt: skip
+        super().__init__(
+            defs.QIF,
+            params,
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+        )
 
 
 class EIFNode(BaseNode):
@@ -764,8 +801,17 @@ class EIFNode(BaseNode):
         store_v_seq: bool = False,
     ) -> None:
         params = {"tau": tau, "v_rest": v_rest, "delta_T": delta_T, "theta_rh": theta_rh}
-        super().__init__(defs.EIF, params, v_threshold, v_reset, surrogate_function, detach_reset,
-                         step_mode, backend, store_v_seq)  # fmt: skip
+        super().__init__(
+            defs.EIF,
+            params,
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+        )
 
 
 class IzhikevichNode(BaseNode):
@@ -803,8 +849,18 @@ class IzhikevichNode(BaseNode):
             "tau_w": tau_w,
             "b": b,
         }
-        super().__init__(defs.IZHIKEVICH, params, v_threshold, v_reset, surrogate_function,
-                         detach_reset, step_mode, backend, store_v_seq, w_init=w_rest)  # fmt: skip
+        super().__init__(
+            defs.IZHIKEVICH,
+            params,
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+            w_init=w_rest,
+        )
 
     @property
     def w_rest(self) -> float:

@@ -54,10 +54,8 @@ class NeuronProgram:
                 f"{self.definition.name}: learnable {sorted(unknown)} not in params"
             )
         d = self.definition
-        in_adaptation = {
-            p for p in self.learnable
-            if d.symbols[p] in (d.adaptation_expr.free_symbols | d.jump_expr.free_symbols)
-        }  # fmt: skip
+        adaptation_symbols = d.adaptation_expr.free_symbols | d.jump_expr.free_symbols
+        in_adaptation = {p for p in self.learnable if d.symbols[p] in adaptation_symbols}
         if d.adaptive and in_adaptation:
             raise SpikefuseError(
                 f"{d.name}: learnable parameters must appear only in the charge equation; "
