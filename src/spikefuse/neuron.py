@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -150,6 +150,19 @@ class BaseNode(MemoryModule):
     """
 
     learnable_params: tuple[str, ...] = ()
+    # Set by __init__. ``definition`` is None for a neuron written in torch code (SpikingJelly's
+    # way; see :meth:`_neuron_def`), ``program`` None while the surrogate is torch code.
+    definition: defs.NeuronDef | None
+    program: NeuronProgram | None
+    surrogate_function: Any  # a Surrogate, or torch code (see runs_in_kernels)
+    v_threshold: float
+    v_reset: float | None
+    last_backend: str | None  # the backend the last call ran (the repr shows it for 'auto')
+    _constants: list[float] | None
+    # Memories: a float for every neuron until the first call makes them tensors (torch-code
+    # neurons may keep anything there, as in SpikingJelly).
+    v: Any
+    w: Any
     # parameter -> exclusive lower bound, checked on every call (e.g. tau > 1 keeps 1/tau in (0, 1))
     lower_bounds: Mapping[str, float] = {}
 
@@ -254,10 +267,10 @@ class BaseNode(MemoryModule):
         self.detach_reset = detach_reset
         self.backend = backend
         self.store_v_seq = store_v_seq
-        self._constants: list[float] | None = None
+        self._constants = None
         self.constants()  # validates the parameters now, not at the first call
         self._update_program()  # from here on, every assignment is validated (__setattr__)
-        self.last_backend: str | None = None
+        self.last_backend = None
         self.register_memory("v", 0.0 if v_reset is None else float(v_reset))
         if definition.adaptive:
             self.register_memory("w", float(w_init))
@@ -285,6 +298,12 @@ class BaseNode(MemoryModule):
             )
         return None
 
+    def _neuron_def(self) -> defs.NeuronDef:
+        """``definition``, where only a neuron built from a NeuronDef gets."""
+        if self.definition is None:
+            raise SpikefuseError(f"{type(self).__name__} is torch code: it has no NeuronDef")
+        return self.definition
+
     def _torch_code_error(self, reason: str) -> BackendUnavailableError:
         return BackendUnavailableError(
             f"{type(self).__name__}: backend 'cuda' cannot run this neuron: {reason}. Only the "
@@ -302,8 +321,9 @@ class BaseNode(MemoryModule):
     def backend(self, name: str) -> None:
         if name not in BACKEND_NAMES:
             raise SpikefuseError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
-        if name not in self.supported_backends:
-            raise self._torch_code_error(self.torch_code)
+        reason = self.torch_code
+        if name not in self.supported_backends and reason is not None:  # reason: not None here
+            raise self._torch_code_error(reason)
         self._backend = backends.canonical_name(name)
 
     # ---- what the kernels get ----------------------------------------------------------------
@@ -316,7 +336,7 @@ class BaseNode(MemoryModule):
             super().__setattr__(name, value)
             return
         constants = None
-        if name in ("v_threshold", "v_reset") or name in self.definition.params:
+        if name in ("v_threshold", "v_reset") or name in self._neuron_def().params:
             constants = self._validated_constants({name: value})  # before anything changes
         super().__setattr__(name, value)
         if constants is not None:
@@ -335,7 +355,7 @@ class BaseNode(MemoryModule):
             self.__dict__["program"] = None
             return
         self.__dict__["program"] = NeuronProgram(
-            self.definition,
+            self._neuron_def(),
             self.surrogate_function,
             hard_reset=self.v_reset is not None,
             detach_reset=bool(self.detach_reset),
@@ -346,9 +366,12 @@ class BaseNode(MemoryModule):
         """Called by the surrogate when one of its hyper-parameters or its spiking mode
         changes: rebuild the program if the change reaches it."""
         kernels = runs_in_kernels(self.surrogate_function)
-        if (self.program is None) == kernels or (
-            kernels and self.program.surrogate_key != self.surrogate_function.key
-        ):
+        program = self.program
+        if program is None:
+            stale = kernels
+        else:
+            stale = not kernels or program.surrogate_key != self.surrogate_function.key
+        if stale:
             self._update_program()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -359,8 +382,8 @@ class BaseNode(MemoryModule):
     def _validated_constants(self, changes: Mapping[str, Any]) -> list[float]:
         """V_th, V_reset (0 for soft reset) and the non-learnable parameters, with ``changes``
         applied, validated (finite, lower bounds, V_th > V_reset under hard reset)."""
-        current = {"v_threshold": self.v_threshold, "v_reset": self.v_reset}
-        names = [p for p in self.definition.params if p not in self.learnable_params]
+        current: dict[str, Any] = {"v_threshold": self.v_threshold, "v_reset": self.v_reset}
+        names = [p for p in self._neuron_def().params if p not in self.learnable_params]
         current.update({p: getattr(self, p) for p in names})
         current.update(changes)
         hard = current["v_reset"] is not None
@@ -384,8 +407,8 @@ class BaseNode(MemoryModule):
         """V_th, V_reset (0 for soft reset) and the non-learnable parameters, validated.
 
         Validated again on every assignment of one of them (see ``__setattr__``)."""
-        self.__dict__["_constants"] = self._validated_constants({})
-        return self._constants
+        constants = self.__dict__["_constants"] = self._validated_constants({})
+        return constants
 
     def learnable_values(
         self, device: torch.device, dtype: torch.dtype = torch.float32
@@ -456,11 +479,13 @@ class BaseNode(MemoryModule):
         reason = self.torch_code
         if reason is not None:
             return self._torch_code_forward(x, reason)
+        program = cast(NeuronProgram, self.program)  # not torch code: the program exists
+        adaptive = program.definition.adaptive
         x_seq = self._check_input(x)
         constants = self._constants or self.constants()
         backend = self.resolve_backend(x_seq)
         v0, v_init = self._state("v", x_seq)
-        w0, w_init = self._state("w", x_seq) if self.definition.adaptive else (None, 0.0)
+        w0, w_init = self._state("w", x_seq) if adaptive else (None, 0.0)
         if not torch.compiler.is_compiling() and torch.is_anomaly_enabled():
             self._check_no_nan(x_seq, v0)
         learnable = self.learnable_values(x_seq.device, compute_dtype(x_seq.dtype))
@@ -473,10 +498,10 @@ class BaseNode(MemoryModule):
         store_v_seq = self.store_v_seq and multi_step
         init = [v_init, w_init]
         spikes, v_seq, v_last, w_last = run_neuron(
-            self.program, backend, x_seq, v0, w0, learnable, constants, init, store_v_seq
+            program, backend, x_seq, v0, w0, learnable, constants, init, store_v_seq
         )
         self.set_memory("v", v_last)
-        if self.definition.adaptive:
+        if adaptive:
             self.set_memory("w", w_last)
         self.set_memory("v_seq", v_seq if store_v_seq else None)
         return spikes if multi_step else spikes[0]
@@ -578,7 +603,7 @@ class BaseNode(MemoryModule):
         learned = iter(learnable.unbind(0)) if learnable is not None else iter(())
         return [
             next(learned) if p in self.learnable_params else next(constants)
-            for p in self.definition.all_params
+            for p in self._neuron_def().all_params
         ]
 
     def _forward_in_mode(self, x: Tensor, mode: str) -> Tensor:
