@@ -13,9 +13,9 @@ Equations are strings over the symbols ``v`` (V[t-1]), ``x`` (X[t]), ``w`` (W[t-
 (H[t], adaptation only), ``v_threshold``, ``v_reset`` (0 under soft reset) and the neuron's own
 parameters. They are parsed by a restricted arithmetic parser (never evaluated as Python): number
 literals, those symbols, ``pi``, ``+ - * / **``, unary ``+``/``-``, parentheses and the functions
-in :data:`FUNCTIONS`; anything else is a :class:`SpikefuseError`. sympy derives ∂H/∂X, ∂H/∂V, ∂H/∂W, ∂H/∂p, ∂Z/∂H and ∂Z/∂W; wherever a derivative
-needs X[t], X is eliminated through the charge equation (solved for x) so that backward only
-needs the saved H sequence.
+in :data:`FUNCTIONS`; anything else is a :class:`SpikefuseError`. sympy derives ∂H/∂X, ∂H/∂V,
+∂H/∂W, ∂H/∂p, ∂Z/∂H and ∂Z/∂W; wherever a derivative needs X[t], X is eliminated through the
+charge equation (solved for x) so that backward only needs the saved H sequence.
 """
 
 from __future__ import annotations

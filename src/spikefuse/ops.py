@@ -193,7 +193,9 @@ def forbid_double_backward(what: str) -> None:
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         raise SpikefuseError(
             f"{what} does not support double backward (create_graph=True): its backward is not "
-            "differentiable, so higher-order gradients would be silently wrong"
+            "differentiable, so higher-order gradients would be silently wrong; for higher-order "
+            "derivatives write the neuron as torch code (a BaseNode subclass overriding "
+            "neuronal_charge runs with plain autograd on the torch backend)"
         )
 
 

@@ -2,8 +2,9 @@
 
 ``fptt`` runs the dynamics through time; ``bptt`` is the explicit backward of seed 003's
 dL/dH[t] recurrence (the tests check it against an independent plain-autograd step loop,
-``tests/oracle.py``). Implements :class:`spikefuse.backends.NeuronBackend`. Arithmetic runs in float32 (float64 for float64 input); outputs are cast to
-the input dtype, states stay in the compute dtype.
+``tests/oracle.py``). Implements :class:`spikefuse.backends.NeuronBackend`. Arithmetic runs
+in float32 (float64 for float64 input); outputs are cast to the input dtype, states stay in the
+compute dtype.
 
 Shapes: ``x_seq`` [T, *], states [*]; ``learnable`` [P] float32; ``constants`` floats (see
 :mod:`spikefuse.program`).
