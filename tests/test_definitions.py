@@ -10,6 +10,7 @@ import sympy as sp
 import torch
 
 from conftest import reldiff
+from oracle import oracle
 from spikefuse import SpikefuseError, functional, neuron
 from spikefuse import definitions as defs
 from spikefuse import reference as ref
@@ -144,19 +145,42 @@ def _bptt_vs_oracle(definition, params, learnable=(), hard=True, detach=False, s
     v0 = 0.4 * torch.randn(shape, generator=g, dtype=torch.float64)
     w0 = torch.empty(0, dtype=torch.float64)
     lrn_in = lrn if learnable else None
-    out = ref.fptt(program, xs, v0, None, lrn_in, consts, [0.0, 0.0], True, True)
+    out = ref.fptt(
+        program,
+        xs,
+        v0,
+        w0=None,
+        learnable=lrn_in,
+        constants=consts,
+        init=[0.0, 0.0],
+        save_for_backward=True,
+        store_v_seq=True,
+    )
     gs, gv = (
         torch.randn(xs.shape, generator=g, dtype=xs.dtype),
         torch.randn(xs.shape, generator=g, dtype=xs.dtype),
     )
     gl = torch.randn(shape, generator=g, dtype=xs.dtype)
     keep_x = xs if ref.keeps_x(program) else None
-    back = ref.bptt(program, gs, gv, gl, None, out.saved_v, out.saved_w, keep_x, v0, None,
-                    lrn_in, consts, [0.0, 0.0])  # fmt: skip
+    back = ref.bptt(
+        program,
+        gs,
+        gv,
+        gl,
+        grad_w_last=None,
+        saved_v=out.saved_v,
+        saved_w=out.saved_w,
+        x_seq=keep_x,
+        v0=v0,
+        w0=None,
+        learnable=lrn_in,
+        constants=consts,
+        init=[0.0, 0.0],
+    )
 
     xo, vo = xs.clone().requires_grad_(), v0.clone().requires_grad_()
     lo = lrn.double().requires_grad_()
-    s, vs, vl, _ = ref.oracle(program, xo, vo, w0, lo, consts)
+    s, vs, vl, _ = oracle(program, xo, vo, w0, lo, consts)
     assert torch.equal(out.spikes, s.detach())
     assert torch.allclose(out.v_seq, vs.detach(), rtol=0, atol=1e-12)
     loss = (s * gs).sum() + (vs * gv).sum() + (vl * gl).sum()
@@ -233,7 +257,7 @@ def test_user_neuron_module_gradients(definition, params):
 
     consts = [1.0, 0.0] + [params[p] for p in definition.params]
     xo, vo = xs.detach().clone().requires_grad_(), v0.detach().clone().requires_grad_()
-    so, _, vl, _ = ref.oracle(node.program, xo, vo, xo.new_empty(0), torch.empty(0), consts)
+    so, _, vl, _ = oracle(node.program, xo, vo, xo.new_empty(0), torch.empty(0), consts)
     assert torch.equal(s.detach(), so.detach())
     ox, ov = torch.autograd.grad((so * gs).sum() + (vl * gl).sum(), [xo, vo])
     assert reldiff(gx, ox) < 1e-10
@@ -270,7 +294,7 @@ def test_user_adaptive_neuron_matches_oracle():
     xo = xs.detach().clone().requires_grad_()
     consts = [1.0, 0.0] + list(params.values())
     v0, w0 = torch.zeros(7, dtype=xs.dtype), torch.full((7,), 0.2, dtype=xs.dtype)
-    so, _, _, wl = ref.oracle(node.program, xo, v0, w0, torch.empty(0), consts)
+    so, _, _, wl = oracle(node.program, xo, v0, w0, torch.empty(0), consts)
     assert torch.equal(s.detach(), so.detach())
     (ox,) = torch.autograd.grad((so * gs).sum() + (wl * gw).sum(), [xo])
     assert reldiff(gx, ox) < 1e-10

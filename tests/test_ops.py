@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from conftest import gen
+from oracle import oracle
 from spikefuse import definitions as defs
 from spikefuse import layer, neuron
 from spikefuse import reference as ref
@@ -96,7 +98,7 @@ def test_custom_op_autograd_matches_oracle(name):
     xo, vo = clones[0], clones[1]
     wo = clones[2] if adaptive else torch.empty(0, dtype=f64)
     lo = clones[-1] if learnable is not None else torch.empty(0)
-    so, vso, vlo, wlo = ref.oracle(p, xo, vo, wo, lo, consts)
+    so, vso, vlo, wlo = oracle(p, xo, vo, wo, lo, consts)
     assert torch.equal(spikes.detach(), so.detach())
     loss_o = sum((a * b).sum() for a, b in zip((so, vso, vlo), ups, strict=True))
     if adaptive:
@@ -200,7 +202,8 @@ def _fptt_args(case: str):
         v0, w0, lrn, consts, save, store = None, None, None, [1.0, 0.0, 2.0], True, False
     else:
         raise AssertionError(case)
-    return (p.key, "torch", x, v0, w0, lrn, consts, [0.2, 0.1], save, store)  # fmt: skip
+    init = [0.2, 0.1]
+    return (p.key, "torch", x, v0, w0, lrn, consts, init, save, store)
 
 
 # opcheck's default test_utils (test_schema, test_autograd_registration, test_faketensor,
@@ -247,12 +250,37 @@ def test_opcheck_bptt(case):
         x = torch.randn(T, N, generator=g, dtype=dtype) + 0.8
         v0, w0 = torch.zeros(N, dtype=dtype), torch.full((N,), 0.1, dtype=dtype)
     init = [0.0, 0.0]
-    out = ref.fptt(p, x, v0, w0, None, consts, init, True, False)
+    out = ref.fptt(
+        p,
+        x,
+        v0,
+        w0,
+        learnable=None,
+        constants=consts,
+        init=init,
+        save_for_backward=True,
+        store_v_seq=False,
+    )
     gs = torch.randn(T, N, generator=g).to(dtype)
     gvl = torch.randn(N, generator=g).to(v0.dtype)
     gwl = torch.randn(N, generator=g).to(dtype) if w0 is not None else None
-    args = (p.key, "torch", gs, None, gvl, gwl, out.saved_v, out.saved_w, None, v0, w0, None,
-            consts, init)  # fmt: skip
+    grad_v_seq = x_seq = learnable = None
+    args = (
+        p.key,
+        "torch",
+        gs,
+        grad_v_seq,
+        gvl,
+        gwl,
+        out.saved_v,
+        out.saved_w,
+        x_seq,
+        v0,
+        w0,
+        learnable,
+        consts,
+        init,
+    )
     torch.library.opcheck(BPTT, args)
 
 
@@ -284,10 +312,12 @@ def fptt_calls(monkeypatch):
     """(save_for_backward, FPTTOut) of every reference fptt call made by the op."""
     calls = []
     original = ref.fptt
+    signature = inspect.signature(original)
 
-    def recording(*args):
-        out = original(*args)
-        calls.append((args[-2], out))  # (save_for_backward, FPTTOut)
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        save = signature.bind(*args, **kwargs).arguments["save_for_backward"]
+        calls.append((save, out))
         return out
 
     monkeypatch.setattr(ref, "fptt", recording)

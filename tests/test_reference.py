@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import reldiff, seed_of
+from oracle import oracle
 from spikefuse import definitions as defs
 from spikefuse import neuron
 from spikefuse import reference as ref
@@ -211,16 +212,19 @@ def check_bptt_against_oracle(prog, params, hard, T, shape, seed, vth=0.9):
     w0_in = w0 if d.adaptive else None
     lrn_in = lrn if prog.learnable else None
     init = [0.0, 0.0]
-    out = ref.fptt(prog, xs, v0, w0_in, lrn_in, consts, init, True, True)
+    out = ref.fptt(
+        prog, xs, v0, w0_in, lrn_in, consts, init, save_for_backward=True, store_v_seq=True
+    )
     gs, gv, gvl = randn(*xs.shape), randn(*xs.shape), randn(*shape)
     gwl = randn(*shape) if d.adaptive else None
     keep_x = xs if ref.keeps_x(prog) else None
-    back = ref.bptt(prog, gs, gv, gvl, gwl, out.saved_v, out.saved_w, keep_x, v0, w0_in, lrn_in,
-                    consts, init)  # fmt: skip
+    back = ref.bptt(
+        prog, gs, gv, gvl, gwl, out.saved_v, out.saved_w, keep_x, v0, w0_in, lrn_in, consts, init
+    )
 
     xo, v0o, w0o = (t.clone().requires_grad_() for t in (xs, v0, w0))
     lo = lrn.to(F64).requires_grad_()
-    s, vs, vl, wl = ref.oracle(prog, xo, v0o, w0o, lo, consts)
+    s, vs, vl, wl = oracle(prog, xo, v0o, w0o, lo, consts)
     assert torch.equal(out.spikes, s.detach())
     assert reldiff(out.v_seq, vs.detach()) < 1e-12
     assert reldiff(out.v_last, vl.detach()) < 1e-12
@@ -292,13 +296,36 @@ def test_bptt_without_upstream_v_grads():
     consts = [1.0, 0.0] + [params[k] for k in d.params]
     xs = torch.randn(5, 4, generator=g, dtype=F64) + 0.5
     v0, w0 = torch.zeros(4, dtype=F64), torch.full((4,), 0.1, dtype=F64)
-    out = ref.fptt(prog, xs, v0, w0, None, consts, [0.0, 0.0], True, False)
+    out = ref.fptt(
+        prog,
+        xs,
+        v0,
+        w0,
+        learnable=None,
+        constants=consts,
+        init=[0.0, 0.0],
+        save_for_backward=True,
+        store_v_seq=False,
+    )
     assert out.v_seq is None
     gs = torch.randn(xs.shape, generator=g, dtype=F64)
-    back = ref.bptt(prog, gs, None, None, None, out.saved_v, out.saved_w, None, v0, w0, None,
-                    consts, [0.0, 0.0])  # fmt: skip
+    back = ref.bptt(
+        prog,
+        gs,
+        grad_v_seq=None,
+        grad_v_last=None,
+        grad_w_last=None,
+        saved_v=out.saved_v,
+        saved_w=out.saved_w,
+        x_seq=None,
+        v0=v0,
+        w0=w0,
+        learnable=None,
+        constants=consts,
+        init=[0.0, 0.0],
+    )
     xo, v0o, w0o = (t.clone().requires_grad_() for t in (xs, v0, w0))
-    s, *_ = ref.oracle(prog, xo, v0o, w0o, torch.empty(0), consts)
+    s, *_ = oracle(prog, xo, v0o, w0o, torch.empty(0), consts)
     gx, gv0, gw0 = torch.autograd.grad((s * gs).sum(), [xo, v0o, w0o])
     assert reldiff(back.grad_x, gx) < 1e-10
     assert reldiff(back.grad_v0, gv0) < 1e-10
@@ -310,14 +337,20 @@ def test_fptt_float32_and_half_dtypes():
     prog = program("lif", "Sigmoid", True, False)
     g = torch.Generator().manual_seed(9)
     x64 = torch.randn(4, 6, generator=g, dtype=F64) + 0.8
+    no_w_or_learnable = dict(
+        w0=None,
+        learnable=None,
+        constants=[1.0, 0.0, 1.7],
+        init=[0.0, 0.0],
+        save_for_backward=True,
+        store_v_seq=True,
+    )
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         xs = x64.to(dtype)
-        out = ref.fptt(prog, xs, torch.zeros(6), None, None, [1.0, 0.0, 1.7], [0.0, 0.0], True,
-                       True)  # fmt: skip
+        out = ref.fptt(prog, xs, torch.zeros(6), **no_w_or_learnable)
         assert out.spikes.dtype == dtype and out.v_seq.dtype == dtype
         assert out.v_last.dtype == torch.float32 and out.saved_v.dtype == torch.float32
-        out64 = ref.fptt(prog, xs.to(F64), torch.zeros(6, dtype=F64), None, None,
-                         [1.0, 0.0, 1.7], [0.0, 0.0], True, True)  # fmt: skip
+        out64 = ref.fptt(prog, xs.to(F64), torch.zeros(6, dtype=F64), **no_w_or_learnable)
         assert reldiff(out.saved_v, out64.saved_v) < 1e-6
 
 
@@ -333,14 +366,38 @@ def test_constant_initial_state_equals_filled_tensor(name):
     init = [0.3, 0.2]
     v0 = torch.full((4,), init[0], dtype=F64)
     w0 = torch.full((4,), init[1], dtype=F64) if d.adaptive else None
-    a = ref.fptt(prog, xs, None, None, None, consts, init, True, True)
-    b = ref.fptt(prog, xs, v0, w0, None, consts, [0.0, 0.0], True, True)
+    save_all = dict(save_for_backward=True, store_v_seq=True)
+    a = ref.fptt(
+        prog, xs, v0=None, w0=None, learnable=None, constants=consts, init=init, **save_all
+    )
+    b = ref.fptt(prog, xs, v0, w0, learnable=None, constants=consts, init=[0.0, 0.0], **save_all)
     assert torch.equal(a.spikes, b.spikes) and torch.equal(a.v_seq, b.v_seq)
     gs = torch.randn(xs.shape, generator=g, dtype=F64)
-    back_a = ref.bptt(prog, gs, None, None, None, a.saved_v, a.saved_w, xs, None, None, None,
-                      consts, init)  # fmt: skip
-    back_b = ref.bptt(prog, gs, None, None, None, b.saved_v, b.saved_w, xs, v0, w0, None,
-                      consts, [0.0, 0.0])  # fmt: skip
+    spikes_only = dict(grad_v_seq=None, grad_v_last=None, grad_w_last=None, x_seq=xs)
+    back_a = ref.bptt(
+        prog,
+        gs,
+        saved_v=a.saved_v,
+        saved_w=a.saved_w,
+        v0=None,
+        w0=None,
+        learnable=None,
+        constants=consts,
+        init=init,
+        **spikes_only,
+    )
+    back_b = ref.bptt(
+        prog,
+        gs,
+        saved_v=b.saved_v,
+        saved_w=b.saved_w,
+        v0=v0,
+        w0=w0,
+        learnable=None,
+        constants=consts,
+        init=[0.0, 0.0],
+        **spikes_only,
+    )
     assert torch.equal(back_a.grad_x, back_b.grad_x)
     assert back_a.grad_v0 is None and back_a.grad_w0 is None and back_b.grad_v0 is not None
 
@@ -407,7 +464,7 @@ def test_module_matches_oracle(name, v_reset, detach):
     else:
         learnable = torch.empty(0)
     consts = module_constants(name, vth, v_reset)
-    so, vso, vlo, wlo = ref.oracle(
+    so, vso, vlo, wlo = oracle(
         node.program, xo, v0o, w0o if adaptive else xo.new_empty(0), learnable, consts
     )
     assert torch.equal(s.detach(), so.detach())

@@ -77,11 +77,20 @@ def test_square_if_node_forward_and_autograd(step_mode):
 class LeakyNode(neuron.BaseNode):
     """A SpikingJelly-style neuron with its own __init__ calling BaseNode positionally."""
 
-    def __init__(self, tau=2.0, v_threshold=1.0, v_reset=0.0, surrogate_function=None,
-                 detach_reset=False, step_mode="s", backend="torch",
-                 store_v_seq=False):  # fmt: skip
-        super().__init__(v_threshold, v_reset, surrogate_function, detach_reset, step_mode,
-                         backend, store_v_seq)  # fmt: skip
+    def __init__(
+        self,
+        tau=2.0,
+        v_threshold=1.0,
+        v_reset=0.0,
+        surrogate_function=None,
+        detach_reset=False,
+        step_mode="s",
+        backend="torch",
+        store_v_seq=False,
+    ):
+        super().__init__(
+            v_threshold, v_reset, surrogate_function, detach_reset, step_mode, backend, store_v_seq
+        )
         self.tau = tau
 
     def neuronal_charge(self, x):
@@ -350,3 +359,29 @@ def test_overridden_step_methods_run_as_in_spikingjelly():
     assert torch.equal(node(torch.zeros(4)), torch.ones(4))
     node.reset()
     assert torch.equal(node.single_step_forward(torch.zeros(4)), torch.ones(4))
+
+
+def test_torch_code_neuron_supports_double_backward():
+    """What the kernels' double-backward error recommends: a torch-code neuron is plain
+    autograd, so second derivatives exist (and agree with a finite difference of the first)."""
+
+    class TorchLIF(neuron.BaseNode):
+        def neuronal_charge(self, x):
+            self.v = self.v + (x - self.v) / 2.0
+
+    def first_grad(x):
+        node = TorchLIF(step_mode="m", surrogate_function=sg.Sigmoid())
+        (g,) = torch.autograd.grad(node(x * 3).sum(), x, create_graph=True)
+        return g
+
+    x = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    (second,) = torch.autograd.grad(first_grad(x).sum(), x)
+    eps = 1e-6
+    bump = torch.zeros_like(x)
+    bump[1, 2] = eps
+    numeric = (first_grad(x + bump).sum() - first_grad(x - bump).sum()) / (2 * eps)
+    torch.testing.assert_close(second[1, 2], numeric.detach(), rtol=1e-5, atol=1e-7)
+    with pytest.raises(SpikefuseError, match="write the neuron as torch code"):
+        node = neuron.LIFNode(step_mode="m", backend="torch")
+        (g,) = torch.autograd.grad(node(x * 3).sum(), x, create_graph=True)
+        torch.autograd.grad(g.sum(), x)

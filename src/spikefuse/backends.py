@@ -9,12 +9,16 @@ another.
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, cast, overload
 
 import torch
 
-from .errors import BackendUnavailableError
+from .cuda import unavailable_reason as cuda_unavailable_reason  # cheap: never imports CuPy
+from .errors import BackendUnavailableError, SpikefuseError
 
 if TYPE_CHECKING:
     from .program import NeuronProgram
@@ -87,9 +91,9 @@ class NeuronBackend(Protocol):
         grad_v_seq: torch.Tensor | None,
         grad_v_last: torch.Tensor | None,
         grad_w_last: torch.Tensor | None,
-        x_seq: torch.Tensor | None,
         saved_v: torch.Tensor | None,
         saved_w: torch.Tensor | None,
+        x_seq: torch.Tensor | None,
         v0: torch.Tensor | None,
         w0: torch.Tensor | None,
         learnable: torch.Tensor | None,
@@ -161,14 +165,24 @@ class AffineKernels(Protocol):
         """Pass 2: (dL/dy, None, None)."""
 
 
-# name -> module implementing NeuronBackend; imported on first use.
-_REGISTRY: dict[str, str] = {
-    "torch": "spikefuse.reference",
-    "cuda": "spikefuse.cuda.backend",
+@dataclass(frozen=True)
+class _Registered:
+    """A registered backend: where it lives and how to ask whether it can run."""
+
+    module: str  # implements NeuronBackend; imported on first use
+    # Why the backend cannot run on x, or None; None here: it runs on every device and dtype.
+    # Cheap (never imports the backend module or CuPy) and traceable by torch.compile: every
+    # neuron call asks.
+    unavailable_reason: Callable[[torch.Tensor], str | None] | None
+    affine_kernels: bool = False  # the module also implements AffineKernels
+
+
+_REGISTRY: dict[str, _Registered] = {
+    "torch": _Registered("spikefuse.reference", unavailable_reason=None),
+    "cuda": _Registered("spikefuse.cuda.backend", cuda_unavailable_reason, affine_kernels=True),
 }
-# name -> module implementing AffineKernels, for the backends that have them.
-_AFFINE_REGISTRY: dict[str, str] = {"cuda": "spikefuse.cuda.backend"}
 _ALIASES = {"cupy": "cuda"}
+_RUNS_ANYWHERE = frozenset(n for n, entry in _REGISTRY.items() if entry.unavailable_reason is None)
 
 
 def canonical_name(name: str) -> str:
@@ -176,40 +190,49 @@ def canonical_name(name: str) -> str:
     return _ALIASES.get(name, name)
 
 
+def _registered(name: str) -> _Registered:
+    try:
+        return _REGISTRY[canonical_name(name)]
+    except KeyError:
+        raise SpikefuseError(
+            f"unknown backend {name!r}; registered: {sorted(_REGISTRY)} ('auto' is resolved to "
+            "one of them by resolve())"
+        ) from None
+
+
+@functools.cache  # the ops look their backend up on every call
 def get_backend(name: str) -> NeuronBackend:
     """The registered backend module called ``name`` ('torch', 'cuda' or an alias)."""
-    name = canonical_name(name)
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; registered: {sorted(_REGISTRY)}")
-    return cast("NeuronBackend", importlib.import_module(_REGISTRY[name]))
+    return cast("NeuronBackend", importlib.import_module(_registered(name).module))
 
 
 def affine_kernels(name: str) -> AffineKernels | None:
     """Backend ``name``'s channel-affine kernels, or None if it has none (the fused blocks then
     apply BatchNorm with torch ops and call the plain neuron)."""
-    module = _AFFINE_REGISTRY.get(canonical_name(name))
-    return None if module is None else cast("AffineKernels", importlib.import_module(module))
+    entry = _registered(name)
+    return cast("AffineKernels", get_backend(name)) if entry.affine_kernels else None
 
 
 def unavailable_reason(name: str, x: torch.Tensor) -> str | None:
-    """Why backend ``name`` cannot run on ``x``, or None. Never imports CuPy."""
-    if canonical_name(name) == "cuda":
-        from .cuda import unavailable_reason as cuda_reason  # cheap: does not import CuPy
-
-        return cuda_reason(x)
-    return None
+    """Why backend ``name`` ('torch', 'cuda' or an alias) cannot run on ``x``, or None. Never
+    imports CuPy."""
+    check = _registered(name).unavailable_reason
+    return None if check is None else check(x)
 
 
 def resolve(requested: str, x: torch.Tensor, who: str = "") -> str:
     """The backend that runs ``x`` for a ``backend=requested`` setting.
 
     'auto' picks 'cuda' where it can run and 'torch' otherwise; an explicit backend that cannot
-    run raises :class:`BackendUnavailableError` naming why (no silent fallback).
+    run raises :class:`BackendUnavailableError` naming why (no silent fallback). Called on every
+    neuron call (and traced by torch.compile): dictionary lookups and the availability check.
     """
-    requested = canonical_name(requested)
+    if requested in _RUNS_ANYWHERE:
+        return requested
     if requested == "auto":
-        return "cuda" if unavailable_reason("cuda", x) is None else "torch"
-    reason = unavailable_reason(requested, x)
+        return "cuda" if cuda_unavailable_reason(x) is None else "torch"
+    name = _ALIASES.get(requested, requested)
+    reason = unavailable_reason(name, x)
     if reason is not None:
-        raise BackendUnavailableError(f"{who + ': ' if who else ''}backend {requested!r}: {reason}")
-    return requested
+        raise BackendUnavailableError(f"{who + ': ' if who else ''}backend {name!r}: {reason}")
+    return name

@@ -13,9 +13,9 @@ Equations are strings over the symbols ``v`` (V[t-1]), ``x`` (X[t]), ``w`` (W[t-
 (H[t], adaptation only), ``v_threshold``, ``v_reset`` (0 under soft reset) and the neuron's own
 parameters. They are parsed by a restricted arithmetic parser (never evaluated as Python): number
 literals, those symbols, ``pi``, ``+ - * / **``, unary ``+``/``-``, parentheses and the functions
-in :data:`FUNCTIONS`; anything else is a :class:`SpikefuseError`. sympy derives ∂H/∂X, ∂H/∂V, ∂H/∂W, ∂H/∂p, ∂Z/∂H and ∂Z/∂W; wherever a derivative
-needs X[t], X is eliminated through the charge equation (solved for x) so that backward only
-needs the saved H sequence.
+in :data:`FUNCTIONS`; anything else is a :class:`SpikefuseError`. sympy derives ∂H/∂X, ∂H/∂V,
+∂H/∂W, ∂H/∂p, ∂Z/∂H and ∂Z/∂W; wherever a derivative needs X[t], X is eliminated through the
+charge equation (solved for x) so that backward only needs the saved H sequence.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import sympy as sp
 
@@ -300,6 +301,14 @@ class NeuronDef:
             f"{self.name}: h={self.charge_expr}; z={self.adaptation_expr if self.adaptive else ''};"
             f" jump={self.jump_expr}; params={','.join(self.params)}"
         )
+
+
+def torch_function(definition: NeuronDef, expr: sp.Expr) -> Callable[..., Any]:
+    """``expr`` (an equation or partial of ``definition``) as a function evaluated with torch
+    ops, of (v, x, w, h, *all_params); it returns a tensor, or a Python number where ``expr`` is
+    a constant."""
+    args = [definition.symbols[n] for n in ("v", "x", "w", "h", *definition.all_params)]
+    return sp.lambdify(args, expr, modules="torch")
 
 
 IF = NeuronDef("if", charge="v + x")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from .backends import BACKEND_NAMES
 from .errors import SpikefuseError
-from .neuron import BACKEND_NAMES, STEP_MODES
+from .neuron import STEP_MODES
 
 Steps = nn.Module | Sequence[nn.Module] | Callable[[Tensor], Any]
 
@@ -43,7 +44,7 @@ def _chain(modules: Steps) -> Callable[[Tensor], Any]:
             return x
 
         return run
-    return modules
+    return cast("Callable[[Tensor], Any]", modules)  # a module or a function of x
 
 
 def multi_step_forward(x_seq: Tensor, single_step_module: Steps) -> Tensor:
@@ -130,7 +131,8 @@ def set_step_mode(net: nn.Module, step_mode: str) -> None:
                 f"{step_mode!r}; nothing was changed"
             )
     for module in targets:
-        module.step_mode = step_mode
+        # torch types Module.__setattr__'s value as Tensor | Module; modules take any value
+        module.step_mode = step_mode  # type: ignore[assignment]
 
 
 def set_backend(
@@ -159,4 +161,4 @@ def set_backend(
                 stacklevel=2,
             )
             continue
-        module.backend = backend
+        module.backend = backend  # type: ignore[assignment]  # as for step_mode above

@@ -13,16 +13,15 @@ import copy
 import functools
 import logging
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
-import sympy as sp
 import torch
 from torch import Tensor, nn
 
+from . import backends
 from . import definitions as defs
-from .backends import compute_dtype
-from .cuda import unavailable_reason
+from .backends import BACKEND_NAMES, compute_dtype
 from .errors import BackendUnavailableError, SpikefuseError
 from .ops import run_neuron
 from .program import NeuronProgram
@@ -30,7 +29,6 @@ from .surrogate import Sigmoid, Surrogate, is_finite_real, runs_in_kernels
 
 log = logging.getLogger("spikefuse")
 STEP_MODES = ("s", "m")
-BACKEND_NAMES = ("auto", "torch", "cuda", "cupy")
 # Methods a SpikingJelly-style subclass overrides with torch code (then only the torch backend
 # runs it, as a per-step loop with autograd through the user's code).
 TORCH_CODE_HOOKS = ("neuronal_charge", "neuronal_fire", "neuronal_reset")
@@ -152,6 +150,19 @@ class BaseNode(MemoryModule):
     """
 
     learnable_params: tuple[str, ...] = ()
+    # Set by __init__. ``definition`` is None for a neuron written in torch code (SpikingJelly's
+    # way; see :meth:`_neuron_def`), ``program`` None while the surrogate is torch code.
+    definition: defs.NeuronDef | None
+    program: NeuronProgram | None
+    surrogate_function: Any  # a Surrogate, or torch code (see runs_in_kernels)
+    v_threshold: float
+    v_reset: float | None
+    last_backend: str | None  # the backend the last call ran (the repr shows it for 'auto')
+    _constants: list[float] | None
+    # Memories: a float for every neuron until the first call makes them tensors (torch-code
+    # neurons may keep anything there, as in SpikingJelly).
+    v: Any
+    w: Any
     # parameter -> exclusive lower bound, checked on every call (e.g. tau > 1 keeps 1/tau in (0, 1))
     lower_bounds: Mapping[str, float] = {}
 
@@ -256,10 +267,10 @@ class BaseNode(MemoryModule):
         self.detach_reset = detach_reset
         self.backend = backend
         self.store_v_seq = store_v_seq
-        self._constants: list[float] | None = None
+        self._constants = None
         self.constants()  # validates the parameters now, not at the first call
         self._update_program()  # from here on, every assignment is validated (__setattr__)
-        self.last_backend: str | None = None
+        self.last_backend = None
         self.register_memory("v", 0.0 if v_reset is None else float(v_reset))
         if definition.adaptive:
             self.register_memory("w", float(w_init))
@@ -287,6 +298,12 @@ class BaseNode(MemoryModule):
             )
         return None
 
+    def _neuron_def(self) -> defs.NeuronDef:
+        """``definition``, where only a neuron built from a NeuronDef gets."""
+        if self.definition is None:
+            raise SpikefuseError(f"{type(self).__name__} is torch code: it has no NeuronDef")
+        return self.definition
+
     def _torch_code_error(self, reason: str) -> BackendUnavailableError:
         return BackendUnavailableError(
             f"{type(self).__name__}: backend 'cuda' cannot run this neuron: {reason}. Only the "
@@ -304,9 +321,10 @@ class BaseNode(MemoryModule):
     def backend(self, name: str) -> None:
         if name not in BACKEND_NAMES:
             raise SpikefuseError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
-        if name not in self.supported_backends:
-            raise self._torch_code_error(self.torch_code)
-        self._backend = "cuda" if name == "cupy" else name
+        reason = self.torch_code
+        if name not in self.supported_backends and reason is not None:  # reason: not None here
+            raise self._torch_code_error(reason)
+        self._backend = backends.canonical_name(name)
 
     # ---- what the kernels get ----------------------------------------------------------------
     _PROGRAM_FIELDS = ("surrogate_function", "v_reset", "detach_reset")
@@ -318,7 +336,7 @@ class BaseNode(MemoryModule):
             super().__setattr__(name, value)
             return
         constants = None
-        if name in ("v_threshold", "v_reset") or name in self.definition.params:
+        if name in ("v_threshold", "v_reset") or name in self._neuron_def().params:
             constants = self._validated_constants({name: value})  # before anything changes
         super().__setattr__(name, value)
         if constants is not None:
@@ -337,7 +355,7 @@ class BaseNode(MemoryModule):
             self.__dict__["program"] = None
             return
         self.__dict__["program"] = NeuronProgram(
-            self.definition,
+            self._neuron_def(),
             self.surrogate_function,
             hard_reset=self.v_reset is not None,
             detach_reset=bool(self.detach_reset),
@@ -348,9 +366,12 @@ class BaseNode(MemoryModule):
         """Called by the surrogate when one of its hyper-parameters or its spiking mode
         changes: rebuild the program if the change reaches it."""
         kernels = runs_in_kernels(self.surrogate_function)
-        if (self.program is None) == kernels or (
-            kernels and self.program.surrogate_key != self.surrogate_function.key
-        ):
+        program = self.program
+        if program is None:
+            stale = kernels
+        else:
+            stale = not kernels or program.surrogate_key != self.surrogate_function.key
+        if stale:
             self._update_program()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -361,8 +382,8 @@ class BaseNode(MemoryModule):
     def _validated_constants(self, changes: Mapping[str, Any]) -> list[float]:
         """V_th, V_reset (0 for soft reset) and the non-learnable parameters, with ``changes``
         applied, validated (finite, lower bounds, V_th > V_reset under hard reset)."""
-        current = {"v_threshold": self.v_threshold, "v_reset": self.v_reset}
-        names = [p for p in self.definition.params if p not in self.learnable_params]
+        current: dict[str, Any] = {"v_threshold": self.v_threshold, "v_reset": self.v_reset}
+        names = [p for p in self._neuron_def().params if p not in self.learnable_params]
         current.update({p: getattr(self, p) for p in names})
         current.update(changes)
         hard = current["v_reset"] is not None
@@ -386,8 +407,8 @@ class BaseNode(MemoryModule):
         """V_th, V_reset (0 for soft reset) and the non-learnable parameters, validated.
 
         Validated again on every assignment of one of them (see ``__setattr__``)."""
-        self.__dict__["_constants"] = self._validated_constants({})
-        return self._constants
+        constants = self.__dict__["_constants"] = self._validated_constants({})
+        return constants
 
     def learnable_values(
         self, device: torch.device, dtype: torch.dtype = torch.float32
@@ -430,14 +451,9 @@ class BaseNode(MemoryModule):
         return value, 0.0
 
     def resolve_backend(self, x_seq: Tensor) -> str:
-        """The backend that runs for this input (raises if an explicit one cannot)."""
-        if self.backend == "torch":
-            chosen = "torch"
-        else:
-            reason = unavailable_reason(x_seq)
-            if self.backend == "cuda" and reason is not None:
-                raise BackendUnavailableError(f"{type(self).__name__}: backend 'cuda': {reason}")
-            chosen = "cuda" if reason is None else "torch"
+        """The backend that runs for this input (raises if an explicit one cannot); see
+        :func:`spikefuse.backends.resolve`. Logs the choice when it changes."""
+        chosen = backends.resolve(self.backend, x_seq, type(self).__name__)
         if chosen != self.last_backend and not torch.compiler.is_compiling():
             log.info("%s: backend=%r runs %s", type(self).__name__, self.backend, chosen)
             self.last_backend = chosen
@@ -463,11 +479,13 @@ class BaseNode(MemoryModule):
         reason = self.torch_code
         if reason is not None:
             return self._torch_code_forward(x, reason)
+        program = cast(NeuronProgram, self.program)  # not torch code: the program exists
+        adaptive = program.definition.adaptive
         x_seq = self._check_input(x)
         constants = self._constants or self.constants()
         backend = self.resolve_backend(x_seq)
         v0, v_init = self._state("v", x_seq)
-        w0, w_init = self._state("w", x_seq) if self.definition.adaptive else (None, 0.0)
+        w0, w_init = self._state("w", x_seq) if adaptive else (None, 0.0)
         if not torch.compiler.is_compiling() and torch.is_anomaly_enabled():
             self._check_no_nan(x_seq, v0)
         learnable = self.learnable_values(x_seq.device, compute_dtype(x_seq.dtype))
@@ -476,15 +494,16 @@ class BaseNode(MemoryModule):
                 f"{type(self).__name__}: parameters are on {learnable.device} but the input is on "
                 f"{x_seq.device}; move the module with .to(device)"
             )
-        spikes, v_seq, v_last, w_last = run_neuron(
-            self.program, backend, x_seq, v0, w0, learnable, constants, [v_init, w_init],
-            self.store_v_seq and self.step_mode == "m",
-        )  # fmt: skip
-        self.set_memory("v", v_last)
-        if self.definition.adaptive:
-            self.set_memory("w", w_last)
         multi_step = self.step_mode == "m"
-        self.set_memory("v_seq", v_seq if self.store_v_seq and multi_step else None)
+        store_v_seq = self.store_v_seq and multi_step
+        init = [v_init, w_init]
+        spikes, v_seq, v_last, w_last = run_neuron(
+            program, backend, x_seq, v0, w0, learnable, constants, init, store_v_seq
+        )
+        self.set_memory("v", v_last)
+        if adaptive:
+            self.set_memory("w", w_last)
+        self.set_memory("v_seq", v_seq if store_v_seq else None)
         return spikes if multi_step else spikes[0]
 
     def single_step_forward(self, x: Tensor) -> Tensor:
@@ -584,7 +603,7 @@ class BaseNode(MemoryModule):
         learned = iter(learnable.unbind(0)) if learnable is not None else iter(())
         return [
             next(learned) if p in self.learnable_params else next(constants)
-            for p in self.definition.all_params
+            for p in self._neuron_def().all_params
         ]
 
     def _forward_in_mode(self, x: Tensor, mode: str) -> Tensor:
@@ -603,8 +622,8 @@ class BaseNode(MemoryModule):
                 f"detach_reset={self.detach_reset}, step_mode={self.step_mode}, "
                 f"backend={self.backend} (torch code)"
             )
-        params = ", ".join(f"{p}={getattr(self, p)}" for p in self.definition.params
-                           if p not in self.learnable_params)  # fmt: skip
+        own = [p for p in self.definition.params if p not in self.learnable_params]
+        params = ", ".join(f"{p}={getattr(self, p)}" for p in own)
         ran = f" (ran: {self.last_backend})" if self.backend == "auto" and self.last_backend else ""
         return (
             f"{params + ', ' if params else ''}v_threshold={self.v_threshold}, "
@@ -636,12 +655,11 @@ class SimpleBaseNode(BaseNode):
 
 
 @functools.lru_cache(maxsize=64)
-def _torch_equations(definition: defs.NeuronDef) -> tuple:
+def _torch_equations(definition: defs.NeuronDef) -> tuple[Callable[..., Any], ...]:
     """charge, adaptation and jump of ``definition`` as torch functions of
     (v, x, w, h, *all_params), for torch-code neurons."""
-    args = [definition.symbols[n] for n in ("v", "x", "w", "h", *definition.all_params)]
     exprs = (definition.charge_expr, definition.adaptation_expr, definition.jump_expr)
-    return tuple(sp.lambdify(args, e, modules="torch") for e in exprs)
+    return tuple(defs.torch_function(definition, e) for e in exprs)
 
 
 class IFNode(BaseNode):
@@ -657,8 +675,17 @@ class IFNode(BaseNode):
         backend: str = "auto",
         store_v_seq: bool = False,
     ) -> None:
-        super().__init__(defs.IF, {}, v_threshold, v_reset, surrogate_function, detach_reset,
-                         step_mode, backend, store_v_seq)  # fmt: skip
+        super().__init__(
+            defs.IF,
+            {},
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+        )
 
 
 class LIFNode(BaseNode):
@@ -685,8 +712,17 @@ class LIFNode(BaseNode):
     ) -> None:
         self.decay_input = decay_input
         definition = defs.LIF if decay_input else defs.LIF_NO_DECAY_INPUT
-        super().__init__(definition, {"tau": tau}, v_threshold, v_reset, surrogate_function,
-                         detach_reset, step_mode, backend, store_v_seq)  # fmt: skip
+        super().__init__(
+            definition,
+            {"tau": tau},
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+        )
 
 
 class ParametricLIFNode(BaseNode):
@@ -716,8 +752,17 @@ class ParametricLIFNode(BaseNode):
             )
         self.decay_input = decay_input
         definition = defs.PLIF if decay_input else defs.PLIF_NO_DECAY_INPUT
-        super().__init__(definition, {}, v_threshold, v_reset, surrogate_function, detach_reset,
-                         step_mode, backend, store_v_seq)  # fmt: skip
+        super().__init__(
+            definition,
+            {},
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+        )
         self.w = nn.Parameter(torch.tensor(-math.log(init_tau - 1.0)))
 
     def learnable_values(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -747,8 +792,17 @@ class QIFNode(BaseNode):
         store_v_seq: bool = False,
     ) -> None:
         params = {"tau": tau, "a0": a0, "v_rest": v_rest, "v_c": v_c}
-        super().__init__(defs.QIF, params, v_threshold, v_reset, surrogate_function, detach_reset,
-                         step_mode, backend, store_v_seq)  # fmt: skip
+        super().__init__(
+            defs.QIF,
+            params,
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+        )
 
 
 class EIFNode(BaseNode):
@@ -772,8 +826,17 @@ class EIFNode(BaseNode):
         store_v_seq: bool = False,
     ) -> None:
         params = {"tau": tau, "v_rest": v_rest, "delta_T": delta_T, "theta_rh": theta_rh}
-        super().__init__(defs.EIF, params, v_threshold, v_reset, surrogate_function, detach_reset,
-                         step_mode, backend, store_v_seq)  # fmt: skip
+        super().__init__(
+            defs.EIF,
+            params,
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+        )
 
 
 class IzhikevichNode(BaseNode):
@@ -811,8 +874,18 @@ class IzhikevichNode(BaseNode):
             "tau_w": tau_w,
             "b": b,
         }
-        super().__init__(defs.IZHIKEVICH, params, v_threshold, v_reset, surrogate_function,
-                         detach_reset, step_mode, backend, store_v_seq, w_init=w_rest)  # fmt: skip
+        super().__init__(
+            defs.IZHIKEVICH,
+            params,
+            v_threshold=v_threshold,
+            v_reset=v_reset,
+            surrogate_function=surrogate_function,
+            detach_reset=detach_reset,
+            step_mode=step_mode,
+            backend=backend,
+            store_v_seq=store_v_seq,
+            w_init=w_rest,
+        )
 
     @property
     def w_rest(self) -> float:

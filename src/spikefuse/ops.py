@@ -12,27 +12,22 @@ outputs that do not exist are empty tensors; the eager path returns None for the
 
 from __future__ import annotations
 
-import functools
-import importlib
-from types import ModuleType
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import reference
-from .backends import compute_dtype
+from .backends import compute_dtype, get_backend
 from .errors import SpikefuseError
 from .program import NeuronProgram, lookup
 
-
-@functools.cache
-def backend_module(backend: str) -> ModuleType:
-    """The module implementing ``fptt``/``bptt``/``saved_like``/``keeps_x`` for a backend."""
-    if backend == "torch":
-        return reference
-    if backend == "cuda":
-        return importlib.import_module("spikefuse.cuda.backend")
-    raise ValueError(f"unknown backend {backend!r}")
+# What a neuron call fixes besides its tensors: (program, backend, constants, init, store_v_seq).
+# A plain tuple: it is built on every eager call, and autograd.Function.apply takes it as one
+# argument.
+CallConfig = tuple[NeuronProgram, str, list[float], list[float], bool]
+# grad_x, grad_v0, grad_w0, grad_learnable (see spikefuse.backends.BPTTOut)
+InputGrads = tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]
 
 
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
@@ -53,23 +48,34 @@ def neuron_fptt(
     store_v_seq: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(spikes, v_seq, v_last, w_last, saved_v, saved_w); see :class:`spikefuse.backends.FPTTOut`."""
-    out = backend_module(backend).fptt(
+    out = get_backend(backend).fptt(
         lookup(program), x_seq, v0, w0, learnable, constants, init, save_for_backward, store_v_seq
     )
-    return tuple(_or_empty(t, x_seq) for t in out)
+    return tuple(_or_empty(t, x_seq) for t in out)  # type: ignore[return-value]  # 6 outputs
 
 
 @neuron_fptt.register_fake
-def _(program, backend, x_seq, v0, w0, learnable, constants, init, save_for_backward, store_v_seq):
+def _neuron_fptt_fake(
+    program: str,
+    backend: str,
+    x_seq: Tensor,
+    v0: Tensor | None,
+    w0: Tensor | None,
+    learnable: Tensor | None,
+    constants: list[float],
+    init: list[float],
+    save_for_backward: bool,
+    store_v_seq: bool,
+) -> tuple[Tensor, ...]:
     prog = lookup(program)
-    cd = compute_dtype(x_seq.dtype)
-    state = x_seq.new_empty(x_seq.shape[1:], dtype=cd)
+    state = x_seq.new_empty(x_seq.shape[1:], dtype=compute_dtype(x_seq.dtype))
+    contiguous = torch.contiguous_format  # the outputs, whatever x's strides
     out = (
-        torch.empty_like(x_seq, memory_format=torch.contiguous_format),  # whatever x's strides
-        torch.empty_like(x_seq, memory_format=torch.contiguous_format) if store_v_seq else None,
+        torch.empty_like(x_seq, memory_format=contiguous),
+        torch.empty_like(x_seq, memory_format=contiguous) if store_v_seq else None,
         state,
         torch.empty_like(state) if prog.definition.adaptive else None,
-        *backend_module(backend).saved_like(prog, x_seq, save_for_backward),
+        *get_backend(backend).saved_like(prog, x_seq, save_for_backward),
     )
     return tuple(_or_empty(t, x_seq) for t in out)
 
@@ -92,14 +98,42 @@ def neuron_bptt(
     init: list[float],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_x, grad_v0, grad_w0, grad_learnable); see :class:`spikefuse.backends.BPTTOut`."""
-    out = _bptt(lookup(program), backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
-                saved_v, saved_w, x_seq, v0, w0, learnable, constants, init)  # fmt: skip
-    return tuple(_or_empty(t, grad_spikes) for t in out)
+    out = _bptt(
+        lookup(program),
+        backend,
+        grad_spikes,
+        grad_v_seq,
+        grad_v_last,
+        grad_w_last,
+        saved_v,
+        saved_w,
+        x_seq,
+        v0,
+        w0,
+        learnable,
+        constants,
+        init,
+    )
+    return tuple(_or_empty(t, grad_spikes) for t in out)  # type: ignore[return-value]  # 4 outputs
 
 
 @neuron_bptt.register_fake
-def _(program, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, saved_v, saved_w,
-      x_seq, v0, w0, learnable, constants, init):  # fmt: skip
+def _neuron_bptt_fake(
+    program: str,
+    backend: str,
+    grad_spikes: Tensor,
+    grad_v_seq: Tensor | None,
+    grad_v_last: Tensor | None,
+    grad_w_last: Tensor | None,
+    saved_v: Tensor,
+    saved_w: Tensor | None,
+    x_seq: Tensor | None,
+    v0: Tensor | None,
+    w0: Tensor | None,
+    learnable: Tensor | None,
+    constants: list[float],
+    init: list[float],
+) -> tuple[Tensor, ...]:
     adaptive = lookup(program).definition.adaptive
     out = (
         torch.empty_like(grad_spikes, memory_format=torch.contiguous_format),
@@ -110,20 +144,45 @@ def _(program, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, saved
     return tuple(_or_empty(t, grad_spikes) for t in out)
 
 
-def _bptt(program: NeuronProgram, backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
-          saved_v, saved_w, x_seq, v0, w0, learnable, constants, init):  # fmt: skip
-    """The backend's bptt; empty placeholders (from the ops) count as absent; the learnable
-    gradient comes back in the learnable tensor's dtype."""
-
-    def present(t):
-        return t if t is not None and t.numel() else None
-
-    out = backend_module(backend).bptt(
-        program, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, saved_v, present(saved_w),
-        x_seq, v0, w0, learnable, constants, init,
-    )  # fmt: skip
+def _bptt(
+    program: NeuronProgram,
+    backend: str,
+    grad_spikes: Tensor,
+    grad_v_seq: Tensor | None,
+    grad_v_last: Tensor | None,
+    grad_w_last: Tensor | None,
+    saved_v: Tensor,
+    saved_w: Tensor | None,
+    x_seq: Tensor | None,
+    v0: Tensor | None,
+    w0: Tensor | None,
+    learnable: Tensor | None,
+    constants: list[float],
+    init: list[float],
+) -> InputGrads:
+    """The backend's bptt; an empty ``saved_w`` (a placeholder from the ops) counts as absent;
+    the learnable gradient comes back in the learnable tensor's dtype."""
+    if saved_w is not None and not saved_w.numel():
+        saved_w = None
+    # Positional (a hot path): every argument is the variable named like the parameter, and
+    # every backend's bptt has the protocol's parameter order (tests/test_backends.py).
+    out = get_backend(backend).bptt(
+        program,
+        grad_spikes,
+        grad_v_seq,
+        grad_v_last,
+        grad_w_last,
+        saved_v,
+        saved_w,
+        x_seq,
+        v0,
+        w0,
+        learnable,
+        constants,
+        init,
+    )
     grad_learnable = out.grad_learnable
-    if grad_learnable is not None:
+    if grad_learnable is not None and learnable is not None:
         grad_learnable = grad_learnable.to(learnable.dtype)
     return out.grad_x, out.grad_v0, out.grad_w0, grad_learnable
 
@@ -134,50 +193,97 @@ def forbid_double_backward(what: str) -> None:
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         raise SpikefuseError(
             f"{what} does not support double backward (create_graph=True): its backward is not "
-            "differentiable, so higher-order gradients would be silently wrong; use the plain "
-            "autograd oracle (spikefuse.reference.oracle) for higher-order derivatives"
+            "differentiable, so higher-order gradients would be silently wrong; for higher-order "
+            "derivatives write the neuron as torch code (a BaseNode subclass overriding "
+            "neuronal_charge runs with plain autograd on the torch backend)"
         )
 
 
-def _setup_context(ctx, program: NeuronProgram, backend, inputs, saved, save, store_v_seq):
-    x_seq, v0, w0, learnable, constants, init = inputs
-    ctx.program, ctx.backend, ctx.constants, ctx.init = program, backend, constants, init
-    ctx.saved, ctx.store_v_seq = save, store_v_seq
-    keep_x = x_seq if backend_module(backend).keeps_x(program) else None
-    ctx.save_for_backward(*saved, keep_x, v0, w0, learnable)
+def _save_context(
+    ctx: Any,
+    config: CallConfig,
+    saved: bool,
+    x_seq: Tensor,
+    v0: Tensor | None,
+    w0: Tensor | None,
+    learnable: Tensor | None,
+    saved_v: Tensor | None,
+    saved_w: Tensor | None,
+) -> None:
+    """Keep what backward needs: the call's configuration, whether forward saved anything, the
+    backend's saved tensors, the optional inputs and x (only if the backend's bptt reads it)."""
+    ctx.config, ctx.saved = config, saved
+    program, backend = config[0], config[1]
+    keep_x = x_seq if get_backend(backend).keeps_x(program) else None
+    ctx.save_for_backward(saved_v, saved_w, keep_x, v0, w0, learnable)
 
 
-def _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, bptt):
-    """Gradients of (x_seq, v0, w0, learnable) from the saved context, via ``bptt``."""
+def _input_grads(
+    ctx: Any,
+    grad_spikes: Tensor | None,
+    grad_v_seq: Tensor | None,
+    grad_v_last: Tensor | None,
+    grad_w_last: Tensor | None,
+    bptt: Callable[..., InputGrads],
+) -> InputGrads:
+    """Gradients of (x_seq, v0, w0, learnable) from the saved context, via ``bptt`` (called
+    like :func:`_bptt`)."""
     if not ctx.saved:
         raise RuntimeError("spikefuse: backward through a neuron whose forward saved nothing")
+    program, backend, constants, init, store_v_seq = ctx.config
     saved_v, saved_w, x_seq, v0, w0, learnable = ctx.saved_tensors
-    grad_v_seq = grad_v_seq if ctx.store_v_seq else None  # outputs that do not exist: no grad
-    grad_w_last = grad_w_last if ctx.program.definition.adaptive else None
     if grad_spikes is None:
         like = x_seq if x_seq is not None else saved_v
         grad_spikes = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
-    return bptt(ctx.program, ctx.backend, grad_spikes, grad_v_seq, grad_v_last, grad_w_last,
-                saved_v, saved_w, x_seq, v0, w0, learnable, ctx.constants, ctx.init)  # fmt: skip
+    if not store_v_seq:  # outputs that do not exist: no gradient
+        grad_v_seq = None
+    if not program.definition.adaptive:
+        grad_w_last = None
+    return bptt(
+        program,
+        backend,
+        grad_spikes,
+        grad_v_seq,
+        grad_v_last,
+        grad_w_last,
+        saved_v,
+        saved_w,
+        x_seq,
+        v0,
+        w0,
+        learnable,
+        constants,
+        init,
+    )
 
 
-def _setup_op_context(ctx, inputs, output) -> None:
+def _setup_op_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
     program, backend, x_seq, v0, w0, learnable, constants, init, save, store_v_seq = inputs
-    _setup_context(ctx, lookup(program), backend, (x_seq, v0, w0, learnable, constants, init),
-                   output[4:], save, store_v_seq)  # fmt: skip
+    config = (lookup(program), backend, constants, init, store_v_seq)
+    _save_context(ctx, config, save, x_seq, v0, w0, learnable, output[4], output[5])
 
 
-def _op_backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _grad_sv, _grad_sw):
+def _op_bptt(program: NeuronProgram, backend: str, *tensors_and_constants: Any) -> InputGrads:
+    """:func:`_bptt` through the ``neuron_bptt`` op (what torch.compile traces)."""
+    return neuron_bptt(program.key, backend, *tensors_and_constants)
+
+
+def _op_backward(
+    ctx: Any,
+    grad_spikes: Tensor | None,
+    grad_v_seq: Tensor | None,
+    grad_v_last: Tensor | None,
+    grad_w_last: Tensor | None,
+    _grad_saved_v: Tensor | None,
+    _grad_saved_w: Tensor | None,
+) -> tuple[Tensor | None, ...]:
     forbid_double_backward("a spikefuse neuron")
-
-    def op_bptt(program, backend, *args):
-        return neuron_bptt(program.key, backend, *args)
-
-    grads = _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, op_bptt)
+    grads = _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _op_bptt)
     _, v0, w0, learnable = ctx.saved_tensors[2:]
-    present = (True, v0 is not None, w0 is not None, learnable is not None)
-    grads = [g if keep else None for g, keep in zip(grads, present, strict=True)]
-    return None, None, *grads, None, None, None, None
+    present = (True, v0 is not None, w0 is not None, learnable is not None)  # else: empty grads
+    input_grads = (g if keep else None for g, keep in zip(grads, present, strict=True))
+    # program, backend, *grads (x_seq, v0, w0, learnable), constants, init, save, store_v_seq
+    return None, None, *input_grads, None, None, None, None
 
 
 neuron_fptt.register_autograd(_op_backward, setup_context=_setup_op_context)
@@ -187,21 +293,40 @@ class _EagerNeuron(torch.autograd.Function):
     """The same computation as the custom ops, without their Python dispatch cost (eager mode)."""
 
     @staticmethod
-    def forward(ctx, x_seq, v0, w0, learnable, config):
-        program, backend, constants, init, store_v_seq = config  # one argument: apply is cheaper
+    def forward(
+        ctx: Any,
+        x_seq: Tensor,
+        v0: Tensor | None,
+        w0: Tensor | None,
+        learnable: Tensor | None,
+        config: CallConfig,  # one argument, not five: apply is cheaper
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        program, backend, constants, init, store_v_seq = config
         ctx.set_materialize_grads(False)  # unused outputs get None, not a zero-filled tensor
-        out = backend_module(backend).fptt(
-            program, x_seq, v0, w0, learnable, constants, init, True, store_v_seq
+        out = get_backend(backend).fptt(
+            program,
+            x_seq,
+            v0,
+            w0,
+            learnable,
+            constants,
+            init,
+            save_for_backward=True,
+            store_v_seq=store_v_seq,
         )
-        _setup_context(ctx, program, backend, (x_seq, v0, w0, learnable, constants, init),
-                       out[4:], True, store_v_seq)  # fmt: skip
-        return out[:4]
+        _save_context(ctx, config, True, x_seq, v0, w0, learnable, out.saved_v, out.saved_w)
+        return out.spikes, out.v_seq, out.v_last, out.w_last
 
     @staticmethod
-    def backward(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last):
+    def backward(
+        ctx: Any,
+        grad_spikes: Tensor | None,
+        grad_v_seq: Tensor | None,
+        grad_v_last: Tensor | None,
+        grad_w_last: Tensor | None,
+    ) -> tuple[Tensor | None, ...]:
         forbid_double_backward("a spikefuse neuron")
-        grads = _input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _bptt)
-        return *grads, None
+        return *_input_grads(ctx, grad_spikes, grad_v_seq, grad_v_last, grad_w_last, _bptt), None
 
 
 def run_neuron(
@@ -225,13 +350,22 @@ def run_neuron(
         t is not None and t.requires_grad for t in (x_seq, v0, w0, learnable)
     )
     if torch.compiler.is_compiling():  # the custom op: opaque to the compiler, no graph break
-        out = torch.ops.spikefuse.neuron_fptt(program.key, backend, x_seq, v0, w0, learnable,
-                                              constants, init, save, store_v_seq)  # fmt: skip
-        return out[0], out[1], out[2], out[3]
-    if not save:
-        out = backend_module(backend).fptt(
-            program, x_seq, v0, w0, learnable, constants, init, False, store_v_seq
+        op_out = torch.ops.spikefuse.neuron_fptt(
+            program.key, backend, x_seq, v0, w0, learnable, constants, init, save, store_v_seq
         )
-        return out[0], out[1], out[2], out[3]
-    return _EagerNeuron.apply(x_seq, v0, w0, learnable,
-                              (program, backend, constants, init, store_v_seq))  # fmt: skip
+        return op_out[0], op_out[1], op_out[2], op_out[3]
+    if not save:
+        out = get_backend(backend).fptt(
+            program,
+            x_seq,
+            v0,
+            w0,
+            learnable,
+            constants,
+            init,
+            save_for_backward=False,
+            store_v_seq=store_v_seq,
+        )
+        return out.spikes, out.v_seq, out.v_last, out.w_last
+    config = (program, backend, constants, init, store_v_seq)
+    return _EagerNeuron.apply(x_seq, v0, w0, learnable, config)

@@ -4,6 +4,10 @@ The program is the static part of a neuron's computation (what a kernel is compi
 Runtime values travel separately: ``constants`` (floats: V_th, V_reset, then the non-learnable
 parameters in definition order) and ``learnable`` (a float32 tensor with the learnable
 parameters in definition order, possibly empty).
+
+Three parts: :class:`NeuronProgram` itself; its equations evaluated with torch ops (what the
+reference backend and the tests' oracle run); and the registry by key, through which the custom
+ops (:mod:`spikefuse.ops`, which take strings) find a program.
 """
 
 from __future__ import annotations
@@ -12,18 +16,19 @@ import copy
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import sympy as sp
 import torch
 
-from .definitions import NeuronDef
+from .definitions import NeuronDef, torch_function
 from .errors import SpikefuseError
 from .surrogate import Surrogate
 
-_REGISTRY: dict[str, NeuronProgram] = {}
+# A lambdified equation or partial, f(v, x, w, h, *all_params): a tensor, or a Python number
+# where the expression is a constant (IF's ∂H/∂X = 1); torch arithmetic takes both alike.
+TorchFunction = Callable[..., Any]
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,10 +54,8 @@ class NeuronProgram:
                 f"{self.definition.name}: learnable {sorted(unknown)} not in params"
             )
         d = self.definition
-        in_adaptation = {
-            p for p in self.learnable
-            if d.symbols[p] in (d.adaptation_expr.free_symbols | d.jump_expr.free_symbols)
-        }  # fmt: skip
+        adaptation_symbols = d.adaptation_expr.free_symbols | d.jump_expr.free_symbols
+        in_adaptation = {p for p in self.learnable if d.symbols[p] in adaptation_symbols}
         if d.adaptive and in_adaptation:
             raise SpikefuseError(
                 f"{d.name}: learnable parameters must appear only in the charge equation; "
@@ -89,14 +92,9 @@ class NeuronProgram:
         """Names of the float constants, in ``constants`` order."""
         return tuple(p for p in self.definition.all_params if p not in self.learnable)
 
-    # ---- torch evaluation (reference backend, oracle) -------------------------------------------
-    def _lambdify(self, expr: sp.Expr) -> Callable[..., torch.Tensor | float]:
-        d = self.definition
-        args = [d.symbols[n] for n in ("v", "x", "w", "h", *d.all_params)]
-        return sp.lambdify(args, expr, modules="torch")
-
+    # ---- torch evaluation (reference backend, tests' oracle) -------------------------------------
     @functools.cached_property
-    def torch_functions(self) -> dict[str, Callable[..., torch.Tensor | float]]:
+    def torch_functions(self) -> dict[str, TorchFunction]:
         """charge, adaptation, jump and every partial, as f(v, x, w, h, *all_params)."""
         d, p = self.definition, self.definition.partials
         exprs = {
@@ -110,18 +108,26 @@ class NeuronProgram:
             "dz_dw": p.dz_dw,
             **{f"dh_d{name}": p.dh_dparam[name] for name in self.learnable},
         }
-        return {name: self._lambdify(e) for name, e in exprs.items()}
+        return {name: torch_function(d, e) for name, e in exprs.items()}
 
     def param_values(
-        self, learnable: torch.Tensor, constants: list[float], like: torch.Tensor
+        self, learnable: torch.Tensor | None, constants: list[float], like: torch.Tensor
     ) -> list[torch.Tensor]:
         """All parameter values in ``definition.all_params`` order, as 0-dim tensors like ``like``."""
         consts = iter(constants)
-        learn = iter(learnable.to(like.dtype).unbind(0)) if self.learnable else iter(())
+        learn: Iterator[torch.Tensor] = iter(())
+        if self.learnable:
+            if learnable is None:
+                raise SpikefuseError(f"{self.definition.name}: no values for {self.learnable}")
+            learn = iter(learnable.to(like.dtype).unbind(0))
         return [
             next(learn) if name in self.learnable else like.new_tensor(next(consts))
             for name in self.definition.all_params
         ]
+
+
+# ---- the registry: programs by key, for the custom ops ------------------------------------------
+_REGISTRY: dict[str, NeuronProgram] = {}
 
 
 def _register(program: NeuronProgram) -> None:

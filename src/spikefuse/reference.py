@@ -1,9 +1,10 @@
 """The reference backend: pure PyTorch, any device; the specification in code.
 
 ``fptt`` runs the dynamics through time; ``bptt`` is the explicit backward of seed 003's
-dL/dH[t] recurrence. ``oracle`` is an independent plain-autograd step loop used only by tests
-to check ``bptt``. Arithmetic runs in float32 (float64 for float64 input); outputs are cast to
-the input dtype, states stay in the compute dtype.
+dL/dH[t] recurrence (the tests check it against an independent plain-autograd step loop,
+``tests/oracle.py``). Implements :class:`spikefuse.backends.NeuronBackend`. Arithmetic runs
+in float32 (float64 for float64 input); outputs are cast to the input dtype, states stay in the
+compute dtype.
 
 Shapes: ``x_seq`` [T, *], states [*]; ``learnable`` [P] float32; ``constants`` floats (see
 :mod:`spikefuse.program`).
@@ -14,9 +15,15 @@ from __future__ import annotations
 import torch
 
 from .backends import BPTTOut, FPTTOut, compute_dtype
+from .errors import SpikefuseError
 from .program import NeuronProgram
 
 SAVES_SEQUENCE = True  # forward keeps H[t] (and W[t]) for every step
+
+
+def unavailable_reason(x: torch.Tensor) -> str | None:
+    """Always None: the reference backend runs on every device and floating dtype."""
+    return None
 
 
 def keeps_x(program: NeuronProgram) -> bool:
@@ -145,7 +152,9 @@ def bptt(
 
     grad_x = torch.empty_like(h_seq)
     grad_learn = [h_seq.new_zeros(()) for _ in program.learnable]
-    grad_h_next = grad_w_next = None
+    # dL/dH[t+1] and dL/dW[t+1]: None before the first step back
+    grad_h_next: torch.Tensor | None = None
+    grad_w_next: torch.Tensor | None = None
     for t in range(T - 1, -1, -1):
         h, v, v_prev = h_seq[t], v_at(t), v_at(t - 1)
         s = _fire(h, vth)
@@ -169,7 +178,7 @@ def bptt(
             grad_w = torch.zeros_like(h)
             if t == T - 1 and grad_w_last is not None:
                 grad_w = grad_w + grad_w_last.to(cd)
-            if grad_h_next is not None:
+            if grad_h_next is not None and grad_w_next is not None:  # both set at t + 1
                 grad_w = grad_w + grad_h_next * f["dh_dw"](*args_next)
                 grad_w = grad_w + grad_w_next * f["dz_dw"](*args_next)
             args = (v_prev, x_at(t), w_at(t - 1), h, *params)
@@ -182,6 +191,8 @@ def bptt(
             grad_learn[i] = grad_learn[i] + (grad_h * f[f"dh_d{name}"](*args)).sum()
         grad_h_next = grad_h
 
+    if grad_h_next is None:
+        raise SpikefuseError("reference bptt: the sequence has no time steps (T = 0)")
     args0 = (v_init, x_at(0), w_at(-1), h_seq[0], *params)
 
     def state_grad(grad, like):  # partials may be constants: a full [*] tensor of cd
@@ -190,7 +201,7 @@ def bptt(
     grad_v0 = grad_w0 = None
     if v0 is not None:
         grad_v0 = state_grad(grad_h_next * f["dh_dv"](*args0), v_init)
-    if w0 is not None and d.adaptive:
+    if w0 is not None and grad_w_next is not None:  # grad_w_next: set iff adaptive
         grad_w0 = grad_h_next * f["dh_dw"](*args0) + grad_w_next * f["dz_dw"](*args0)
         grad_w0 = state_grad(grad_w0, w_init)
     return BPTTOut(
@@ -199,37 +210,3 @@ def bptt(
         grad_w0=grad_w0,
         grad_learnable=torch.stack(grad_learn) if grad_learn else None,
     )
-
-
-def oracle(
-    program: NeuronProgram,
-    x_seq: torch.Tensor,
-    v0: torch.Tensor,
-    w0: torch.Tensor,
-    learnable: torch.Tensor,
-    constants: list[float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain autograd step loop (the test oracle): spikes, v_seq, v_last, w_last.
-
-    Gradients come from autograd through the charge function and the surrogate; nothing here
-    shares code with :func:`bptt` beyond the lambdified charge and surrogate derivative.
-    """
-    f, d = program.torch_functions, program.definition
-    params = program.param_values(learnable, constants, x_seq)
-    vth, vreset = params[0], params[1]
-    v, w = v0, w0
-    zero = x_seq.new_zeros(())
-    spikes, vs = [], []
-    for t in range(x_seq.shape[0]):
-        h = f["charge"](v, x_seq[t], w, zero, *params)
-        s = program.surrogate(h - vth)
-        s_reset = s.detach() if program.detach_reset else s
-        if d.adaptive:
-            w = (
-                f["adaptation"](v, x_seq[t], w, h, *params)
-                + f["jump"](v, x_seq[t], w, h, *params) * s
-            )
-        v = h * (1 - s_reset) + vreset * s_reset if program.hard_reset else h - vth * s_reset
-        spikes.append(s)
-        vs.append(v)
-    return torch.stack(spikes), torch.stack(vs), v, w

@@ -50,14 +50,19 @@ def _where(condition: torch.Tensor, a, b) -> torch.Tensor:
 
 
 class _SurrogateSpike(torch.autograd.Function):
+    """Θ(x) forward, ``derivative(x)`` times the incoming gradient backward: every spiking
+    surrogate's autograd Function (the modules' and the functional forms')."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, derivative: Callable[[torch.Tensor], torch.Tensor]):
+    def forward(
+        ctx: Any, x: torch.Tensor, derivative: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.derivative = derivative
         return heaviside(x)
 
     @staticmethod
-    def backward(ctx, grad_spike: torch.Tensor):
+    def backward(ctx: Any, grad_spike: torch.Tensor) -> tuple[torch.Tensor, None]:
         (x,) = ctx.saved_tensors
         return grad_spike * ctx.derivative(x), None
 
@@ -105,7 +110,8 @@ class Surrogate(nn.Module):
             super().__setattr__(name, value)
             return
         self.check_hyperparameters({**current, name: value})  # before anything changes
-        super().__setattr__(name, float(value))
+        # torch annotates Module.__setattr__'s value as Tensor | Module; it takes any value
+        super().__setattr__(name, float(value))  # type: ignore[arg-type]
         for user in list(self.__dict__.get("_users", ())):
             user.surrogate_changed()
 
@@ -394,32 +400,21 @@ class SurrogateFunctionBase(nn.Module):
         )
 
 
-@functools.lru_cache(maxsize=256)
-def _instance(cls: type[_AlphaSurrogate], alpha: float) -> _AlphaSurrogate:
-    return cls(alpha)
-
-
 def _functional_form(cls: type[_AlphaSurrogate], name: str) -> type[torch.autograd.Function]:
     """SpikingJelly's functional form of ``cls``: ``name.apply(x, alpha)`` returns Θ(x) with
-    ``cls(alpha)``'s derivative in backward."""
+    ``cls(alpha)``'s derivative in backward (:class:`_SurrogateSpike` with its arguments)."""
 
-    def forward(ctx, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        ctx.alpha = float(alpha)
-        return heaviside(x)
+    @functools.lru_cache(maxsize=64)
+    def derivative(alpha: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        return cls(alpha).derivative  # validates alpha
 
-    def backward(ctx, grad_spike: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        return grad_spike * _instance(cls, ctx.alpha).derivative(x), None
+    def forward(ctx: Any, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return _SurrogateSpike.forward(ctx, x, derivative(float(alpha)))
 
     doc = (
         f"``{name}.apply(x, alpha)``: Θ(x) forward, :class:`{cls.__name__}`'s derivative backward."
     )
-    return type(
-        name,
-        (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(backward), "__doc__": doc},
-    )
+    return type(name, (_SurrogateSpike,), {"forward": staticmethod(forward), "__doc__": doc})
 
 
 sigmoid = _functional_form(Sigmoid, "sigmoid")

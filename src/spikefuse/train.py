@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spikefuse import functional, layer, models, neuron
-from spikefuse.cuda import unavailable_reason
+from spikefuse import backends, functional, layer, models, neuron
 from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.extras import require
 from spikefuse.fused import fuse
@@ -443,16 +442,18 @@ def cpu_threads(device: torch.device, count: int) -> Iterator[None]:
 
 
 def describe_backend(backend: str, device: torch.device) -> str:
-    """Say which neuron backend will run on ``device``; fail early if ``cuda`` cannot."""
-    reason = unavailable_reason(torch.empty(0, device=device))
-    if backend == "cuda" and reason is not None:
-        raise BackendUnavailableError(f"--backend cuda: {reason}")
+    """Say which neuron backend will run on ``device``; fail early if an explicit one cannot."""
+    probe = torch.empty(0, device=device)
     if backend != "auto":
+        reason = backends.unavailable_reason(backend, probe)
+        if reason is not None:
+            raise BackendUnavailableError(f"--backend {backend}: {reason}")
         return backend
-    if reason is None:
-        return "auto -> cuda"
+    chosen = backends.resolve("auto", probe)
+    if chosen == "cuda" or device.type != "cuda":
+        return f"auto -> {chosen}"
     # On a GPU the user likely expected cuda, so say why it is not used.
-    return "auto -> torch" + (f" ({reason})" if device.type == "cuda" else "")
+    return f"auto -> torch ({backends.unavailable_reason('cuda', probe)})"
 
 
 def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:

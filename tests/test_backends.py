@@ -1,0 +1,63 @@
+"""The backend contract (spikefuse.backends): every registered backend module provides the
+protocol's attributes with its parameter order, and the one 'auto' rule."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from spikefuse import backends
+from spikefuse.errors import BackendUnavailableError, SpikefuseError
+
+PROTOCOL = backends.NeuronBackend
+MEMBERS = sorted(
+    {name for name in vars(PROTOCOL) if not name.startswith("_")} | set(PROTOCOL.__annotations__)
+)
+
+
+@pytest.mark.parametrize("name", ["torch", "cuda"])
+def test_backend_modules_satisfy_the_protocol(name):
+    module = backends.get_backend(name)
+    assert MEMBERS == [
+        "SAVES_SEQUENCE",
+        "bptt",
+        "fptt",
+        "keeps_x",
+        "saved_like",
+        "unavailable_reason",
+    ]
+    for member in MEMBERS:
+        assert hasattr(module, member), f"{module.__name__} lacks {member}"
+    assert isinstance(module.SAVES_SEQUENCE, bool)
+    for member in MEMBERS:
+        if member == "SAVES_SEQUENCE":
+            continue
+        # the ops call fptt/bptt positionally: the parameter order is part of the contract
+        expected = list(inspect.signature(getattr(PROTOCOL, member)).parameters)[1:]  # no self
+        actual = list(inspect.signature(getattr(module, member)).parameters)
+        assert actual[: len(expected)] == expected, f"{module.__name__}.{member}"
+        extra = inspect.signature(getattr(module, member)).parameters
+        assert all(extra[p].default is not inspect.Parameter.empty for p in actual[len(expected) :])
+    assert backends.get_backend("cupy" if name == "cuda" else name) is module
+
+
+def test_resolve_is_the_auto_rule():
+    x = torch.zeros(3)
+    assert backends.resolve("auto", x) == "torch"  # no CUDA tensor: the torch backend
+    assert backends.resolve("torch", x) == "torch"
+    for explicit in ("cuda", "cupy"):
+        with pytest.raises(BackendUnavailableError, match=r"^LIFNode: backend 'cuda': .*cpu"):
+            backends.resolve(explicit, x, who="LIFNode")
+    assert backends.unavailable_reason("torch", x) is None
+    assert "CUDA tensor" in backends.unavailable_reason("cuda", x)
+    assert backends.get_backend("torch").unavailable_reason(x) is None
+    with pytest.raises(SpikefuseError, match="unknown backend 'tpu'"):
+        backends.resolve("tpu", x)
+
+
+def test_affine_kernels_capability():
+    assert backends.affine_kernels("torch") is None
+    kernels = backends.affine_kernels("cuda")
+    assert kernels is not None and callable(kernels.affine_fptt) and callable(kernels.affine_bptt)
