@@ -113,7 +113,7 @@ _REGISTRY: dict[str, str] = {
     "cuda": "spikefuse.cuda.backend",
 }
 # name -> module implementing AffineKernels, for the backends that have them.
-_AFFINE_REGISTRY: dict[str, str] = {"cuda": "spikefuse.cuda.backend"}
+_AFFINE_REGISTRY: dict[str, str] = {"cuda": "spikefuse.cuda.affine"}
 _ALIASES = {"cupy": "cuda"}
 
 
