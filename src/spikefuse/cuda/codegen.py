@@ -112,7 +112,7 @@ class ArgPointer:
 # shift[c] with c = (n / inner) % channels. Backward pass 1 writes the per-neuron sums; pass 2
 # reads their per-channel totals (divided by the count through inv_count) and writes dL/dY.
 ARG_POINTERS = (
-    ArgPointer("const scalar_t*", "x_seq", "X [T, N]", "both"),
+    ArgPointer("const scalar_t*", "x_seq", "X [T, N]; Y in the affine kernels", "both"),
     ArgPointer("const float*", "v0", "V[-1] [N], or null: every neuron starts at v_init", "plain"),
     ArgPointer(
         "const float*", "w0", "W[-1] [N], or null: every neuron starts at w_init", "two_state"
@@ -302,7 +302,8 @@ class NeuronKernel:
             lines.append(
                 "    long long channels, inner;  // channel of neuron n: n / inner % channels"
             )
-        lines.append("    float v_init;  // V[-1] where v0 is null")
+        start = "of every neuron" if self.affine else "where v0 is null"
+        lines.append(f"    float v_init;  // V[-1] {start}")
         if self.adaptive:
             lines.append("    float w_init;  // W[-1] where w0 is null")
         if self.affine:
