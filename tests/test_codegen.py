@@ -135,7 +135,7 @@ def test_argument_struct_matches_the_packed_bytes(make, affine):
     fields = _struct_fields(kernel.full_codes)
     codes = "".join("Q" if ctype.endswith("*") else _FORMAT[ctype] for ctype, _ in fields)
     layout = struct.Struct("<" + codes + "4x" * (codes.count("f") % 2))  # padded to 8 bytes
-    pointers = {name: 1000 + i for i, name in enumerate(kernel._pointer_names)}
+    pointers = {f.name: 1000 + i for i, f in enumerate(kernel.pointers)}
     constants = [1.5 + i for i in range(len(kernel.constant_names))]
     packed = kernel.pack_args(pointers, 3, 5, 0.5, 0.25, constants, (6, 8), inv_count=0.125)
     assert len(packed) == layout.size

@@ -28,7 +28,8 @@ from .runtime import (
     vector_width,
 )
 
-# What the GPU check and the benchmarks reach through this module, besides the backend contract.
+# The backend contract (spikefuse.backends.NeuronBackend), and the kernel access the GPU check
+# and the benchmarks use (kernel_for, compiled, precompile).
 __all__ = [
     "SAVES_SEQUENCE",
     "bptt",
