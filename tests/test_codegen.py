@@ -1,20 +1,31 @@
-"""Code generation: every kernel variant compiles with nvcc (sm_80 and sm_90), source is readable,
+"""Code generation: every kernel variant compiles with nvcc (sm_80 and sm_90), source is readable
+(the checked-in template plus a generated prelude), the argument structs match the packed bytes,
 and the hand-written-snippet extension path works. GPU execution is checked by
 tests/gpu (``pytest -m gpu`` on a GPU machine)."""
 
 from __future__ import annotations
 
 import itertools
+import re
 import shutil
 import struct
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
-from spikefuse import neuron, surrogate
-from spikefuse.cuda.codegen import NVRTC_OPTIONS, VEC, DefinitionKernel, NeuronKernel
+from spikefuse import backends, neuron, surrogate
+from spikefuse.cuda import affine, backend
+from spikefuse.cuda.codegen import (
+    NVRTC_OPTIONS,
+    TEMPLATE_NAME,
+    TEMPLATE_PATH,
+    VEC,
+    DefinitionKernel,
+    NeuronKernel,
+)
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: compile test not run")
@@ -52,7 +63,10 @@ def translation_unit(kernels: list[NeuronKernel]) -> str:
     parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"]
     for i, k in enumerate(kernels):
         body = k.full_codes.replace('extern "C" ', "")
-        parts.append(f"namespace variant{i} {{\n{body}\n}}\n")
+        # each prelude names itself: after a variant's template, lines would count on in it
+        parts.append(
+            f'namespace variant{i} {{\n#line 1 "variant{i}: {k.kernel_prefix}"\n{body}\n}}\n'
+        )
     return "".join(parts)
 
 
@@ -68,9 +82,10 @@ def test_every_variant_compiles_with_nvcc(tmp_path):
     def compile_for(arch: str) -> subprocess.CompletedProcess:
         # Unoptimised: this test checks that every variant is valid CUDA that compiles to SASS;
         # optimisation only costs time here (the GPU check compiles optimised, with NVRTC).
-        cmd = [NVCC, "-c", *NVRTC_OPTIONS, "-Xcicc", "-O0", "-Xptxas", "-O0", f"-arch=sm_{arch}",
-               "-o", str(tmp_path / f"{arch}.o"), str(source)]  # fmt: skip
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        unoptimised = ["-Xcicc", "-O0", "-Xptxas", "-O0"]
+        output = str(tmp_path / f"{arch}.o")
+        cmd = [NVCC, "-c", *NVRTC_OPTIONS, *unoptimised, f"-arch=sm_{arch}", "-o", output]
+        return subprocess.run([*cmd, str(source)], capture_output=True, text=True, timeout=900)
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(compile_for, ("80", "90")))
@@ -95,24 +110,106 @@ def test_generated_source_is_printable_and_names_the_variant():
     assert code.count("= step(") == 2
 
 
-def test_argument_struct_matches_the_packed_bytes():
-    """The Python packing and the generated struct agree on every field's order and size."""
-    node = neuron.IzhikevichNode()
-    kernel = DefinitionKernel(node.program, torch.float32, VEC)
-    struct_src = kernel.full_codes.split("struct Args {")[1].split("};")[0]
-    fields = [line.split("//")[0].strip().rstrip(";") for line in struct_src.strip().splitlines()]
-    pointers = [f for f in fields if "*" in f]
-    floats = [n.strip() for f in fields if f.startswith("float ") for n in f[6:].split(",")]
-    assert len(pointers) == 26 and fields[len(pointers)] == "long long T, N, channels, inner"
-    assert floats == ["v_init", "w_init", "inv_count", *kernel.constant_names]
-    packed = kernel.pack_args(
-        {"x_seq": 7, "grad_w0": 9}, 3, 5, 0.5, 0.25, [1.0] * 9, (6, 8), inv_count=0.125
-    )
-    assert len(packed) == 26 * 8 + 32 + 4 * 12  # 12 floats: an even count, no padding
-    assert int.from_bytes(packed[:8], "little") == 7 and packed[8:16] == bytes(8)
-    ints = [int.from_bytes(packed[208 + 8 * i : 216 + 8 * i], "little") for i in range(4)]
-    assert ints == [3, 5, 6, 8]
-    assert struct.unpack_from("<3f", packed, 240) == (0.5, 0.25, 0.125)
+def _struct_fields(code: str) -> list[tuple[str, str]]:
+    """(C type, name) of every field of the generated ``struct Args``, in order."""
+    body = code.split("struct Args {")[1].split("};")[0]
+    fields = []
+    for line in body.strip().splitlines():
+        declaration = line.split("//")[0].strip().rstrip(";")
+        ctype, names = re.fullmatch(r"(.*?[\s*])(\w+(?:, \w+)*)", declaration).groups()
+        fields += [(ctype.strip(), name) for name in names.split(", ")]
+    return fields
+
+
+_FORMAT = {"long long": "q", "float": "f"}  # any pointer: "Q"
+
+
+@pytest.mark.parametrize(
+    "make, affine",
+    [(neuron.IzhikevichNode, False), (neuron.LIFNode, False), (neuron.ParametricLIFNode, True)],
+)
+def test_argument_struct_matches_the_packed_bytes(make, affine):
+    """The Python packing and the generated struct agree on every field's order and size, for
+    plain kernels of two-state and one-state neurons and for the channel-affine kernels."""
+    kernel = DefinitionKernel(make().program, torch.float32, VEC, affine=affine)
+    fields = _struct_fields(kernel.full_codes)
+    codes = "".join("Q" if ctype.endswith("*") else _FORMAT[ctype] for ctype, _ in fields)
+    layout = struct.Struct("<" + codes + "4x" * (codes.count("f") % 2))  # padded to 8 bytes
+    pointers = {f.name: 1000 + i for i, f in enumerate(kernel.pointers)}
+    constants = [1.5 + i for i in range(len(kernel.constant_names))]
+    packed = kernel.pack_args(pointers, 3, 5, 0.5, 0.25, constants, (6, 8), inv_count=0.125)
+    assert len(packed) == layout.size
+    values = dict(zip([name for _, name in fields], layout.unpack(packed), strict=True))
+    expected = {**pointers, "T": 3, "N": 5, "v_init": 0.5}
+    expected |= dict(zip(kernel.constant_names, constants, strict=True))
+    if kernel.adaptive:
+        expected["w_init"] = 0.25
+    if affine:
+        expected |= {"channels": 6, "inner": 8, "inv_count": 0.125}
+    assert values == expected
+
+
+def test_plain_and_affine_kernels_have_their_own_arguments():
+    """Plain kernels carry no BatchNorm fields, one-state neurons no W fields, and the affine
+    kernels none of the state inputs and outputs they never use."""
+
+    def field_names(node: neuron.BaseNode, affine: bool = False) -> set[str]:
+        kernel = DefinitionKernel(node.program, torch.float16, 1, affine=affine)
+        return {name for _, name in _struct_fields(kernel.full_codes)}
+
+    plain, two_state = field_names(neuron.LIFNode()), field_names(neuron.IzhikevichNode())
+    with_bn = field_names(neuron.LIFNode(), affine=True)
+    assert not {n for n in plain | two_state if n.startswith("bn_")} and "inv_count" not in plain
+    w_fields = {"w0", "w_init", "w_last", "w_ckpt", "grad_w_last", "grad_w0"}
+    assert w_fields <= two_state and not w_fields & plain
+    assert {"bn_mean", "bn_invstd", "grad_sum", "bn_total_g", "channels", "inv_count"} <= with_bn
+    assert not {"v0", "v_seq", "v_last", "grad_v_seq", "grad_v_last", "grad_v0"} & with_bn
+
+
+def test_kernel_source_is_the_template_behind_a_line_directive():
+    """The loops come from the checked-in template, verbatim, and compiler messages name it;
+    the generated prelude holds no loop."""
+    kernel = backend.kernel_for(neuron.LIFNode().program, torch.float16, VEC)
+    code = kernel.full_codes
+    assert TEMPLATE_PATH.parent == Path(backend.__file__).parent
+    assert TEMPLATE_NAME == "spikefuse/cuda/" + TEMPLATE_PATH.name
+    prelude, template = code.split(f'#line 1 "{TEMPLATE_NAME}"\n')
+    assert template == TEMPLATE_PATH.read_text(encoding="utf-8")
+    assert "for (" not in prelude and "__global__" not in prelude
+    assert f"#define FPTT_KERNEL {kernel.fptt_name}" in prelude
+
+
+def test_printed_lif_kernel_reads_like_hand_written_code():
+    """The README's recipe prints a kernel with lines of at most 100 columns, no whitespace-only
+    lines, one float-literal style, and the surrogate's exp computed once."""
+    code = backend.kernel_for(neuron.LIFNode().program, torch.float16, 4).full_codes
+    lines = code.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert not [line for line in lines if line and not line.strip()]
+    assert code.count("__expf(") == 1  # Sigmoid: sigma(4x) computed once, then reused
+    assert not re.search(r"\d[.\d]*F\b", code)  # literals are written 4.0f, never 4.0F
+    assert "? j - 1 : 0" not in code
+
+
+@pytest.mark.parametrize("sur", surrogate.ALL)
+def test_surrogates_print_with_lowercase_literals_on_one_line(sur):
+    code = backend.kernel_for(neuron.LIFNode(surrogate_function=sur()).program, torch.float32, 1)
+    body = code.full_codes.split("surrogate_grad(const float x)\n{\n")[1].split("\n}")[0]
+    assert body.strip().startswith(("return", "const float e0 = "))
+    assert all(line.endswith(";") for line in body.splitlines())  # no statement spans lines
+    assert not re.search(r"\d[.\d]*F\b", body)
+
+
+def test_affine_kernels_are_their_own_module():
+    """The fused blocks find the channel-affine launchers through the registry, apart from the
+    generic neuron backend."""
+    assert backends.affine_kernels("cuda") is affine
+    assert backends.affine_kernels("torch") is None
+    assert not hasattr(backend, "affine_fptt")
+    assert affine.channel_layout(torch.zeros(2, 3, 4, 5, 6))[1] == (4, 30)
+    channels_last = torch.zeros(2, 3, 5, 6, 4).permute(0, 1, 4, 2, 3)  # [T, B, C, H, W] view
+    y, channels = affine.channel_layout(channels_last)
+    assert channels == (4, 1) and y is channels_last  # used as it is, not copied
 
 
 def test_reserved_parameter_names_are_refused():
@@ -140,6 +237,6 @@ def test_hand_written_snippets_produce_a_complete_kernel(tmp_path):
     if NVCC is None:
         pytest.skip("nvcc not found on PATH: hand-written kernel not compiled")
     (tmp_path / "k.cu").write_text(code)
-    r = subprocess.run([NVCC, "-c", "-arch=sm_90", "-o", str(tmp_path / "k.o"), str(tmp_path / "k.cu")],
-                       capture_output=True, text=True)  # fmt: skip
+    cmd = [NVCC, "-c", *NVRTC_OPTIONS, "-arch=sm_90", "-o", str(tmp_path / "k.o")]
+    r = subprocess.run([*cmd, str(tmp_path / "k.cu")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

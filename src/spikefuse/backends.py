@@ -174,12 +174,12 @@ class _Registered:
     # Cheap (never imports the backend module or CuPy) and traceable by torch.compile: every
     # neuron call asks.
     unavailable_reason: Callable[[torch.Tensor], str | None] | None
-    affine_kernels: bool = False  # the module also implements AffineKernels
+    affine_module: str | None = None  # implements AffineKernels (None: the backend has none)
 
 
 _REGISTRY: dict[str, _Registered] = {
     "torch": _Registered("spikefuse.reference", unavailable_reason=None),
-    "cuda": _Registered("spikefuse.cuda.backend", cuda_unavailable_reason, affine_kernels=True),
+    "cuda": _Registered("spikefuse.cuda.backend", cuda_unavailable_reason, "spikefuse.cuda.affine"),
 }
 _ALIASES = {"cupy": "cuda"}
 _RUNS_ANYWHERE = frozenset(n for n, entry in _REGISTRY.items() if entry.unavailable_reason is None)
@@ -206,11 +206,12 @@ def get_backend(name: str) -> NeuronBackend:
     return cast("NeuronBackend", importlib.import_module(_registered(name).module))
 
 
+@functools.cache  # looked up once per fused block call
 def affine_kernels(name: str) -> AffineKernels | None:
     """Backend ``name``'s channel-affine kernels, or None if it has none (the fused blocks then
     apply BatchNorm with torch ops and call the plain neuron)."""
-    entry = _registered(name)
-    return cast("AffineKernels", get_backend(name)) if entry.affine_kernels else None
+    module = _registered(name).affine_module
+    return None if module is None else cast("AffineKernels", importlib.import_module(module))
 
 
 def unavailable_reason(name: str, x: torch.Tensor) -> str | None:

@@ -1,8 +1,8 @@
 """Surrogate gradients: a Heaviside forward whose derivative is defined once, as a sympy expression.
 
 Each surrogate gives dΘ/dx for x = H - V_th. The torch backend evaluates the expression with
-PyTorch ops, the CUDA backend prints it as C; a surrogate may override :meth:`cuda_code` with
-hand-written CUDA. Formulas and defaults follow SpikingJelly where it has the same name.
+PyTorch ops, the CUDA backend prints it as C (:mod:`spikefuse.cuda.codegen`). Formulas and
+defaults follow SpikingJelly where it has the same name.
 """
 
 from __future__ import annotations
@@ -153,14 +153,6 @@ class Surrogate(nn.Module):
     def derivative(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """dΘ/dx evaluated with PyTorch ops (fp64 stays fp64)."""
         return self._built().function
-
-    def cuda_code(self, x: str) -> str:
-        """A CUDA float expression for dΘ/dx, given the name of the float variable holding x.
-
-        Only backward kernels evaluate it, so it may use fast intrinsics (``__expf``)."""
-        from .cuda.printer import cuda_expr  # the printer is only needed for code generation
-
-        return cuda_expr(self.derivative_expr, {x_sym: x}, fast=True)
 
     @property
     def key(self) -> str:

@@ -1,5 +1,10 @@
 """CUDA source generation: forward-through-time and BPTT kernels for one neuron program.
 
+The loops live in a checked-in template, ``neuron_kernels.cuh`` (next to this file; read it
+first). This module generates only what varies: a prelude with the storage type, the variant's
+constants, its ``Args`` struct and the neuron's device functions printed from sympy, then the
+template text behind a ``#line`` directive, so that compiler messages point into the template.
+
 One thread owns ``VEC`` neighbouring neurons and walks all T steps for them, with one vector load
 or store per tensor and step. Storage is float32, float16 or bfloat16; arithmetic is float32.
 
@@ -18,25 +23,28 @@ X = Y * scale[c] + shift[c] (one FMA; each thread computes scale and shift from 
 dL/dX * (Y - mean[c]) that BatchNorm's backward reduces per channel (pass 1), or dL/dY, with
 BatchNorm's coefficients computed per thread from those channel totals (pass 2).
 
-Both kernels take one argument, an ``Args`` struct (layout in :data:`ARG_POINTERS`), so a launch
-packs a single buffer. Extension path (as in SpikingJelly's kernel templates): subclass
-:class:`NeuronKernel` and return CUDA expressions from :meth:`~NeuronKernel.charge`,
-:meth:`~NeuronKernel.dh_dx` and :meth:`~NeuronKernel.dh_dv` (and the two-state snippets for
-adaptive neurons). Expressions may use ``v`` (V[t-1]), ``x`` (X[t]), ``w`` (W[t-1]), ``h`` (H[t],
-derivatives only) and ``p.<param>``. :class:`DefinitionKernel` prints every snippet from a
-:class:`~spikefuse.program.NeuronProgram`.
+Both kernels take one argument, an ``Args`` struct whose fields are the variant's own (see
+:data:`ARG_POINTERS` and :meth:`NeuronKernel.pack_args`), so a launch packs a single buffer.
+Extension path (as in SpikingJelly's kernel templates): subclass :class:`NeuronKernel` and
+return CUDA expressions from :meth:`~NeuronKernel.charge`, :meth:`~NeuronKernel.dh_dx` and
+:meth:`~NeuronKernel.dh_dv` (and the two-state snippets for adaptive neurons). Expressions may use
+``v`` (V[t-1]), ``x`` (X[t]), ``w`` (W[t-1]), ``h`` (H[t], derivatives only) and ``p.<param>``.
+:class:`DefinitionKernel` prints every function from a :class:`~spikefuse.program.NeuronProgram`.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
+from dataclasses import dataclass
+from pathlib import Path
 
 import sympy as sp
 import torch
 
 from ..program import NeuronProgram
-from ..surrogate import Surrogate
-from .printer import EXACT_DIV, cuda_expr
+from ..surrogate import Surrogate, x_sym
+from .printer import EXACT_DIV, cuda_body
 
 BLOCK_THREADS = 256
 CHUNK = 8  # steps whose H stays in registers while backward walks them
@@ -53,62 +61,102 @@ BPTT_VEC = {torch.float32: VEC, torch.float16: 1, torch.bfloat16: 1}
 # The channel-affine backward holds 7 more values per neuron (its channel's vectors and sums):
 # with VEC = 4 it spills registers, with one neuron per thread it fits in 64.
 AFFINE_BPTT_VEC = 1
-NVRTC_OPTIONS = ("--std=c++17", "--fmad=false")  # no FMA contraction: H matches torch's bitwise
+NVRTC_OPTIONS: tuple[str, ...] = (
+    "--std=c++17",
+    "--fmad=false",
+)  # no FMA contraction: H matches torch's bitwise
+
+#: The loop structure every kernel shares, and the name compiler messages give it.
+TEMPLATE_PATH = Path(__file__).with_name("neuron_kernels.cuh")
+TEMPLATE_NAME = "spikefuse/cuda/neuron_kernels.cuh"
+
+
+@functools.cache
+def template_source() -> str:
+    """The text of ``neuron_kernels.cuh``, read once."""
+    return TEMPLATE_PATH.read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How a storage dtype appears in CUDA: its type, header and conversions from/to float."""
+
+    ctype: str
+    include: str
+    to_float: str
+    from_float: str
+
 
 _STORAGE = {
-    torch.float32: ("float", "", "x", "x"),
-    torch.float16: ("__half", "#include <cuda_fp16.h>", "__half2float(x)", "__float2half_rn(x)"),
-    torch.bfloat16: (
-        "__nv_bfloat16",
-        "#include <cuda_bf16.h>",
-        "__bfloat162float(x)",
-        "__float2bfloat16_rn(x)",
+    torch.float32: Storage("float", "", "x", "x"),
+    torch.float16: Storage("__half", "cuda_fp16.h", "__half2float(x)", "__float2half_rn(x)"),
+    torch.bfloat16: Storage(
+        "__nv_bfloat16", "cuda_bf16.h", "__bfloat162float(x)", "__float2bfloat16_rn(x)"
     ),
 }
 
-# (C type, name, comment) of the pointer fields of ``Args``, in order; null where unused.
+
+@dataclass(frozen=True)
+class ArgPointer:
+    """A pointer field of ``Args``: C type, name, what it holds (null where optional), and which
+    kernels have it: ``plain`` (all neurons), ``two_state`` (plain kernels of two-state
+    neurons), ``affine`` (BatchNorm folded in), or ``both`` (plain and affine)."""
+
+    ctype: str
+    name: str
+    doc: str
+    kernels: str
+
+
+# In struct order. The affine kernels' x_seq holds Y; their neuron input is X = Y * scale[c] +
+# shift[c] with c = (n / inner) % channels. Backward pass 1 writes the per-neuron sums; pass 2
+# reads their per-channel totals (divided by the count through inv_count) and writes dL/dY.
 ARG_POINTERS = (
-    ("const scalar_t*", "x_seq", "X [T, N]"),
-    ("const float*", "v0", "V[-1] [N], or null: every neuron starts at v_init"),
-    ("const float*", "w0", "W[-1] [N], or null: every neuron starts at w_init"),
-    ("scalar_t*", "spike_seq", "S [T, N]"),
-    ("scalar_t*", "v_seq", "V [T, N], or null"),
-    ("float*", "v_last", "V[T-1] [N], or null"),
-    ("float*", "w_last", "W[T-1] [N], or null"),
-    ("float*", "v_ckpt", "V at the end of each chunk but the last [ceil(T/CHUNK)-1, N], or null"),
-    ("float*", "w_ckpt", "W likewise"),
-    ("const float*", "learnable", "learnable parameter values [P]"),
-    ("const scalar_t*", "grad_spike_seq", "dL/dS [T, N]"),
-    ("const scalar_t*", "grad_v_seq", "dL/dV [T, N], or null"),
-    ("const float*", "grad_v_last", "dL/dV[T-1] [N], or null"),
-    ("const float*", "grad_w_last", "dL/dW[T-1] [N], or null"),
-    ("scalar_t*", "grad_x_seq", "dL/dX [T, N]"),
-    ("float*", "grad_v0", "dL/dV[-1] [N], or null"),
-    ("float*", "grad_w0", "dL/dW[-1] [N], or null"),
-    ("float*", "grad_learnable_partial", "per-block sums of dL/dp [P, blocks], or null"),
-    # Channel-affine kernels only (BatchNorm folded in): x_seq holds Y, and the neuron's input is
-    # X = Y * scale[c] + shift[c], scale = invstd * gamma, shift = beta - mean * scale, with
-    # c = (n / inner) % channels. Backward pass 1 writes the per-neuron sums; pass 2 reads their
-    # per-channel totals (divided by the count through inv_count) and writes dL/dY.
-    ("const float*", "bn_mean", "[C] per-channel mean of Y"),
-    ("const float*", "bn_invstd", "[C] 1 / sqrt(var + eps)"),
-    ("const float*", "bn_weight", "[C] gamma, or null (1)"),
-    ("const float*", "bn_bias", "[C] beta, or null (0)"),
-    ("float*", "grad_sum", "sum over t of dL/dX [N], or null"),
-    ("float*", "grad_dot", "sum over t of dL/dX (Y - bn_mean[c]) [N], or null"),
-    ("const float*", "bn_total_g", "[C] channel total of grad_sum, or null: running statistics"),
-    ("const float*", "bn_total_gy", "[C] channel total of grad_dot"),
+    ArgPointer("const scalar_t*", "x_seq", "X [T, N]; Y in the affine kernels", "both"),
+    ArgPointer("const float*", "v0", "V[-1] [N], or null: every neuron starts at v_init", "plain"),
+    ArgPointer(
+        "const float*", "w0", "W[-1] [N], or null: every neuron starts at w_init", "two_state"
+    ),
+    ArgPointer("scalar_t*", "spike_seq", "S [T, N]", "both"),
+    ArgPointer("scalar_t*", "v_seq", "V [T, N], or null", "plain"),
+    ArgPointer("float*", "v_last", "V[T-1] [N], or null", "plain"),
+    ArgPointer("float*", "w_last", "W[T-1] [N], or null", "two_state"),
+    ArgPointer("float*", "v_ckpt", "V at each chunk's end but the last's, or null", "both"),
+    ArgPointer("float*", "w_ckpt", "W likewise", "two_state"),
+    ArgPointer("const float*", "learnable", "learnable parameter values [P]", "both"),
+    ArgPointer("const scalar_t*", "grad_spike_seq", "dL/dS [T, N]", "both"),
+    ArgPointer("const scalar_t*", "grad_v_seq", "dL/dV [T, N], or null", "plain"),
+    ArgPointer("const float*", "grad_v_last", "dL/dV[T-1] [N], or null", "plain"),
+    ArgPointer("const float*", "grad_w_last", "dL/dW[T-1] [N], or null", "two_state"),
+    ArgPointer("scalar_t*", "grad_x_seq", "dL/dX [T, N] (affine: dL/dY, or null)", "both"),
+    ArgPointer("float*", "grad_v0", "dL/dV[-1] [N], or null", "plain"),
+    ArgPointer("float*", "grad_w0", "dL/dW[-1] [N], or null", "two_state"),
+    ArgPointer("float*", "grad_learnable_partial", "dL/dp per block [P, blocks], or null", "both"),
+    ArgPointer("const float*", "bn_mean", "[C] per-channel mean of Y", "affine"),
+    ArgPointer("const float*", "bn_invstd", "[C] 1 / sqrt(var + eps)", "affine"),
+    ArgPointer("const float*", "bn_weight", "[C] gamma, or null (1)", "affine"),
+    ArgPointer("const float*", "bn_bias", "[C] beta, or null (0)", "affine"),
+    ArgPointer("float*", "grad_sum", "sum over t of dL/dX [N], or null", "affine"),
+    ArgPointer("float*", "grad_dot", "sum over t of dL/dX (Y - bn_mean[c]) [N], or null", "affine"),
+    ArgPointer("const float*", "bn_total_g", "[C] channel total of grad_sum, or null", "affine"),
+    ArgPointer("const float*", "bn_total_gy", "[C] channel total of grad_dot", "affine"),
 )
-POINTER_NAMES = tuple(name for _, name, _ in ARG_POINTERS)
+POINTER_NAMES = tuple(f.name for f in ARG_POINTERS)
+# Names a parameter may not take: they are Args fields of some kernel.
+_RESERVED = {*POINTER_NAMES, "T", "N", "channels", "inner", "v_init", "w_init", "inv_count"}
+
+# Parameters of the per-neuron device functions: before the step, and with its H.
+_STATE = "const float v, const float x, const float w, const Params& p"
+_WITH_H = "const float v, const float x, const float w, const float h, const Params& p"
+# acc[i] += grad_h * dH/dp_i for the learnable parameters
+_ADD_LEARNABLE_GRADS = """\
+add_learnable_grads(float* acc, const float grad_h, const float v, const float x, const float w,
+                    const float h, const Params& p)"""
 
 
-def _storage_helpers(dtype: torch.dtype) -> str:
-    ctype, include, to_f, from_f = _STORAGE[dtype]
-    return f"""\
-{include}
-typedef {ctype} scalar_t;
-__device__ __forceinline__ float to_float(const scalar_t x) {{ return {to_f}; }}
-__device__ __forceinline__ scalar_t from_float(const float x) {{ return {from_f}; }}"""
+def _device_function(declaration: str, body: list[str], returns: str = "float") -> str:
+    statements = "\n".join(f"    {line}" for line in body)
+    return f"__device__ __forceinline__ {returns}\n{declaration}\n{{\n{statements}\n}}"
 
 
 class NeuronKernel:
@@ -119,7 +167,7 @@ class NeuronKernel:
         params: names of the float parameters (``p.<name>`` in snippets), besides the built-ins
             ``v_threshold`` and ``v_reset``, in argument order.
         learnable: those of ``params`` read from a device array (gradients are computed for them).
-        surrogate: the spike's surrogate; its :meth:`~Surrogate.cuda_code` is emitted.
+        surrogate: the spike's surrogate; its derivative is printed as ``surrogate_grad``.
         hard_reset, detach_reset: reset rule.
         dtype: storage dtype (float32, float16 or bfloat16).
         vec: neurons per thread (vector width of loads and stores).
@@ -147,22 +195,30 @@ class NeuronKernel:
             raise ValueError(f"unsupported storage dtype {dtype}")
         if affine and adaptive:
             raise ValueError(f"{name}: channel-affine kernels are for one-state neurons")
+        clash = set(params) & _RESERVED
+        if clash:
+            raise ValueError(f"{name}: parameter names {sorted(clash)} are reserved by the kernels")
         self.name, self.params, self.learnable = name, params, learnable
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
         self.dtype, self.vec, self.adaptive, self.affine = dtype, vec, adaptive, affine
         self.chunk = AFFINE_CHUNK[dtype] if affine else CHUNK
         tag = f"{'hard' if hard_reset else 'soft'}{'_detach' if detach_reset else ''}"
         tag += "_affine" if affine else ""
-        self.kernel_prefix = f"{name}_{tag}_{_STORAGE[dtype][0].strip('_')}_v{vec}"
+        self.kernel_prefix = f"{name}_{tag}_{_STORAGE[dtype].ctype.strip('_')}_v{vec}"
         self.constant_names = tuple(
             n for n in ("v_threshold", "v_reset", *params) if n not in learnable
         )
-        clash = set(params) & {*POINTER_NAMES, "T", "N", "channels", "inner", "v_init", "w_init"}
-        if clash:
-            raise ValueError(f"{name}: parameter names {sorted(clash)} are reserved by the kernels")
-        # Args as bytes: pointers, T, N, channels, inner (8 bytes each), then floats; padded to 8.
-        n_floats = 3 + len(self.constant_names)
-        self.arg_layout = struct.Struct(f"<{len(ARG_POINTERS)}Q4q{n_floats}f{4 * (n_floats % 2)}x")
+        kinds = {"both", "affine"} if affine else {"both", "plain"}
+        if adaptive:
+            kinds.add("two_state")
+        self.pointers = tuple(f for f in ARG_POINTERS if f.kernels in kinds)
+        self._pointer_names = tuple(f.name for f in self.pointers)
+        # Args as bytes: pointers, then 64-bit integers, then floats; padded to 8 bytes.
+        n_ints = 4 if affine else 2
+        n_floats = 1 + adaptive + affine + len(self.constant_names)
+        self.arg_layout = struct.Struct(
+            f"<{len(self.pointers)}Q{n_ints}q{n_floats}f{4 * (n_floats % 2)}x"
+        )
 
     # ---- neuron snippets (CUDA float expressions) -------------------------------------------
     def charge(self) -> str:
@@ -199,6 +255,14 @@ class NeuronKernel:
     def dz_dw(self) -> str:
         raise NotImplementedError
 
+    def body(self, function: str) -> list[str]:
+        """The statements of device function ``function`` (``charge``, ``dh_dx``, ...,
+        ``dh_d<param>``): ``return <snippet>;``. Subclasses may print longer bodies."""
+        if function.startswith("dh_d") and function[4:] in self.learnable:
+            return [f"return {self.dh_dparam(function[4:])};"]
+        snippet: str = getattr(self, function)()
+        return [f"return {snippet};"]
+
     # ---- assembly ------------------------------------------------------------------------------
     @property
     def fptt_name(self) -> str:
@@ -208,342 +272,164 @@ class NeuronKernel:
     def bptt_name(self) -> str:
         return f"{self.kernel_prefix}_bptt"
 
-    def pack_args(self, pointers: dict[str, int], T: int, N: int, v_init: float,
-                  w_init: float, constants: list[float], channels: tuple[int, int] = (1, 1),
-                  inv_count: float = 0.0) -> bytes:  # fmt: skip
-        """The ``Args`` struct as bytes; absent pointers are null. ``channels`` is
-        (channels, inner) of the channel-affine kernels: c = (n / inner) % channels;
-        ``inv_count`` scales ``bn_total_*`` to per-channel means (1 / elements per channel)."""
-        ptrs = [pointers.get(name, 0) for name in POINTER_NAMES]
-        return self.arg_layout.pack(*ptrs, T, N, *channels, v_init, w_init, inv_count, *constants)
-
-    def _args_struct(self) -> str:
-        lines = [f"    {ctype} {name};  // {doc}" for ctype, name, doc in ARG_POINTERS]
-        lines.append("    long long T, N, channels, inner;")
-        lines.append("    float v_init, w_init;  // initial V and W where v0 / w0 are null")
-        lines.append("    float inv_count;  // affine backward: 1 / elements per channel")
-        lines += [f"    float {n};" for n in self.constant_names]
-        return "struct Args {\n" + "\n".join(lines) + "\n};"
-
-    def _params(self) -> str:
-        names = ("v_threshold", "v_reset", *self.params)
-        fields = " ".join(f"float {n};" for n in names)
-        rcp_fields = " ".join(f"float rcp_{n};" for n in self.params)
-        loads = "".join(
-            f"\n    p.{n} = {f'a.learnable[{self.learnable.index(n)}]' if n in self.learnable else f'a.{n}'};"
-            for n in names
-        )
-        rcps = "".join(f"\n    p.rcp_{n} = __frcp_rn(p.{n});" for n in self.params)
-        return f"""\
-// Parameters, and the reciprocals of the neuron's own ones (for exact_div; unused ones vanish).
-struct Params {{ {fields} {rcp_fields} }};
-__device__ __forceinline__ Params load_params(const Args& a) {{
-    Params p;{loads}{rcps}
-    return p;
-}}
-{EXACT_DIV}"""
-
-    def _reset(self, h: str, spike: str) -> str:
-        if self.hard_reset:
-            return f"({spike} ? p.v_reset : {h})"
-        return f"({h} - ({spike} ? p.v_threshold : 0.0f))"
-
-    def _device_functions(self) -> str:
-        sig = "const float v, const float x, const float w, const float h, const Params& p"
-        fn = "__device__ __forceinline__ float"
-        funcs = [
-            f"{fn} charge(const float v, const float x, const float w, const Params& p) "
-            f"{{ return {self.charge()}; }}",
-            f"{fn} dh_dx({sig}) {{ return {self.dh_dx()}; }}",
-            f"{fn} dh_dv({sig}) {{ return {self.dh_dv()}; }}",
-            f"{fn} surrogate_grad(const float x) {{ return {self.surrogate.cuda_code('x')}; }}",
-            f"{fn} reset(const float h, const Params& p) "
-            f"{{ return {self._reset('h', '(h >= p.v_threshold)')}; }}",
-        ]
-        funcs += [f"{fn} dh_d{n}({sig}) {{ return {self.dh_dparam(n)}; }}" for n in self.learnable]
-        if self.adaptive:
-            funcs += [
-                f"{fn} dh_dw({sig}) {{ return {self.dh_dw()}; }}",
-                f"{fn} adaptation({sig}) {{ return {self.adaptation()}; }}",
-                f"{fn} adaptation_jump(const Params& p) {{ return {self.adaptation_jump()}; }}",
-                f"{fn} dz_dh({sig}) {{ return {self.dz_dh()}; }}",
-                f"{fn} dz_dw({sig}) {{ return {self.dz_dw()}; }}",
-            ]
-        adapt = (
-            "\n    w = adaptation(v, x, w, h, p) + (h >= p.v_threshold ? adaptation_jump(p) : 0.0f);"
-            if self.adaptive
-            else ""
-        )
-        funcs.append(
-            f"""\
-// One step of one neuron, shared by forward and backward's recompute (same float32 results):
-// returns H[t]; updates v = V[t-1] -> V[t] and w = W[t-1] -> W[t].
-__device__ __forceinline__ float step(float& v, float& w, const float x, const Params& p) {{
-    const float h = charge(v, x, w, p);{adapt}
-    v = reset(h, p);
-    return h;
-}}"""
-        )
-        return "\n".join(funcs)
-
-    def header(self) -> str:
-        """Shared preamble: storage helpers, argument struct, vector pack, device functions."""
-        return "\n".join(
-            [
-                f"// spikefuse kernels: {self.name}, surrogate {type(self.surrogate).__name__}"
-                f"({self.surrogate.extra_repr()}), "
-                f"{'hard' if self.hard_reset else 'soft'} reset, detach_reset={self.detach_reset}",
-                _storage_helpers(self.dtype),
-                f"constexpr int VEC = {self.vec};  // neurons per thread",
-                f"constexpr int BLOCK_THREADS = {BLOCK_THREADS};",
-                # Resident blocks per SM the register budget must allow (measured on an H200):
-                # 2 where registers hold more than 8 values of H per thread (CHUNK x VEC), else 4.
-                f"constexpr int MIN_BLOCKS = {2 if self.vec * self.chunk > 8 else 4};",
-                f"constexpr int CHUNK = {self.chunk};  // steps recomputed into registers by backward",
-                f"constexpr int LOAD_STEPS = {LOAD_STEPS};  // steps forward loads ahead at once",
-                "struct alignas(sizeof(scalar_t) * VEC) pack_t { scalar_t e[VEC]; };",
-                "__device__ __forceinline__ pack_t load_pack(const scalar_t* p, long long i) "
-                "{ return *reinterpret_cast<const pack_t*>(p + i); }",
-                "__device__ __forceinline__ void store_pack(scalar_t* p, long long i, "
-                "const pack_t& v) { *reinterpret_cast<pack_t*>(p + i) = v; }",
-                self._args_struct(),
-                self._params(),
-                self._device_functions(),
-            ]
-        )
-
-    def _initial_state(self) -> str:
-        w = "w[k] = a.w0 ? a.w0[n + k] : a.w_init;" if self.adaptive else "w[k] = 0.0f;"
-        return f"for (int k = 0; k < VEC; ++k) {{ v[k] = a.v0 ? a.v0[n + k] : a.v_init; {w} }}"
-
-    def _channel_loads(self, backward: bool) -> str:
-        """Per-thread channel vectors of the affine kernels (loaded once, used for all T)."""
-        if not self.affine:
-            return ""
-        names = ["in_a[VEC]", "in_b[VEC]"]
-        # The same float32 operations, in the same order, as the torch composite's scale/shift.
-        loads = [
-            "const float mean = a.bn_mean[c], invstd = a.bn_invstd[c];",
-            "in_a[k] = a.bn_weight ? invstd * a.bn_weight[c] : invstd;",
-            "in_b[k] = a.bn_bias ? -mean * in_a[k] + a.bn_bias[c] : -mean * in_a[k];",
-        ]
-        if backward:
-            names += ["in_m[VEC]", "coef_y[VEC]", "coef_0[VEC]", "sum_g[VEC]", "sum_gy[VEC]"]
-            # BatchNorm's backward through the batch statistics, from the channel totals:
-            # dL/dY = scale g + coef_y Y + coef_0 (see spikefuse.fused.bn_neuron).
-            loads += [
-                "in_m[k] = mean;",
-                "coef_y[k] = coef_0[k] = sum_g[k] = sum_gy[k] = 0.0f;",
-                "if (a.bn_total_g) {",
-                "    const float mean_g = a.bn_total_g[c] * a.inv_count;",
-                "    const float mean_gxhat = a.bn_total_gy[c] * invstd * a.inv_count;",
-                "    coef_y[k] = -in_a[k] * invstd * mean_gxhat;",
-                "    coef_0[k] = -in_a[k] * mean_g - mean * coef_y[k];",
-                "}",
-            ]
-        body = "\n".join(f"        {line}" for line in loads)
-        return f"""
-    // This thread's neurons' channels: X = Y * in_a + in_b (BatchNorm folded into the input).
-    float {", ".join(names)};
-    for (int k = 0; k < VEC && n < N; ++k) {{
-        const long long c = (n + k) / a.inner % a.channels;
-{body}
-    }}"""
-
-    def _input(self, loaded: str) -> str:
-        """The neuron's input X (float) from a loaded storage value."""
+    def pack_args(
+        self,
+        pointers: dict[str, int],
+        T: int,
+        N: int,
+        v_init: float,
+        w_init: float,
+        constants: list[float],
+        channels: tuple[int, int] = (1, 1),
+        inv_count: float = 0.0,
+    ) -> bytes:
+        """The ``Args`` struct as bytes; absent pointers are null, pointers and values of fields
+        this variant does not have are left out (``w_init`` of one-state neurons; ``channels``,
+        ``inv_count`` of plain kernels). ``channels`` is (channels, inner) of the channel-affine
+        kernels: c = (n / inner) % channels; ``inv_count`` scales ``bn_total_*`` to per-channel
+        means (1 / elements per channel)."""
+        ptrs = [pointers.get(name, 0) for name in self._pointer_names]
         if self.affine:
-            return f"__fmaf_rn(to_float({loaded}), in_a[k], in_b[k])"
-        return f"to_float({loaded})"
+            return self.arg_layout.pack(*ptrs, T, N, *channels, v_init, inv_count, *constants)
+        if self.adaptive:
+            return self.arg_layout.pack(*ptrs, T, N, v_init, w_init, *constants)
+        return self.arg_layout.pack(*ptrs, T, N, v_init, *constants)
 
-    def fptt_source(self) -> str:
-        """The forward kernel: S[t], V[t] (store_v_seq), chunk-end checkpoints, last V (and W)."""
-        w_ckpt = "if (a.w_ckpt) a.w_ckpt[c + k] = w[k];" if self.adaptive else ""
-        w_last = "if (a.w_last) a.w_last[n + k] = w[k];" if self.adaptive else ""
-        body = f"""
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.fptt_name}(const Args a)
-{{
-    const int T = (int)a.T;
-    const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    if (n >= N) return;
-    const Params p = load_params(a);{self._channel_loads(backward=False)}
-    float v[VEC], w[VEC];
-    {self._initial_state()}
-    for (int t0 = 0; t0 < T; t0 += CHUNK) {{
-        for (int g = t0; g < t0 + CHUNK && g < T; g += LOAD_STEPS) {{
-            const long long base = g * N + n;  // element (g, n); step j is base + j*N
-            pack_t xp[LOAD_STEPS];  // the group's loads first: independent, so they overlap
-            #pragma unroll
-            for (int j = 0; j < LOAD_STEPS; ++j)
-                if (g + j < T) xp[j] = load_pack(a.x_seq, base + j * N);
-            #pragma unroll
-            for (int j = 0; j < LOAD_STEPS; ++j) {{
-                if (g + j >= T) break;
-                pack_t sp, vp;
-                #pragma unroll
-                for (int k = 0; k < VEC; ++k) {{
-                    const float h = step(v[k], w[k], {self._input("xp[j].e[k]")}, p);
-                    // a NaN H gives a NaN spike, never a valid "no spike" (the NaN policy)
-                    sp.e[k] = from_float(h >= p.v_threshold ? 1.0f : (isnan(h) ? h : 0.0f));
-                    vp.e[k] = from_float(v[k]);
-                }}
-                store_pack(a.spike_seq, base + j * N, sp);
-                if (a.v_seq) store_pack(a.v_seq, base + j * N, vp);
-            }}
-        }}
-        if (a.v_ckpt && t0 + CHUNK < T) {{  // the state the next chunk starts from
-            const long long c = (t0 / CHUNK) * N + n;
-            for (int k = 0; k < VEC; ++k) {{ a.v_ckpt[c + k] = v[k]; {w_ckpt} }}
-        }}
-    }}
-    for (int k = 0; k < VEC; ++k) {{ if (a.v_last) a.v_last[n + k] = v[k]; {w_last} }}
-}}
-"""
-        return self.header() + body
+    def _args_struct(self) -> list[str]:
+        lines = [f"    {f.ctype} {f.name};  // {f.doc}" for f in self.pointers]
+        lines.append("    long long T, N;  // steps, neurons per step")
+        if self.affine:
+            lines.append(
+                "    long long channels, inner;  // channel of neuron n: n / inner % channels"
+            )
+        start = "of every neuron" if self.affine else "where v0 is null"
+        lines.append(f"    float v_init;  // V[-1] {start}")
+        if self.adaptive:
+            lines.append("    float w_init;  // W[-1] where w0 is null")
+        if self.affine:
+            lines.append("    float inv_count;  // backward: 1 / elements per channel")
+        lines += [f"    float {n};" for n in self.constant_names]
+        return ["struct Args {", *lines, "};"]
 
-    def bptt_source(self) -> str:
-        """The backward kernel: dL/dX[t], dL/dV[-1] (dL/dW[-1]), per-block learnable gradients."""
-        n_learn = len(self.learnable)
-        # dV[t]/dH[t]; with detach_reset the reset's dependence on S is cut (seed 003's D_reset).
+    def _params(self) -> list[str]:
+        """Params, load_params and exact_div (sections of the prelude)."""
+        names = ("v_threshold", "v_reset", *self.params)
+        loads = [
+            f"p.{n} = a.learnable[{self.learnable.index(n)}];"
+            if n in self.learnable
+            else f"p.{n} = a.{n};"
+            for n in names
+        ]
+        loads += [f"p.rcp_{n} = __frcp_rn(p.{n});" for n in self.params]
+        fields = [f"    float {n};" for n in names] + [f"    float rcp_{n};" for n in self.params]
+        declaration = [
+            "// The parameters, and the reciprocals of the neuron's own ones (for exact_div;",
+            "// unused ones vanish).",
+            "struct Params {",
+            *fields,
+            "};",
+        ]
+        return [
+            "\n".join(declaration),
+            _device_function(
+                "load_params(const Args& a)", ["Params p;", *loads, "return p;"], returns="Params"
+            ),
+            EXACT_DIV,
+        ]
+
+    def _reset_functions(self) -> list[str]:
+        """reset (V[t] from H[t]) and dv_dh (dV[t]/dH[t], given the spike and Θ'): with
+        detach_reset the reset's dependence on S is cut (seed 003's D_reset)."""
         if self.hard_reset:
+            reset = "return h >= p.v_threshold ? p.v_reset : h;"
             dv_dh = "1.0f - spike" if self.detach_reset else "1.0f - spike + (p.v_reset - h) * sg"
         else:
+            reset = "return h - (h >= p.v_threshold ? p.v_threshold : 0.0f);"
             dv_dh = "1.0f" if self.detach_reset else "1.0f - p.v_threshold * sg"
-        adaptive = self.adaptive
-        w_start = (
-            "w_start[k] = t0 ? a.w_ckpt[c + k] : (a.w0 ? a.w0[n + k] : a.w_init);"
-            if adaptive
-            else "w_start[k] = 0.0f;"
-        )
-        learn_acc = "".join(
-            f"\n                acc[{i}] += grad_h * dh_d{name}(v_prev, x, w_prev, h, p);"
-            for i, name in enumerate(self.learnable)
-        )
-        adaptive_grad = ""
-        if adaptive:
-            adaptive_grad = """
-                const float grad_w = grad_w_carry[k];  // dL/dW[t]
-                grad_h += grad_w * (dz_dh(v_prev, x, w_prev, h, p) + adaptation_jump(p) * sg);
-                grad_w_carry[k] = grad_h * dh_dw(v_prev, x, w_prev, h, p)
-                                + grad_w * dz_dw(v_prev, x, w_prev, h, p);"""
-        init_w = (
-            "grad_w_carry[k] = a.grad_w_last ? a.grad_w_last[n + k] : 0.0f;" if adaptive else ""
-        )
-        w0_grad = "if (a.grad_w0) a.grad_w0[n + k] = grad_w_carry[k];" if adaptive else ""
-        load_x = ", x = to_float(xp[j].e[k])"
-        store_grad = (
-            "                gxp.e[k] = from_float(grad_h * dh_dx(v_prev, x, w_prev, h, p));"
-        )
-        sums = ""
-        if self.affine:
-            load_x = ";\n                const float y = to_float(xp[j].e[k]), x = __fmaf_rn(y, in_a[k], in_b[k])"
-            store_grad = """\
-                const float grad_x = grad_h * dh_dx(v_prev, x, w_prev, h, p);
-                sum_g[k] += grad_x;
-                sum_gy[k] += grad_x * (y - in_m[k]);
-                gxp.e[k] = from_float(in_a[k] * grad_x + coef_y[k] * y + coef_0[k]);  // dL/dY"""
-            sums = "\n            if (a.grad_sum) { a.grad_sum[n + k] = sum_g[k]; a.grad_dot[n + k] = sum_gy[k]; }"
-        reduce = ""
-        if n_learn:
-            reduce = f"""
-    // Deterministic reduction: warp shuffle, then shared memory, one partial per block.
-    __shared__ float partial[{n_learn}][{BLOCK_THREADS // 32}];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    for (int i = 0; i < {n_learn}; ++i) {{
-        float s = acc[i];
-        for (int o = 16; o > 0; o /= 2) s += __shfl_down_sync(0xffffffff, s, o);
-        if (lane == 0) partial[i][warp] = s;
-    }}
-    __syncthreads();
-    if (a.grad_learnable_partial && threadIdx.x < {n_learn}) {{
-        float s = 0.0f;
-        for (int i = 0; i < blockDim.x / 32; ++i) s += partial[threadIdx.x][i];
-        a.grad_learnable_partial[(long long)threadIdx.x * gridDim.x + blockIdx.x] = s;
-    }}"""
-        body = f"""
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) {self.bptt_name}(const Args a)
-{{
-    const int T = (int)a.T;
-    const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    const Params p = load_params(a);{self._channel_loads(backward=True)}
-    {f"float acc[{n_learn}] = {{0.0f}};" if n_learn else ""}
-    // Carried from step t+1 to step t: the gradient reaching V[t] (and W[t]) from later steps.
-    float grad_v_carry[VEC]{", grad_w_carry[VEC]" if adaptive else ""};
-    if (n < N) {{
-        for (int k = 0; k < VEC; ++k) {{
-            grad_v_carry[k] = a.grad_v_last ? a.grad_v_last[n + k] : 0.0f;
-            {init_w}
-        }}
-    }}
-    for (int t0 = (T - 1) / CHUNK * CHUNK; n < N && t0 >= 0; t0 -= CHUNK) {{
-        const long long base = t0 * N + n;  // element (t0, n); step j of the chunk is base + j*N
-        // State at the chunk's start (V[t0-1], W[t0-1]): the forward's checkpoint, or V[-1].
-        float v_start[VEC], w_start[VEC];
-        const long long c = (t0 / CHUNK - 1) * N + n;
-        for (int k = 0; k < VEC; ++k) {{
-            v_start[k] = t0 ? a.v_ckpt[c + k] : (a.v0 ? a.v0[n + k] : a.v_init);
-            {w_start}
-        }}
-        pack_t xp[CHUNK], gsp[CHUNK];  // the chunk's loads first: independent, so they overlap
-        #pragma unroll
-        for (int j = 0; j < CHUNK; ++j) {{
-            if (t0 + j >= T) break;
-            xp[j] = load_pack(a.x_seq, base + j * N);
-            gsp[j] = load_pack(a.grad_spike_seq, base + j * N);
-        }}
-        // Recompute the chunk as forward did: H[t] (and W[t]) into registers.
-        float hc[CHUNK][VEC], wc[CHUNK][VEC];
-        #pragma unroll
-        for (int k = 0; k < VEC; ++k) {{
-            float v = v_start[k], w = w_start[k];
-            #pragma unroll
-            for (int j = 0; j < CHUNK; ++j) {{
-                if (t0 + j >= T) break;
-                hc[j][k] = step(v, w, {self._input("xp[j].e[k]")}, p);
-                wc[j][k] = w;
-            }}
-        }}
-        // Walk the chunk backwards (seed 003):
-        //   dL/dH[t] = dL/dS[t] Θ' + dL/dV[t] dV[t]/dH[t] (+ dL/dW[t] (∂Z[t]/∂H[t] + jump Θ'))
-        #pragma unroll
-        for (int j = CHUNK - 1; j >= 0; --j) {{
-            if (t0 + j >= T) continue;
-            pack_t gxp, gvp;
-            if (a.grad_v_seq) gvp = load_pack(a.grad_v_seq, base + j * N);
-            #pragma unroll
-            for (int k = 0; k < VEC; ++k) {{
-                const float h = hc[j][k]{load_x};
-                const float v_prev = j ? reset(hc[j ? j - 1 : 0][k], p) : v_start[k];
-                const float w_prev = j ? wc[j ? j - 1 : 0][k] : w_start[k];
-                const float spike = h >= p.v_threshold ? 1.0f : 0.0f;
-                const float sg = surrogate_grad(h - p.v_threshold);
-                const float grad_v = grad_v_carry[k] + (a.grad_v_seq ? to_float(gvp.e[k]) : 0.0f);
-                float grad_h = to_float(gsp[j].e[k]) * sg + grad_v * ({dv_dh});{adaptive_grad}
-{store_grad}
-                grad_v_carry[k] = grad_h * dh_dv(v_prev, x, w_prev, h, p);  // to V[t-1]{learn_acc}
-            }}
-            {"if (a.grad_x_seq) " if self.affine else ""}store_pack(a.grad_x_seq, base + j * N, gxp);
-        }}
-    }}
-    if (n < N) {{
-        for (int k = 0; k < VEC; ++k) {{
-            if (a.grad_v0) a.grad_v0[n + k] = grad_v_carry[k];
-            {w0_grad}{sums}
-        }}
-    }}{reduce}
-}}
-"""
-        return self.header() + body
+        return [
+            _device_function("reset(const float h, const Params& p)", [reset]),
+            _device_function(
+                "dv_dh(const float h, const float spike, const float sg, const Params& p)",
+                [f"return {dv_dh};"],
+            ),
+        ]
+
+    def _surrogate_grad(self) -> str:
+        """Θ'(x) of the surrogate (backward only: fast intrinsics, shared subexpressions)."""
+        body = cuda_body(self.surrogate.derivative_expr, {x_sym: "x"}, True, True)
+        return _device_function("surrogate_grad(const float x)", body)
+
+    def _neuron_functions(self) -> list[str]:
+        """The neuron's device functions the template calls (see its header)."""
+        functions = [("charge", _STATE)]
+        if self.adaptive:
+            functions += [("adaptation", _WITH_H), ("adaptation_jump", "const Params& p")]
+        functions += [("dh_dx", _WITH_H), ("dh_dv", _WITH_H)]
+        if self.adaptive:
+            functions += [("dh_dw", _WITH_H), ("dz_dh", _WITH_H), ("dz_dw", _WITH_H)]
+        functions += [(f"dh_d{n}", _WITH_H) for n in self.learnable]
+        out = [_device_function(f"{name}({params})", self.body(name)) for name, params in functions]
+        if self.learnable:
+            adds = [
+                f"acc[{i}] += grad_h * dh_d{n}(v, x, w, h, p);"
+                for i, n in enumerate(self.learnable)
+            ]
+            out.append(_device_function(_ADD_LEARNABLE_GRADS, adds, returns="void"))
+        return out
+
+    def prelude(self) -> str:
+        """What the template needs defined before it (see the template's header)."""
+        storage = _STORAGE[self.dtype]
+        reset = "hard" if self.hard_reset else "soft"
+        lines = [
+            f"// spikefuse kernels {self.kernel_prefix}: neuron {self.name}, {reset} reset,",
+            f"// detach_reset={self.detach_reset}, surrogate {type(self.surrogate).__name__}"
+            f"({self.surrogate.extra_repr()})",
+        ]
+        if storage.include:
+            lines.append(f"#include <{storage.include}>")
+        lines += [
+            f"typedef {storage.ctype} scalar_t;",
+            "__device__ __forceinline__ float to_float(const scalar_t x) "
+            f"{{ return {storage.to_float}; }}",
+            "__device__ __forceinline__ scalar_t from_float(const float x) "
+            f"{{ return {storage.from_float}; }}",
+            f"constexpr int VEC = {self.vec};  // neurons per thread",
+            f"constexpr int BLOCK_THREADS = {BLOCK_THREADS};",
+            "// Resident blocks per SM the register budget must allow (measured on an H200):",
+            "// 2 where registers hold more than 8 values of H per thread (CHUNK x VEC), else 4.",
+            f"constexpr int MIN_BLOCKS = {2 if self.vec * self.chunk > 8 else 4};",
+            f"constexpr int CHUNK = {self.chunk};  // steps recomputed into registers by backward",
+            f"constexpr int LOAD_STEPS = {LOAD_STEPS};  // steps forward loads ahead at once",
+            f"constexpr bool ADAPTIVE = {str(self.adaptive).lower()};  // two-state neuron (W)",
+            f"constexpr bool AFFINE = {str(self.affine).lower()};  // BatchNorm folded in",
+            f"constexpr int N_LEARNABLE = {len(self.learnable)};  // parameters with gradients",
+            f"#define FPTT_KERNEL {self.fptt_name}",
+            f"#define BPTT_KERNEL {self.bptt_name}",
+        ]
+        sections = [
+            "\n".join(lines),
+            "\n".join(self._args_struct()),
+            *self._params(),
+            *self._neuron_functions(),
+            self._surrogate_grad(),
+            *self._reset_functions(),
+        ]
+        return "\n\n".join(sections) + "\n\n"
 
     @property
     def full_codes(self) -> str:
-        """Both kernels, as one printable CUDA translation unit."""
-        fptt = self.fptt_source()
-        return fptt + self.bptt_source()[len(self.header()) :]
+        """Both kernels, as one printable CUDA translation unit: the prelude, then the template."""
+        return f'{self.prelude()}#line 1 "{TEMPLATE_NAME}"\n{template_source()}'
 
 
 class DefinitionKernel(NeuronKernel):
-    """Kernels whose snippets are printed from a program's sympy equations and partials."""
+    """Kernels whose device functions are printed from a program's sympy equations and partials.
+
+    The forward's equations (charge, adaptation, jump) print exactly, in the operation order
+    PyTorch evaluates, so that H matches it bit for bit; the derivatives (backward only) print
+    with fast division and exp and with repeated subexpressions computed once (``sympy.cse``).
+    """
 
     def __init__(
         self, program: NeuronProgram, dtype: torch.dtype, vec: int = 1, affine: bool = False
@@ -564,34 +450,17 @@ class DefinitionKernel(NeuronKernel):
         self.definition = d
         self._names = {d.symbols[n]: f"p.{n}" for n in d.all_params}
 
-    def _c(self, expr: sp.Expr, fast: bool = True) -> str:
-        """Derivatives (backward only) print with fast division and exp; the forward's
-        equations print exactly, so that H matches PyTorch bit for bit."""
-        return cuda_expr(expr, self._names, fast)
+    def _expression(self, function: str) -> tuple[sp.Expr, bool]:
+        """(sympy expression, is a forward equation) of device function ``function``."""
+        d, partials = self.definition, self.definition.partials
+        forward = {"charge": d.charge_expr, "adaptation": d.adaptation_expr}
+        forward["adaptation_jump"] = d.jump_expr
+        if function in forward:
+            return forward[function], True
+        if function.startswith("dh_d") and function[4:] in self.learnable:
+            return partials.dh_dparam[function[4:]], False
+        return getattr(partials, function), False
 
-    def charge(self) -> str:
-        return self._c(self.definition.charge_expr, fast=False)
-
-    def dh_dx(self) -> str:
-        return self._c(self.definition.partials.dh_dx)
-
-    def dh_dv(self) -> str:
-        return self._c(self.definition.partials.dh_dv)
-
-    def dh_dparam(self, name: str) -> str:
-        return self._c(self.definition.partials.dh_dparam[name])
-
-    def dh_dw(self) -> str:
-        return self._c(self.definition.partials.dh_dw)
-
-    def adaptation(self) -> str:
-        return self._c(self.definition.adaptation_expr, fast=False)
-
-    def adaptation_jump(self) -> str:
-        return self._c(self.definition.jump_expr, fast=False)
-
-    def dz_dh(self) -> str:
-        return self._c(self.definition.partials.dz_dh)
-
-    def dz_dw(self) -> str:
-        return self._c(self.definition.partials.dz_dw)
+    def body(self, function: str) -> list[str]:
+        expr, forward = self._expression(function)
+        return cuda_body(expr, self._names, fast=not forward, share_subexpressions=not forward)

@@ -1,4 +1,4 @@
-"""Print sympy expressions as CUDA single-precision C."""
+"""Print sympy expressions as CUDA single-precision C: expressions, and device function bodies."""
 
 from __future__ import annotations
 
@@ -55,23 +55,52 @@ class CudaFloatPrinter(C99CodePrinter):
             return f"__expf({self._print(expr.args[0])})"
         return f"expf({self._print(expr.args[0])})"
 
-    def _print_Integer(self, expr) -> str:
+    def _print_Integer(self, expr: sp.Integer) -> str:
         return f"{int(expr)}.0f"
+
+    def _print_Float(self, expr: sp.Float) -> str:
+        # C99's printer writes "4.0F"; integers print as "4.0f": one literal style, same digits
+        return super()._print_Float(expr).removesuffix("F") + "f"
+
+    def _print_Piecewise(self, expr: sp.Piecewise) -> str:
+        # one line, nested conditionals (C99's printer spreads them over several lines)
+        *cases, (otherwise, always) = expr.args
+        if always != sp.true:
+            raise ValueError(f"Piecewise without a default case cannot be printed: {expr}")
+        text = self._print(otherwise)
+        for value, condition in reversed(cases):
+            text = f"({self._print(condition)} ? {self._print(value)} : {text})"
+        return text
 
 
 # a / b, correctly rounded (as IEEE division), from rb = __frcp_rn(b): q = RN(a rb) is within an
 # ulp of a/b and one FMA correction rounds it correctly (Markstein), barring over/underflow;
 # an infinite or NaN q is already IEEE's answer (the correction would turn inf into NaN).
 EXACT_DIV = """\
-__device__ __forceinline__ float exact_div(const float a, const float b, const float rb) {
+__device__ __forceinline__ float exact_div(const float a, const float b, const float rb)
+{
     const float q = a * rb;
     return isfinite(q) ? fmaf(rb, fmaf(-q, b, a), q) : q;
 }"""
 
 
-def cuda_expr(
-    expr: sp.Expr, symbol_names: dict[sp.Symbol, str] | None = None, fast: bool = False
-) -> str:
-    """A CUDA float expression for ``expr``; ``symbol_names`` renames symbols; ``fast`` uses
-    ``__fdividef``/``__expf`` (see :class:`CudaFloatPrinter`)."""
-    return CudaFloatPrinter(symbol_names or {}, fast).doprint(sp.sympify(expr))
+def cuda_body(
+    expr: sp.Expr,
+    symbol_names: dict[sp.Symbol, str] | None = None,
+    fast: bool = False,
+    share_subexpressions: bool = False,
+) -> list[str]:
+    """The statements of a device function returning ``expr``: ``return <expr>;``, preceded,
+    with ``share_subexpressions``, by a ``const float eK = ...;`` for each subexpression that
+    sympy's ``cse`` finds repeated (so that, e.g., an ``__expf`` is computed once).
+
+    Sharing regroups products and sums, so it is only for the backward's derivatives; the
+    forward's equations keep the operation order PyTorch evaluates (bit-identical H).
+    """
+    printer = CudaFloatPrinter(symbol_names or {}, fast)
+    expr = sp.sympify(expr)
+    if not share_subexpressions:
+        return [f"return {printer.doprint(expr)};"]
+    shared, (reduced,) = sp.cse(expr, symbols=sp.numbered_symbols("e"))
+    lines = [f"const float {name} = {printer.doprint(value)};" for name, value in shared]
+    return [*lines, f"return {printer.doprint(reduced)};"]

@@ -17,11 +17,6 @@ from ..program import NeuronProgram
 Kept = tuple[Tensor | None] | None
 
 
-# Looked up once per backend name (the registry imports modules: not traceable by dynamo).
-_neuron_kernels = functools.cache(get_backend)
-_affine_kernels = functools.cache(affine_kernels)
-
-
 @dataclass(frozen=True, eq=False)
 class NeuronCall:
     """What the neuron ops need from a node, fixed for one forward/backward pair.
@@ -34,17 +29,18 @@ class NeuronCall:
     constants: list[float]
     v_init: float
 
-    # Looked up on first use, once per call (``torch.compile`` traces only the fields above).
+    # Looked up on first use, once per call (both lookups are cached; the registry imports
+    # modules, which dynamo cannot trace, so ``torch.compile`` traces only the fields above).
     @functools.cached_property
     def kernels(self) -> NeuronBackend:
         """The backend's neuron kernels (``fptt``/``bptt``)."""
-        return _neuron_kernels(self.backend)
+        return get_backend(self.backend)
 
     @functools.cached_property
     def affine(self) -> AffineKernels | None:
         """The backend's channel-affine kernels (BatchNorm folded into the neuron: the cuda
         backend), or None (BatchNorm then runs as torch ops before the plain neuron)."""
-        return _affine_kernels(self.backend)
+        return affine_kernels(self.backend)
 
     @classmethod
     def from_node(cls, node: BaseNode, x: Tensor) -> NeuronCall:

@@ -1,0 +1,171 @@
+"""Channel-affine neuron kernels: BatchNorm folded into the neuron's input, for the fused
+Conv/Linear -> BatchNorm -> neuron blocks (:mod:`spikefuse.fused`).
+
+Implements :class:`spikefuse.backends.AffineKernels`: :func:`affine_fptt` computes
+spikes = neuron(BN(y)) in one launch, :func:`affine_bptt` BatchNorm's two backward passes through
+the neuron, recomputing it from y chunk by chunk. The kernels are the neuron kernels' template
+compiled with ``AFFINE`` (see :mod:`.codegen`); launches go through :mod:`.runtime`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..program import NeuronProgram
+from .codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, VEC
+from .runtime import (
+    blocks_for,
+    check_checkpoints,
+    check_input,
+    checkpoints_like,
+    kernel_for,
+    launch,
+    pointer,
+    vector_width,
+)
+
+
+def channel_layout(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """y [T, B, C, *S] as dense memory with T outermost, and (channels, inner) such that the
+    channel of element n of a step is (n // inner) % channels.
+
+    Contiguous y has inner = prod(S); y with channels innermost (the [T, B, C, H, W] view of a
+    channels-last convolution output) has inner = 1 and is used as it is; anything else is
+    made contiguous.
+    """
+    channels, spatial = y.shape[2], math.prod(y.shape[3:])
+    if y.is_contiguous():
+        return y, (channels, spatial)
+    if y.permute(0, 1, *range(3, y.dim()), 2).is_contiguous():
+        return y, (channels, 1)
+    return y.contiguous(), (channels, spatial)
+
+
+def _laid_out_like(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """t (same shape as y) with y's strides and dtype, copied only if they differ."""
+    if t.stride() == y.stride() and t.dtype == y.dtype:
+        return t
+    return torch.empty_like(y).copy_(t)
+
+
+def _per_channel_sum(per_neuron: torch.Tensor, channels: tuple[int, int]) -> torch.Tensor:
+    """[K, N] per-neuron values → [K, C] sums over the neurons of each channel (one launch)."""
+    c, inner = channels
+    return per_neuron.view(per_neuron.shape[0], -1, c, inner).sum(dim=(1, 3))
+
+
+def _bn_pointers(
+    mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> dict[str, int]:
+    return {
+        "bn_mean": mean.data_ptr(),
+        "bn_invstd": invstd.data_ptr(),
+        "bn_weight": pointer(weight),
+        "bn_bias": pointer(bias),
+    }
+
+
+def affine_fptt(
+    program: NeuronProgram,
+    y: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    learnable: torch.Tensor | None,
+    constants: list[float],
+    v_init: float,
+    save_for_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """spikes = neuron(BN(y)) for y [T, B, C, *] in one launch.
+
+    BN(y) = y * scale[c] + shift[c] with scale = invstd * weight, shift = bias - mean * scale
+    (weight None: 1, bias None: 0); the vectors are float32 [C]. The neuron starts from the
+    constant ``v_init``. Returns the spikes (y's dtype and layout) and, with
+    ``save_for_backward``, the chunk checkpoints (V at the end of every chunk of
+    ``AFFINE_CHUNK[dtype]`` steps but the last, float32; None for T <= the chunk).
+    """
+    check_input(y)
+    y, channels = channel_layout(y)
+    T, N = y.shape[0], y.numel() // y.shape[0]
+    spikes = torch.empty_like(y)
+    v_ckpt, _ = checkpoints_like(program, y, save_for_backward, AFFINE_CHUNK[y.dtype])
+    if N:
+        vec = vector_width(N, y, vec=VEC)
+        pointers = {
+            "x_seq": y.data_ptr(),
+            "spike_seq": spikes.data_ptr(),
+            "v_ckpt": pointer(v_ckpt),
+            "learnable": pointer(learnable),
+            **_bn_pointers(mean, invstd, weight, bias),
+        }
+        kernel = kernel_for(program, y.dtype, vec, affine=True)
+        args = kernel.pack_args(pointers, T, N, v_init, 0.0, constants, channels)
+        launch(kernel, True, y.device, blocks_for(N, vec), args)
+    return spikes, v_ckpt
+
+
+def affine_bptt(
+    program: NeuronProgram,
+    y: torch.Tensor,
+    grad_spikes: torch.Tensor,
+    saved_v: torch.Tensor | None,
+    learnable: torch.Tensor | None,
+    constants: list[float],
+    v_init: float,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    totals: torch.Tensor | None = None,
+    inv_count: float = 0.0,
+    *,
+    grad_y: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """BPTT of :func:`affine_fptt` in one launch, recomputing the neuron from y chunk by chunk.
+
+    With g = dL/dX (X = BN(y)), returns ``(dL/dy, sums, grad_learnable)``:
+
+    * ``grad_y=False`` (pass 1): ``sums`` [2, C] float32, the per-channel sums over (T, B, *S)
+      of g and of g (y - mean[c]), and dL/d(learnable) [P] (or None); dL/dy is None.
+    * ``grad_y=True`` (pass 2): dL/dy in y's dtype and layout, = scale g with running
+      statistics (``totals`` None), or with batch statistics BatchNorm's full backward
+      scale g + coef_y y + coef_0, coef_y = -scale invstd m_gy invstd, coef_0 = -scale m_g -
+      mean coef_y, from ``totals`` [2, C] (pass 1's sums over all processes) times
+      ``inv_count`` (m_g, m_gy). The other two are None.
+    """
+    check_input(y)
+    y, channels = channel_layout(y)
+    T, N = y.shape[0], y.numel() // y.shape[0]
+    check_checkpoints(T, saved_v, AFFINE_CHUNK[y.dtype])
+    grad_spikes = _laid_out_like(grad_spikes, y)
+    out = torch.empty_like(y) if grad_y else None
+    sums = None if grad_y else y.new_empty((2, N), dtype=torch.float32)
+    vec = vector_width(N, y, grad_spikes, vec=AFFINE_BPTT_VEC)
+    blocks = blocks_for(N, vec)
+    partial = None
+    if program.learnable and not grad_y:  # every block writes its column
+        shape = (len(program.learnable), blocks)
+        partial = y.new_empty(shape, dtype=torch.float32) if N else y.new_zeros(shape)
+    if N:
+        pointers = {
+            "x_seq": y.data_ptr(),
+            "v_ckpt": pointer(saved_v),
+            "learnable": pointer(learnable),
+            "grad_spike_seq": grad_spikes.data_ptr(),
+            "grad_x_seq": pointer(out),
+            "grad_learnable_partial": pointer(partial),
+            "grad_sum": 0 if sums is None else sums[0].data_ptr(),
+            "grad_dot": 0 if sums is None else sums[1].data_ptr(),
+            "bn_total_g": 0 if totals is None else totals[0].data_ptr(),
+            "bn_total_gy": 0 if totals is None else totals[1].data_ptr(),
+            **_bn_pointers(mean, invstd, weight, bias),
+        }
+        kernel = kernel_for(program, y.dtype, vec, affine=True)
+        args = kernel.pack_args(pointers, T, N, v_init, 0.0, constants, channels, inv_count)
+        launch(kernel, False, y.device, blocks, args)
+    if sums is None:  # pass 2
+        return out, None, None
+    return None, _per_channel_sum(sums, channels), None if partial is None else partial.sum(dim=1)

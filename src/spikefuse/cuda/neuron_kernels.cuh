@@ -1,0 +1,326 @@
+// spikefuse neuron kernels: the loop structure shared by every neuron, dtype and reset rule.
+//
+// spikefuse/cuda/codegen.py compiles this file once per variant, after a generated prelude that
+// defines what varies:
+//   scalar_t, to_float, from_float    storage type (float, __half, __nv_bfloat16) and conversions
+//   VEC, BLOCK_THREADS, MIN_BLOCKS,   neurons per thread, launch bounds, backward's chunk length,
+//   CHUNK, LOAD_STEPS                 forward's loads in flight
+//   ADAPTIVE, AFFINE, N_LEARNABLE     two-state neuron; BatchNorm folded in; learnable parameters
+//   Args                              the kernels' one argument (fields as in codegen.py)
+//   Params, load_params(a)            the neuron's parameters, read once per thread
+//   charge, reset, surrogate_grad,    the neuron's device functions, printed from its sympy
+//   dv_dh, dh_dx, dh_dv, ...          equations (see codegen.py for the full list)
+//   FPTT_KERNEL, BPTT_KERNEL          the names of the two entry points (at the end of this file)
+//
+// The kernel bodies are templates (on Args) so that `if constexpr` drops a variant's unused
+// parts (the adaptive and affine ones) without the names they use having to exist.
+//
+// Numerics: forward arithmetic is correctly rounded (compiled without FMA contraction, exact
+// division in the printed equations), so H, V and the spikes equal PyTorch's float32 bit for bit;
+// backward recomputes H with the same `step` function, so it sees exactly the forward's values.
+
+// VEC neighbouring elements of one step: one vector load or store.
+struct alignas(sizeof(scalar_t) * VEC) pack_t {
+    scalar_t e[VEC];
+};
+
+__device__ __forceinline__ pack_t load_pack(const scalar_t* p, const long long i)
+{
+    return *reinterpret_cast<const pack_t*>(p + i);
+}
+
+__device__ __forceinline__ void store_pack(scalar_t* p, const long long i, const pack_t& v)
+{
+    *reinterpret_cast<pack_t*>(p + i) = v;
+}
+
+// C++ has no empty arrays: the learnable gradients take one unused slot without parameters.
+constexpr int LEARNABLE_SLOTS = N_LEARNABLE > 0 ? N_LEARNABLE : 1;
+
+// One step of one neuron, shared by forward and backward's recompute (same float32 results):
+// returns H[t]; updates v = V[t-1] -> V[t] and w = W[t-1] -> W[t].
+template <class P>
+__device__ __forceinline__ float step(float& v, float& w, const float x, const P& p)
+{
+    const float h = charge(v, x, w, p);
+    if constexpr (ADAPTIVE)
+        w = adaptation(v, x, w, h, p) + (h >= p.v_threshold ? adaptation_jump(p) : 0.0f);
+    v = reset(h, p);
+    return h;
+}
+
+// V[-1] and W[-1] of neuron i: the given state, or the constant start where it is null (always
+// in the affine kernels; one-state neurons have no W).
+template <class Args>
+__device__ __forceinline__ float initial_v(const Args& a, const long long i)
+{
+    if constexpr (AFFINE)
+        return a.v_init;
+    else
+        return a.v0 ? a.v0[i] : a.v_init;
+}
+
+template <class Args>
+__device__ __forceinline__ float initial_w(const Args& a, const long long i)
+{
+    if constexpr (ADAPTIVE)
+        return a.w0 ? a.w0[i] : a.w_init;
+    else
+        return 0.0f;
+}
+
+// Affine kernels: BatchNorm of channel c as X = Y * scale + shift, scale = invstd * gamma,
+// shift = beta - mean * scale; the same float32 operations, in the same order, as the torch
+// composite's (spikefuse.fused).
+template <class Args>
+__device__ __forceinline__ void channel_affine(const Args& a, const long long c, float& scale,
+                                               float& shift)
+{
+    const float mean = a.bn_mean[c], invstd = a.bn_invstd[c];
+    scale = a.bn_weight ? invstd * a.bn_weight[c] : invstd;
+    shift = a.bn_bias ? -mean * scale + a.bn_bias[c] : -mean * scale;
+}
+
+// The neuron's input X from a loaded element y: y itself, or Y * scale + shift (affine kernels).
+__device__ __forceinline__ float neuron_input(const float y, const float (&scale)[VEC],
+                                              const float (&shift)[VEC], const int k)
+{
+    return AFFINE ? __fmaf_rn(y, scale[k], shift[k]) : y;
+}
+
+// Forward through time: S[t], V[t] (if v_seq), V (and W) at chunk ends, last V (and W).
+template <class Args>
+__device__ __forceinline__ void neuron_fptt(const Args& a)
+{
+    const int T = (int)a.T;
+    const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (n >= N)
+        return;
+    const auto p = load_params(a);
+    // Affine kernels: this thread's neurons' channels (loaded once, used for all T).
+    float scale[VEC], shift[VEC];
+    if constexpr (AFFINE)
+        for (int k = 0; k < VEC; ++k)
+            channel_affine(a, (n + k) / a.inner % a.channels, scale[k], shift[k]);
+    float v[VEC], w[VEC];
+    for (int k = 0; k < VEC; ++k) {
+        v[k] = initial_v(a, n + k);
+        w[k] = initial_w(a, n + k);
+    }
+    for (int t0 = 0; t0 < T; t0 += CHUNK) {
+        for (int g = t0; g < t0 + CHUNK && g < T; g += LOAD_STEPS) {
+            const long long base = g * N + n;  // element (g, n); step j is base + j*N
+            pack_t xp[LOAD_STEPS];  // the group's loads first: independent, so they overlap
+#pragma unroll
+            for (int j = 0; j < LOAD_STEPS; ++j)
+                if (g + j < T)
+                    xp[j] = load_pack(a.x_seq, base + j * N);
+#pragma unroll
+            for (int j = 0; j < LOAD_STEPS; ++j) {
+                if (g + j >= T)
+                    break;
+                pack_t sp, vp;
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) {
+                    const float x = neuron_input(to_float(xp[j].e[k]), scale, shift, k);
+                    const float h = step(v[k], w[k], x, p);
+                    // a NaN H gives a NaN spike, never a valid "no spike" (the NaN policy)
+                    sp.e[k] = from_float(h >= p.v_threshold ? 1.0f : (isnan(h) ? h : 0.0f));
+                    vp.e[k] = from_float(v[k]);
+                }
+                store_pack(a.spike_seq, base + j * N, sp);
+                if constexpr (!AFFINE)
+                    if (a.v_seq)
+                        store_pack(a.v_seq, base + j * N, vp);
+            }
+        }
+        if (a.v_ckpt && t0 + CHUNK < T) {  // the state the next chunk starts from
+            const long long c = (t0 / CHUNK) * N + n;
+            for (int k = 0; k < VEC; ++k) {
+                a.v_ckpt[c + k] = v[k];
+                if constexpr (ADAPTIVE)
+                    if (a.w_ckpt)
+                        a.w_ckpt[c + k] = w[k];
+            }
+        }
+    }
+    if constexpr (!AFFINE)
+        for (int k = 0; k < VEC; ++k) {
+            if (a.v_last)
+                a.v_last[n + k] = v[k];
+            if constexpr (ADAPTIVE)
+                if (a.w_last)
+                    a.w_last[n + k] = w[k];
+        }
+}
+
+// Backward through time: dL/dX[t] (affine pass 2: dL/dY[t]; pass 1: per-neuron sums for
+// BatchNorm), dL/dV[-1] (and dL/dW[-1]), per-block sums of the learnable parameters' gradients.
+template <class Args>
+__device__ __forceinline__ void neuron_bptt(const Args& a)
+{
+    const int T = (int)a.T;
+    const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    const auto p = load_params(a);
+    // Affine kernels: this thread's neurons' channels, and BatchNorm's backward through the
+    // batch statistics from the channel totals: dL/dY = scale g + coef_y Y + coef_0
+    // (see spikefuse.fused.bn_neuron); zero coefficients with running statistics.
+    float scale[VEC], shift[VEC], mean[VEC], coef_y[VEC], coef_0[VEC], sum_g[VEC], sum_gy[VEC];
+    if constexpr (AFFINE)
+        for (int k = 0; k < VEC && n < N; ++k) {
+            const long long c = (n + k) / a.inner % a.channels;
+            channel_affine(a, c, scale[k], shift[k]);
+            mean[k] = a.bn_mean[c];
+            coef_y[k] = coef_0[k] = sum_g[k] = sum_gy[k] = 0.0f;
+            if (a.bn_total_g) {
+                const float invstd = a.bn_invstd[c];
+                const float mean_g = a.bn_total_g[c] * a.inv_count;
+                const float mean_gxhat = a.bn_total_gy[c] * invstd * a.inv_count;
+                coef_y[k] = -scale[k] * invstd * mean_gxhat;
+                coef_0[k] = -scale[k] * mean_g - mean[k] * coef_y[k];
+            }
+        }
+    float acc[LEARNABLE_SLOTS] = {0.0f};  // dL/dp over this thread's neurons and steps
+    // Carried from step t+1 to step t: the gradient reaching V[t] (and W[t]) from later steps.
+    float grad_v_carry[VEC], grad_w_carry[VEC];
+    if (n < N) {
+        for (int k = 0; k < VEC; ++k) {
+            grad_v_carry[k] = 0.0f;
+            if constexpr (!AFFINE)
+                if (a.grad_v_last)
+                    grad_v_carry[k] = a.grad_v_last[n + k];
+            if constexpr (ADAPTIVE)
+                grad_w_carry[k] = a.grad_w_last ? a.grad_w_last[n + k] : 0.0f;
+        }
+    }
+    for (int t0 = (T - 1) / CHUNK * CHUNK; n < N && t0 >= 0; t0 -= CHUNK) {
+        const long long base = t0 * N + n;  // element (t0, n); step j of the chunk is base + j*N
+        // State at the chunk's start (V[t0-1], W[t0-1]): the forward's checkpoint, or V[-1].
+        float v_start[VEC], w_start[VEC];
+        const long long c = (t0 / CHUNK - 1) * N + n;
+        for (int k = 0; k < VEC; ++k) {
+            v_start[k] = t0 ? a.v_ckpt[c + k] : initial_v(a, n + k);
+            if constexpr (ADAPTIVE)
+                w_start[k] = t0 ? a.w_ckpt[c + k] : initial_w(a, n + k);
+            else
+                w_start[k] = 0.0f;
+        }
+        pack_t xp[CHUNK], gsp[CHUNK];  // the chunk's loads first: independent, so they overlap
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) {
+            if (t0 + j >= T)
+                break;
+            xp[j] = load_pack(a.x_seq, base + j * N);
+            gsp[j] = load_pack(a.grad_spike_seq, base + j * N);
+        }
+        // Recompute the chunk as forward did: H[t] (and W[t]) into registers.
+        float hc[CHUNK][VEC], wc[CHUNK][VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+            float v = v_start[k], w = w_start[k];
+#pragma unroll
+            for (int j = 0; j < CHUNK; ++j) {
+                if (t0 + j >= T)
+                    break;
+                hc[j][k] = step(v, w, neuron_input(to_float(xp[j].e[k]), scale, shift, k), p);
+                wc[j][k] = w;
+            }
+        }
+        // Walk the chunk backwards (seed 003):
+        //   dL/dH[t] = dL/dS[t] Θ' + dL/dV[t] dV[t]/dH[t] (+ dL/dW[t] (∂Z[t]/∂H[t] + jump Θ'))
+#pragma unroll
+        for (int j = CHUNK - 1; j >= 0; --j) {
+            if (t0 + j >= T)
+                continue;
+            pack_t gxp, gvp;
+            if constexpr (!AFFINE)
+                if (a.grad_v_seq)
+                    gvp = load_pack(a.grad_v_seq, base + j * N);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                const float h = hc[j][k];
+                const float y = to_float(xp[j].e[k]);  // X, or Y in the affine kernels
+                const float x = neuron_input(y, scale, shift, k);
+                // The state step t started from: the chunk's start, or step t-1's result.
+                const float v_prev = j == 0 ? v_start[k] : reset(hc[j - 1][k], p);
+                const float w_prev = j == 0 ? w_start[k] : wc[j - 1][k];
+                const float spike = h >= p.v_threshold ? 1.0f : 0.0f;
+                const float sg = surrogate_grad(h - p.v_threshold);
+                float grad_v_seq = 0.0f;  // dL/dV[t] through the V sequence (if v_seq)
+                if constexpr (!AFFINE)
+                    if (a.grad_v_seq)
+                        grad_v_seq = to_float(gvp.e[k]);
+                const float grad_v = grad_v_carry[k] + grad_v_seq;
+                float grad_h = to_float(gsp[j].e[k]) * sg + grad_v * dv_dh(h, spike, sg, p);
+                if constexpr (ADAPTIVE) {
+                    const float grad_w = grad_w_carry[k];  // dL/dW[t]
+                    grad_h += grad_w * (dz_dh(v_prev, x, w_prev, h, p) + adaptation_jump(p) * sg);
+                    grad_w_carry[k] = grad_h * dh_dw(v_prev, x, w_prev, h, p)
+                                    + grad_w * dz_dw(v_prev, x, w_prev, h, p);
+                }
+                const float grad_x = grad_h * dh_dx(v_prev, x, w_prev, h, p);
+                if constexpr (AFFINE) {
+                    sum_g[k] += grad_x;
+                    sum_gy[k] += grad_x * (y - mean[k]);
+                    // dL/dY
+                    gxp.e[k] = from_float(scale[k] * grad_x + coef_y[k] * y + coef_0[k]);
+                } else {
+                    gxp.e[k] = from_float(grad_x);
+                }
+                grad_v_carry[k] = grad_h * dh_dv(v_prev, x, w_prev, h, p);  // to V[t-1]
+                if constexpr (N_LEARNABLE > 0)
+                    add_learnable_grads(acc, grad_h, v_prev, x, w_prev, h, p);
+            }
+            if (!AFFINE || a.grad_x_seq)  // affine pass 1 writes only the sums
+                store_pack(a.grad_x_seq, base + j * N, gxp);
+        }
+    }
+    if (n < N) {
+        for (int k = 0; k < VEC; ++k) {
+            if constexpr (!AFFINE)
+                if (a.grad_v0)
+                    a.grad_v0[n + k] = grad_v_carry[k];
+            if constexpr (ADAPTIVE)
+                if (a.grad_w0)
+                    a.grad_w0[n + k] = grad_w_carry[k];
+            if constexpr (AFFINE)
+                if (a.grad_sum) {
+                    a.grad_sum[n + k] = sum_g[k];
+                    a.grad_dot[n + k] = sum_gy[k];
+                }
+        }
+    }
+    if constexpr (N_LEARNABLE > 0) {
+        // Deterministic reduction: warp shuffle, then shared memory, one partial per block.
+        __shared__ float partial[LEARNABLE_SLOTS][BLOCK_THREADS / 32];
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        for (int i = 0; i < N_LEARNABLE; ++i) {
+            float s = acc[i];
+            for (int o = 16; o > 0; o /= 2)
+                s += __shfl_down_sync(0xffffffff, s, o);
+            if (lane == 0)
+                partial[i][warp] = s;
+        }
+        __syncthreads();
+        if (a.grad_learnable_partial && (int)threadIdx.x < N_LEARNABLE) {
+            float s = 0.0f;
+            for (int i = 0; i < blockDim.x / 32; ++i)
+                s += partial[threadIdx.x][i];
+            a.grad_learnable_partial[(long long)threadIdx.x * gridDim.x + blockIdx.x] = s;
+        }
+    }
+}
+
+// The entry points, named by the prelude (kernel names say the variant, as profilers show).
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) FPTT_KERNEL(const Args a)
+{
+    neuron_fptt(a);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) BPTT_KERNEL(const Args a)
+{
+    neuron_bptt(a);
+}
+
+#undef FPTT_KERNEL
+#undef BPTT_KERNEL

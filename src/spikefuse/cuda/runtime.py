@@ -1,0 +1,163 @@
+"""Runtime shared by the cuda backend's launchers: NVRTC compilation through CuPy, caching,
+launches, and the per-call checks and helpers of :mod:`.backend` and :mod:`.affine`.
+
+Kernels are compiled once per (program, dtype, vector width, affine) and device: in memory here,
+and on disk by CuPy's kernel cache (keyed by source, compiler options and GPU architecture, under
+``CUPY_CACHE_DIR``; the source includes the template's text, so editing it recompiles). Launches
+go to PyTorch's current stream on the tensor's device through the driver's ``cuLaunchKernel``
+with one packed argument struct; the current device is switched only when the tensor lives
+elsewhere, and restored. Hot path per call: output allocation, a dict lookup, one
+``struct.pack``, one launch; no host sync.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..errors import BackendUnavailableError
+from ..program import NeuronProgram
+from . import unavailable_reason
+from .codegen import BLOCK_THREADS, NVRTC_OPTIONS, DefinitionKernel, NeuronKernel
+
+_ALIGN = 16  # bytes: the alignment a vector load or store of VEC elements needs at most
+
+
+@functools.cache
+def _cupy() -> ModuleType:
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CuPy that cannot find its CUDA libraries
+        raise BackendUnavailableError(
+            f"the cuda backend needs CuPy with NVRTC ({exc}); install `spikefuse[cuda12]` or "
+            "`spikefuse[cuda13]` to match your CUDA version"
+        ) from exc
+    return cupy
+
+
+@functools.cache
+def kernel_for(
+    program: NeuronProgram, dtype: torch.dtype, vec: int, affine: bool = False
+) -> NeuronKernel:
+    """The generated kernel template of a program (cached; print ``.full_codes`` to read it)."""
+    return DefinitionKernel(program, dtype, vec, affine)
+
+
+@functools.cache
+def _module(source: str) -> Any:  # a cupy.RawModule
+    cp = _cupy()
+    options = NVRTC_OPTIONS
+    include = cp.cuda.get_cuda_path()
+    if include:  # fp16/bf16 headers, where NVRTC does not ship them built in
+        options += (f"-I{include}/include",)
+    return cp.RawModule(code=source, options=options, backend="nvrtc")
+
+
+def compiled(kernel: NeuronKernel, forward: bool, device_index: int) -> tuple[Any, int]:
+    """(CuPy ``RawKernel``, CUfunction handle) of one direction, loaded on a device.
+
+    The handle belongs to that device's context, so it is read with the device current.
+    """
+    with _cupy().cuda.Device(device_index):
+        raw = _module(kernel.full_codes).get_function(
+            kernel.fptt_name if forward else kernel.bptt_name
+        )
+        return raw, raw.kernel.ptr
+
+
+def precompile(kernels: list[NeuronKernel], threads: int = 8) -> None:
+    """Compile kernels ahead of use, in parallel (NVRTC runs outside the GIL); fills the caches."""
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda k: _module(k.full_codes).compile(), kernels))
+
+
+# (kernel, forward, device index) -> (RawKernel, CUfunction handle)
+_functions: dict[tuple[NeuronKernel, bool, int], tuple[Any, int]] = {}
+_raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_OnePointer = ctypes.c_void_p * 1
+
+
+@functools.cache
+def _driver_launch() -> Callable[..., None]:
+    return _cupy().cuda.driver.launchKernel  # cuLaunchKernel
+
+
+def _current_stream(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def launch(
+    kernel: NeuronKernel, forward: bool, device: torch.device, blocks: int, args: bytes
+) -> None:
+    """Launch one direction's kernel with its packed ``Args`` struct on the current stream."""
+    current = torch.cuda.current_device()
+    index = device.index if device.index is not None else current
+    key = (kernel, forward, index)
+    entry = _functions.get(key)
+    if entry is None:
+        if torch.cuda.is_current_stream_capturing():  # loading a module is not capturable
+            raise BackendUnavailableError(
+                f"spikefuse: kernel {kernel.kernel_prefix} is not loaded on cuda:{index} yet and "
+                "cannot be compiled during CUDA graph capture; run the captured step once "
+                "eagerly first (the usual warm-up before torch.cuda.graph)"
+            )
+        entry = _functions[key] = compiled(kernel, forward, index)
+    buffer = ctypes.create_string_buffer(args, len(args))
+    params = _OnePointer(ctypes.addressof(buffer))  # kernelParams: one pointer, to the struct
+    grid, block = (blocks, 1, 1), (BLOCK_THREADS, 1, 1)
+    call = (entry[1], *grid, *block, 0, _current_stream(index), ctypes.addressof(params), 0)
+    if current == index:
+        _driver_launch()(*call)
+    else:  # the function belongs to that device's context
+        with torch.cuda.device(index):
+            _driver_launch()(*call)
+
+
+def check_input(x: torch.Tensor) -> None:
+    """Raise :class:`BackendUnavailableError` naming why the cuda backend cannot run ``x``."""
+    reason = unavailable_reason(x)
+    if reason is not None:
+        raise BackendUnavailableError(f"cuda backend: {reason}")
+
+
+def vector_width(n: int, *tensors: torch.Tensor | None, vec: int) -> int:
+    """``vec`` neurons per thread where N and every pointer's alignment allow, else 1."""
+    if n % vec or any(t is not None and t.data_ptr() % _ALIGN for t in tensors):
+        return 1
+    return vec
+
+
+def checkpoints_like(
+    program: NeuronProgram, x_seq: torch.Tensor, save: bool, chunk: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Uninitialised tensors shaped like what forward saves: V (and W) at the end of every chunk
+    of ``chunk`` steps but the last, float32 (None when not saving or T <= chunk: backward starts
+    from V[-1])."""
+    if not save or x_seq.shape[0] <= chunk:
+        return None, None
+    shape = ((x_seq.shape[0] + chunk - 1) // chunk - 1, *x_seq.shape[1:])
+    v = x_seq.new_empty(shape, dtype=torch.float32)
+    return v, (x_seq.new_empty(shape, dtype=torch.float32) if program.definition.adaptive else None)
+
+
+def check_checkpoints(T: int, saved_v: torch.Tensor | None, chunk: int) -> None:
+    if T > chunk and (saved_v is None or saved_v.shape[0] != (T + chunk - 1) // chunk - 1):
+        raise RuntimeError("spikefuse cuda bptt: the forward's chunk checkpoints are missing")
+
+
+def pointer(t: torch.Tensor | None) -> int:
+    """The device address of ``t``, or null for None or an empty tensor."""
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def blocks_for(n: int, vec: int) -> int:
+    """Thread blocks covering n neurons at vec per thread (at least one)."""
+    return max(1, -(-n // (vec * BLOCK_THREADS)))
