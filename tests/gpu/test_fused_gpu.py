@@ -105,6 +105,7 @@ def test_affine_kernels_match_batchnorm_and_reference(
     )
     results = {}
     for backend in ("cuda", "torch"):
+        launched.clear()
         block = identity_block(variant, synapse_kind, backend, c, gamma, beta, batch_stats)
         results[backend] = run_affine(block, y, upstream)
         assert bool(launched) == (backend == "cuda"), f"{backend}: affine kernels launched"
