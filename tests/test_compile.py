@@ -17,19 +17,30 @@ def sj_net() -> nn.Sequential:
     """Conv-BN-LIF, pooling, Flatten, Linear-BN-LIF, classifier: written the SpikingJelly way."""
 
     def lif():
-        return neuron.LIFNode(tau=4 / 3, decay_input=False, v_threshold=0.25, v_reset=0.0,
-                              surrogate_function=surrogate.Sigmoid(), step_mode="m")  # fmt: skip
+        return neuron.LIFNode(
+            tau=4 / 3,
+            decay_input=False,
+            v_threshold=0.25,
+            v_reset=0.0,
+            surrogate_function=surrogate.Sigmoid(),
+            step_mode="m",
+        )
 
     return nn.Sequential(
         layer.Conv2d(3, 8, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(8, step_mode="m"), lif(), layer.AvgPool2d(2, step_mode="m"),
+        layer.BatchNorm2d(8, step_mode="m"),
+        lif(),
+        layer.AvgPool2d(2, step_mode="m"),
         layer.Conv2d(8, 8, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(8, step_mode="m"), lif(), layer.MaxPool2d(2, step_mode="m"),
+        layer.BatchNorm2d(8, step_mode="m"),
+        lif(),
+        layer.MaxPool2d(2, step_mode="m"),
         layer.Flatten(step_mode="m"),
         layer.Linear(8 * 2 * 2, 16, bias=False, step_mode="m"),
-        layer.BatchNorm1d(16, step_mode="m"), lif(),
+        layer.BatchNorm1d(16, step_mode="m"),
+        lif(),
         layer.Linear(16, 10, step_mode="m"),
-    )  # fmt: skip
+    )
 
 
 def train_steps(net: nn.Module, steps: int) -> list[torch.Tensor]:

@@ -572,7 +572,7 @@ class _Fuser:
             return  # nothing inside to search
         try:
             graphs = _trace(module)
-        except Exception as error:  # noqa: BLE001 - any failure means: search the tree instead
+        except Exception as error:  # any failure means: search the tree instead
             first_line = (str(error).strip().splitlines() or [""])[0]
             self.report.untraced[_display(path)] = f"{type(error).__name__}: {first_line}"
             for name, child in list(module.named_children()):
