@@ -98,10 +98,16 @@ def step(model: nn.Module, x: torch.Tensor):
     return out.detach(), x.grad, grads
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_fused_model_equals_unfused(name):
+RESIDUAL = ("spiking_resnet18", "sew_resnet18_ADD", "sew_resnet18_IAND", "spiking_resnet19")
+
+
+@pytest.mark.parametrize(
+    ("name", "memory"),
+    [(name, "default") for name in CASES] + [(name, "min") for name in RESIDUAL],
+)
+def test_fused_model_equals_unfused(name, memory):
     model, size, chains = build(name)
-    fused, report = fuse(model, return_report=True)
+    fused, report = fuse(model, return_report=True, memory=memory)
     assert report.fused_fraction == 1.0, str(report)
     assert len(report.fused) == report.chains == chains, str(report)
     assert sum(isinstance(m, FusedBlock) for m in fused.modules()) == chains

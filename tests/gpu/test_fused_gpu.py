@@ -5,13 +5,14 @@ memory modes) against the unfused modules."""
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
 from conftest import assert_close, differ, gen, reldiff, seed_of
-from spikefuse import backends, functional, fuse, layer, neuron, surrogate
+from spikefuse import backends, functional, fuse, layer, models, neuron, surrogate
 from spikefuse.fused import FusedBlock, paper_lif
 
 from .variants import AFFINE_CHUNK, CHUNK, DTYPES, ONE_STATE, Variant, params
@@ -181,3 +182,38 @@ def test_fused_model_matches_unfused(T, memory, no_tf32, record_property):
     if memory == "default":
         got16 = training_step(fused, x, True)
         record_property("worst_bf16_autocast", max(reldiff(got16[k], w) for k, w in want.items()))
+
+
+def residual_net(name: str) -> nn.Module:
+    """A model-zoo residual network on the cuda backend with non-trivial BatchNorm affine
+    parameters, channels-last like its fused convolutions (the same cuDNN algorithms)."""
+    torch.manual_seed(0)
+    make = {
+        "spiking_resnet19": models.spiking_resnet19,
+        "sew_resnet18": partial(models.sew_resnet18, cnf="ADD"),
+    }[name]
+    model = make(spiking_neuron=neuron.LIFNode, num_classes=10, step_mode="m", backend="cuda")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.4)
+    return model.cuda().to(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("memory", ["default", "min"])
+@pytest.mark.parametrize(("name", "size"), [("spiking_resnet19", 16), ("sew_resnet18", 32)])
+def test_fused_residual_network_matches_unfused(name, size, memory, no_tf32, record_property):
+    """ResNet-19 and SEW-ResNet-18 fused (both memory modes) equal the unfused network in fp32:
+    output, input and parameter gradients and running statistics, within 1e-4."""
+    model = residual_net(name)
+    fused, report = fuse(model, memory=memory, return_report=True)
+    assert report.fused_fraction == 1.0, str(report)
+    x = torch.rand(4, 4, 3, size, size, device="cuda") * 2
+    for _ in range(2):  # the second step sees the first one's running statistics
+        want = training_step(model, x, False)
+        got = training_step(fused, x, False)
+    errors = {k: reldiff(got[k], w) for k, w in want.items()}
+    worst = max(errors, key=errors.get)
+    record_property("worst_fp32", errors[worst])
+    assert errors[worst] < 1e-4, f"{worst}: normalised error {errors[worst]:.2e}"
