@@ -13,7 +13,7 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, cast, overload
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import torch
 
@@ -122,7 +122,6 @@ class AffineKernels(Protocol):
         """(spikes, chunk checkpoints or None) of neuron(y * scale[c] + shift[c])."""
         ...
 
-    @overload
     def affine_bptt(
         self,
         program: NeuronProgram,
@@ -139,30 +138,11 @@ class AffineKernels(Protocol):
         totals: torch.Tensor | None = None,
         inv_count: float = 0.0,
         *,
-        grad_y: Literal[False],
-    ) -> tuple[None, torch.Tensor, torch.Tensor | None]:
-        """Pass 1: (None, per-channel sums [2, C], dL/dlearnable or None)."""
-
-    @overload
-    def affine_bptt(
-        self,
-        program: NeuronProgram,
-        y: torch.Tensor,
-        grad_spikes: torch.Tensor,
-        saved_v: torch.Tensor | None,
-        learnable: torch.Tensor | None,
-        constants: list[float],
-        v_init: float,
-        mean: torch.Tensor,
-        invstd: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        totals: torch.Tensor | None = None,
-        inv_count: float = 0.0,
-        *,
-        grad_y: Literal[True],
-    ) -> tuple[torch.Tensor, None, None]:
-        """Pass 2: (dL/dy, None, None)."""
+        grad_y: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Pass 1 (``grad_y=False``): (None, per-channel sums [2, C], dL/dlearnable or None);
+        pass 2: (dL/dy, None, None)."""
+        ...
 
 
 @dataclass(frozen=True)

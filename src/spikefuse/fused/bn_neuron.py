@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..backends import compute_dtype
+from ..backends import AffineKernels, compute_dtype
 from ..ops import forbid_double_backward
 from .neuron_call import Kept, NeuronCall
 from .statistics import BNSpec, BNStats, all_reduce_sums, is_distributed, reduce_dims
@@ -103,20 +103,8 @@ def bn_neuron_backward(
     """
     affine = neuron.affine
     if stats is not None and affine is not None:
-        assert saved is not None  # affine forwards always keep their checkpoints (or None)
-        _, sums, grad_learnable = affine.affine_bptt(
-            program=neuron.program,
-            y=y,
-            grad_spikes=grad_spikes,
-            saved_v=saved[0],
-            learnable=learnable,
-            constants=neuron.constants,
-            v_init=neuron.v_init,
-            mean=stats.mean,
-            invstd=stats.invstd,
-            weight=stats.weight,
-            bias=stats.bias,
-            grad_y=False,
+        _, sums, grad_learnable = _affine_backward(
+            affine, neuron, y, grad_spikes, saved, learnable, stats, grad_y=False
         )
         return None, sums, grad_learnable
     x = _neuron_input(y, stats)
@@ -126,6 +114,39 @@ def bn_neuron_backward(
     dims = reduce_dims(y.dim())
     yc = y.to(g.dtype) - _per_channel(stats.mean, y.dim())
     return g, torch.stack([g.sum(dims), yc.mul_(g).sum(dims)]), grad_learnable
+
+
+def _affine_backward(
+    affine: AffineKernels,
+    neuron: NeuronCall,
+    y: Tensor,
+    grad_spikes: Tensor,
+    saved: Kept,
+    learnable: Tensor | None,
+    stats: BNStats,
+    grad_y: bool,
+    totals: Tensor | None = None,
+    inv_count: float = 0.0,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """One of the BN-folded kernel's two backward passes: pass 1 (``grad_y=False``) returns
+    (None, per-channel sums [2, C], dL/dlearnable), pass 2 (dL/dy, None, None)."""
+    assert saved is not None  # affine forwards always keep their checkpoints (or None)
+    return affine.affine_bptt(
+        program=neuron.program,
+        y=y,
+        grad_spikes=grad_spikes,
+        saved_v=saved[0],
+        learnable=learnable,
+        constants=neuron.constants,
+        v_init=neuron.v_init,
+        mean=stats.mean,
+        invstd=stats.invstd,
+        weight=stats.weight,
+        bias=stats.bias,
+        totals=totals,
+        inv_count=inv_count,
+        grad_y=grad_y,
+    )
 
 
 def bn_input_grad(
@@ -148,23 +169,10 @@ def bn_input_grad(
     """
     affine = neuron.affine
     if affine is not None:
-        assert saved is not None  # affine forwards always keep their checkpoints (or None)
-        grad_y, _, _ = affine.affine_bptt(
-            program=neuron.program,
-            y=y,
-            grad_spikes=grad_spikes,
-            saved_v=saved[0],
-            learnable=learnable,
-            constants=neuron.constants,
-            v_init=neuron.v_init,
-            mean=stats.mean,
-            invstd=stats.invstd,
-            weight=stats.weight,
-            bias=stats.bias,
-            totals=totals,
-            inv_count=inv_count,
-            grad_y=True,
+        grad_y, _, _ = _affine_backward(
+            affine, neuron, y, grad_spikes, saved, learnable, stats, True, totals, inv_count
         )
+        assert grad_y is not None  # pass 2 writes dL/dy
         return grad_y
     if g is None:
         g, _ = neuron.input_grad(_neuron_input(y, stats), learnable, grad_spikes, saved)
