@@ -150,6 +150,10 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             needs=ctx.needs_input_grad[2:5],
         )
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
+        # y (as large as the block's output) is only the root of the graph below: a Conv's or
+        # Linear's backward reads x and the weights, never y's values. Free its memory before
+        # that backward allocates dL/dx, so the two are never alive together.
+        y.untyped_storage().resize_(0)
         # the synapse's own backward, on the recomputed graph (only what needs a gradient)
         candidates = zip([x, *ctx.synapse_params], [needs_x, *params_need], strict=True)
         wanted = [t for t, need in candidates if need]
