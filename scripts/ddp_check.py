@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 scripts/ddp_check.py             # NCCL on GPUs, gloo on CPU
     torchrun --nproc_per_node=2 scripts/ddp_check.py --dtype float32 --steps 5
+    torchrun --nproc_per_node=2 scripts/ddp_check.py --model sew_resnet18 --memory min
 
 Every rank trains the DDP-wrapped fused model on its slice of a global batch and, alongside, a
 copy that sees the whole batch with BatchNorm synchronised over a group of itself only (the
@@ -9,6 +10,21 @@ single-process reference). After each step it compares outputs, input gradients 
 gradient is N times the global-mean-loss gradient: the synchronised BN backward already sums
 every rank's contribution), averaged parameter gradients, running statistics and, after the
 optimizer step, the parameters. Prints PASS or FAIL (rank 0) and exits 0 or 1.
+
+The spikes of every fused block and neuron are compared exactly (a spike flipped by rounding
+fails the check: float32 tolerances cover rounding only).
+
+Models (``--model``, fused with ``--memory``; every Conv/Linear → BN → neuron chain must fuse),
+all with non-trivial BN affine parameters: a small CNN with the DATE'22 paper's LIF (``cnn``),
+SEW-ResNet-18 ('ADD') on 16×16 input and ResNet-19 on 8×8 input with SpikingJelly's LIF.
+
+BatchNorms that ``fuse`` leaves unfused (ResNet-19's ``bn2`` and downsample BN before the
+residual addition) would be per-process under plain DDP, so they become
+``torch.nn.SyncBatchNorm`` (multi-step through ``layer.SeqToANNContainer``:
+``convert_sync_batchnorm`` alone would drop the ``step_mode`` of spikefuse's BatchNorm
+subclasses). torch's SyncBatchNorm runs on CUDA only, so such a model (``spiking_resnet19``) is
+refused on CPU; ``cnn`` and ``sew_resnet18`` (every BN fused) run on CPU with gloo too. cuDNN's
+TF32 is switched off: both sides must run the same float32 arithmetic.
 """
 
 from __future__ import annotations
@@ -16,23 +32,27 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from spikefuse import functional, layer
-from spikefuse.fused import fuse, paper_lif
+from spikefuse import functional, layer, models, neuron, surrogate
+from spikefuse.fused import FusedBlock, fuse, paper_lif
+from spikefuse.fused.blocks import MEMORY_MODES
+from spikefuse.neuron import BaseNode
 
-T, CLASSES = 3, 5
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}
+CLASSES = 5
 
 
-def build_model(dtype: torch.dtype, device: torch.device, group) -> nn.Module:
-    torch.manual_seed(0)  # every rank and the reference start from the same weights
-    model = nn.Sequential(
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
         layer.Conv2d(3, 8, 3, padding=1, bias=False, step_mode="m"),
         layer.BatchNorm2d(8, step_mode="m"),
         paper_lif(),
@@ -46,41 +66,150 @@ def build_model(dtype: torch.dtype, device: torch.device, group) -> nn.Module:
         paper_lif(),
         layer.Linear(16, CLASSES, step_mode="m"),
     )
+
+
+# SpikingJelly's LIF with its smooth sigmoid surrogate (a rectangular window's edges would flip
+# gradients on float32 rounding in these deep nets), threshold lowered for ~20% spikes.
+RESNET_NEURONS: dict[str, Any] = dict(
+    spiking_neuron=neuron.LIFNode,
+    v_threshold=0.5,
+    surrogate_function=surrogate.Sigmoid(),
+    step_mode="m",
+)
+
+
+@dataclass(frozen=True)
+class Network:
+    """An unfused network to check, its input image size (square), number of time steps, SGD
+    learning rate and the largest relative error allowed in float32 (float64: 1e-9)."""
+
+    build: Callable[[], nn.Module]
+    image_size: int
+    time_steps: int
+    lr: float = 0.5
+    float32_tolerance: float = 1e-5
+
+    def tolerance(self, dtype: torch.dtype) -> float:
+        return self.float32_tolerance if dtype == torch.float32 else 1e-9
+
+
+NETWORKS = {
+    "cnn": Network(small_cnn, image_size=8, time_steps=3),
+    # The ResNets: inputs small enough for a quick CPU run (every stage's map stays >= 1×1); a
+    # smaller learning rate, as 0.5 amplifies float32 rounding through 18 layers and the steps
+    # (SEW-ResNet-18 on CPU, batch 4: 2e-5 after 5 steps at lr 0.5, 1.4e-6 after 3 at 0.1);
+    # 3e-5 in float32 for GPU convolutions (the CNN's error is 4x larger on GPU than on CPU)
+    # accumulating over up to 4608 terms.
+    "sew_resnet18": Network(
+        lambda: models.sew_resnet18(cnf="ADD", num_classes=CLASSES, **RESNET_NEURONS),
+        image_size=16,
+        time_steps=2,
+        lr=0.1,
+        float32_tolerance=3e-5,
+    ),
+    "spiking_resnet19": Network(
+        lambda: models.spiking_resnet19(num_classes=CLASSES, **RESNET_NEURONS),
+        image_size=8,
+        time_steps=2,
+        lr=0.1,
+        float32_tolerance=3e-5,
+    ),
+}
+
+
+def unfused_batchnorms(model: nn.Module) -> list[str]:
+    """The names of the BatchNorms of a fused ``model`` that no FusedBlock holds."""
+    blocks = [name + "." for name, m in model.named_modules() if isinstance(m, FusedBlock)]
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, _BatchNorm) and not name.startswith(tuple(blocks))
+    ]
+
+
+def synchronise_unfused_batchnorms(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Make the BatchNorms outside fused blocks ``torch.nn.SyncBatchNorm`` over ``group``,
+    keeping their parameters, buffers and step mode (multi-step: SyncBatchNorm on [T*B, ...])."""
+    for name in unfused_batchnorms(model):
+        bn = model.get_submodule(name)
+        synced = nn.SyncBatchNorm.convert_sync_batchnorm(bn, process_group=group)
+        multi_step = getattr(bn, "step_mode", "s") == "m"
+        model.set_submodule(name, layer.SeqToANNContainer(synced) if multi_step else synced)
+
+
+def build_model(
+    network: str,
+    memory: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> nn.Module:
+    torch.manual_seed(0)  # every rank and the reference start from the same weights
+    model = NETWORKS[network].build()
     with torch.no_grad():  # non-trivial BN affine parameters
         for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            if isinstance(m, _BatchNorm):
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.2, 0.4)
-    return fuse(model, process_group=group).to(device=device, dtype=dtype)
+    fused, report = fuse(model, process_group=group, memory=memory, return_report=True)
+    if len(report.fused) != report.chains:
+        raise SystemExit(f"{network}: not every chain was fused\n{report}")
+    unfused = unfused_batchnorms(fused)
+    if unfused and device.type != "cuda":
+        raise SystemExit(
+            f"{network} keeps BatchNorms outside fused blocks ({', '.join(unfused)}), which DDP "
+            "needs synchronised, and torch.nn.SyncBatchNorm runs on CUDA only: run this check "
+            "on GPUs (torchrun --nproc_per_node=2 on a machine with 2 GPUs)"
+        )
+    synchronise_unfused_batchnorms(fused, group)
+    return fused.to(device=device, dtype=dtype)
+
+
+def record_spikes(model: nn.Module) -> dict[str, torch.Tensor]:
+    """name → the spikes of each fused block and unfused neuron in ``model``'s last forward."""
+    spikes: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (FusedBlock, BaseNode)):
+            m.register_forward_hook(
+                lambda _m, _args, out, name=name: spikes.__setitem__(name, out.detach())
+            )
+    return spikes
 
 
 def max_rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
 
 
-def run_check(steps: int, batch: int, dtype: torch.dtype, device: torch.device) -> float:
+def run_check(
+    network: str, memory: str, steps: int, batch: int, dtype: torch.dtype, device: torch.device
+) -> float:
     """The largest relative error seen on this rank over all compared quantities."""
     rank, world = dist.get_rank(), dist.get_world_size()
     singletons = [dist.new_group([r]) for r in range(world)]  # collective: all ranks create all
-    reference = build_model(dtype, device, singletons[rank])
-    model = DistributedDataParallel(build_model(dtype, device, None))
-    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    reference = build_model(network, memory, dtype, device, singletons[rank])
+    model = DistributedDataParallel(build_model(network, memory, dtype, device, None))
+    spec = NETWORKS[network]
+    spikes_ref, spikes = record_spikes(reference), record_spikes(model.module)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=spec.lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     local = slice(rank * batch, (rank + 1) * batch)
     worst = 0.0
 
-    def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    def check(name: str, got: torch.Tensor | None, want: torch.Tensor | None) -> None:
         nonlocal worst
+        if got is None or want is None:  # a gradient that one side lacks
+            raise SystemExit(f"rank {rank}: {name}: missing on one side ({got=}, {want=})")
         err = max_rel_error(got, want)
         worst = max(worst, err)
-        if err > TOLERANCE[dtype]:
+        if err > spec.tolerance(dtype):
             print(f"rank {rank}: {name}: relative error {err:.3e}", file=sys.stderr)
 
     for step in range(steps):
-        images = torch.randn(world * batch, 3, 8, 8, generator=gen).to(device, dtype) * 2
+        shape = (world * batch, 3, spec.image_size, spec.image_size)
+        images = torch.randn(shape, generator=gen).to(device, dtype) * 2
         labels = torch.randint(0, CLASSES, (world * batch,), generator=gen).to(device)
-        x_full = images.expand(T, -1, -1, -1, -1).clone().requires_grad_()
+        x_full = images.expand(spec.time_steps, -1, -1, -1, -1).clone().requires_grad_()
         x_local = x_full.detach()[:, local].clone().requires_grad_()
 
         out_ref = reference(x_full)
@@ -89,7 +218,11 @@ def run_check(steps: int, batch: int, dtype: torch.dtype, device: torch.device) 
         F.cross_entropy(out.mean(0), labels[local]).backward()
 
         check(f"step {step} output", out, out_ref[:, local])
-        check(f"step {step} input grad", x_local.grad / world, x_full.grad[:, local])
+        for name, s_ref in spikes_ref.items():  # 0/1: a spike flipped is a relative error of 1
+            check(f"step {step} spikes {name}", spikes[name], s_ref[:, local])
+        grad_local, grad_full = x_local.grad, x_full.grad
+        assert grad_local is not None and grad_full is not None  # both inputs require grad
+        check(f"step {step} input grad", grad_local / world, grad_full[:, local])
         for (name, p), p_ref in zip(
             model.module.named_parameters(), reference.parameters(), strict=True
         ):
@@ -109,6 +242,10 @@ def run_check(steps: int, batch: int, dtype: torch.dtype, device: torch.device) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(NETWORKS), default="cnn")
+    parser.add_argument(
+        "--memory", choices=MEMORY_MODES, default="default", help="fuse's memory mode"
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="per-process batch size")
     parser.add_argument(
@@ -128,20 +265,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device("cpu")
     dtypes = [getattr(torch, name) for name in args.dtype or ["float32" if use_cuda else "float64"]]
+    # Both sides run the same float32 arithmetic; cuDNN's TF32 would round convolution inputs
+    # to 10 mantissa bits, its algorithms (chosen per batch size) differently, flipping spikes.
+    torch.backends.cudnn.allow_tf32 = False
     dist.init_process_group("nccl" if use_cuda else "gloo")
     ok = True
     try:
         for dtype in dtypes:
-            worst = run_check(args.steps, args.batch, dtype, device)
+            worst = run_check(args.model, args.memory, args.steps, args.batch, dtype, device)
             flag = torch.tensor([worst], dtype=torch.float64, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            passed = flag.item() <= TOLERANCE[dtype]
+            passed = flag.item() <= NETWORKS[args.model].tolerance(dtype)
             ok &= passed
             if dist.get_rank() == 0:
                 world = dist.get_world_size()
                 print(
-                    f"{'PASS' if passed else 'FAIL'}: {world} x batch {args.batch} vs 1 x batch "
-                    f"{world * args.batch} ({dist.get_backend()}, {dtype}, {args.steps} steps): "
+                    f"{'PASS' if passed else 'FAIL'}: {args.model} (memory={args.memory}) "
+                    f"{world} x batch {args.batch} vs 1 x batch {world * args.batch} "
+                    f"({dist.get_backend()}, {dtype}, {args.steps} steps): "
                     f"max relative error {flag.item():.2e}"
                 )
     finally:

@@ -15,7 +15,13 @@ case "$task" in
   check|all)
     python3 scripts/gpu_check.py --out "$OUT/check" "$@" || status=1
     if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-      torchrun --nproc_per_node=2 scripts/ddp_check.py 2>&1 | tee "$OUT/ddp_check.log" || status=1
+      : > "$OUT/ddp_check.log"  # DDP equivalence in float32: the CNN, then the ResNets both ways
+      for run in "cnn default" "sew_resnet18 default" "sew_resnet18 min" \
+                 "spiking_resnet19 default" "spiking_resnet19 min"; do
+        read -r model memory <<< "$run"
+        torchrun --nproc_per_node=2 scripts/ddp_check.py --model "$model" --memory "$memory" \
+          --dtype float32 2>&1 | tee -a "$OUT/ddp_check.log" || status=1
+      done
     else
       echo "DDP check: SKIPPED (needs 2 GPUs)" | tee "$OUT/ddp_check.log"
     fi ;;&

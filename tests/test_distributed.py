@@ -2,23 +2,29 @@
 
 Runs the DDP check ``scripts/ddp_check.py`` (DDP-wrapped fused model vs a whole-batch reference,
 several SGD steps) as a program in two processes, the way torchrun starts it, on a free
-loopback port.
+loopback port: the small CNN and SEW-ResNet-18 (both memory modes). ResNet-19, whose unfused
+BatchNorms need torch's CUDA-only SyncBatchNorm, is checked on GPUs (scripts/gpu_all.sh); here
+its refusal and its BatchNorm conversion are.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import spikefuse
 from conftest import free_port
+from spikefuse.fused import fuse
 
-ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ddp_check.py"
 SRC = str(Path(spikefuse.__file__).resolve().parents[1])
 WORLD = 2
 
@@ -27,7 +33,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_two_processes_match_one_process_with_double_batch():
+def _run_ddp_check(*args: str) -> list[tuple[int, str]]:
+    """(exit status, output) of each of the WORLD processes running ddp_check.py with ``args``."""
     port = free_port()
     env = {
         **os.environ,
@@ -40,13 +47,7 @@ def test_two_processes_match_one_process_with_double_batch():
         "WORLD_SIZE": str(WORLD),
         "LOCAL_WORLD_SIZE": str(WORLD),
     }
-    command = [
-        sys.executable,
-        str(ROOT / "scripts" / "ddp_check.py"),
-        "--dtype",
-        "float64",
-        "float32",
-    ]
+    command = [sys.executable, str(SCRIPT), *args]
     ranks = [
         subprocess.Popen(
             command,
@@ -58,8 +59,50 @@ def test_two_processes_match_one_process_with_double_batch():
         for rank in range(WORLD)
     ]
     outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
-    for rank, (process, output) in enumerate(zip(ranks, outputs, strict=True)):
-        assert process.returncode == 0, (
+    return [(process.returncode, output) for process, output in zip(ranks, outputs, strict=True)]
+
+
+def _assert_all_pass(results: list[tuple[int, str]], checks: int) -> None:
+    for rank, (returncode, output) in enumerate(results):
+        assert returncode == 0, (
             f"rank {rank}: the 2-process run differs from the 1-process run\n{output}"
         )
-    assert outputs[0].count("PASS") == 2, outputs[0]
+    assert results[0][1].count("PASS") == checks, results[0][1]
+
+
+def test_two_processes_match_one_process_with_double_batch():
+    _assert_all_pass(_run_ddp_check("--dtype", "float64", "float32"), checks=2)
+
+
+@pytest.mark.parametrize("memory", ["default", "min"])
+def test_fused_sew_resnet18_two_processes_match_one_process(memory):
+    """SEW-ResNet-18 (every BatchNorm fused and synchronised), both memory modes."""
+    args = ["--model", "sew_resnet18", "--memory", memory, "--dtype", "float64"]
+    _assert_all_pass(_run_ddp_check(*args, "--steps", "2", "--batch", "2"), checks=1)
+
+
+def test_resnet19_is_refused_on_cpu_naming_its_unfused_batchnorms():
+    """ResNet-19's BN before the residual addition needs torch's SyncBatchNorm: CUDA only."""
+    for returncode, output in _run_ddp_check("--model", "spiking_resnet19", "--steps", "1"):
+        assert returncode != 0, output
+        assert "layer1.0.bn2" in output and "SyncBatchNorm runs on CUDA only" in output, output
+
+
+def test_unfused_batchnorms_become_multi_step_sync_batchnorms_computing_the_same(monkeypatch):
+    """Without a process group torch's SyncBatchNorm is BatchNorm: the converted ResNet-19
+    computes what the fused one does, with the same parameters and buffers (shared)."""
+    spec = importlib.util.spec_from_file_location("ddp_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    ddp_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ddp_check", ddp_check)  # its dataclasses look it up
+    spec.loader.exec_module(ddp_check)
+    torch.manual_seed(0)
+    fused = fuse(ddp_check.NETWORKS["spiking_resnet19"].build()).double()
+    synced = copy.deepcopy(fused)
+    ddp_check.synchronise_unfused_batchnorms(synced, None)
+    assert ddp_check.unfused_batchnorms(fused)[0] == "layer1.0.bn2"
+    assert isinstance(synced.layer1[0].bn2[0], torch.nn.SyncBatchNorm)
+    x = torch.randn(2, 3, 3, 8, 8, dtype=torch.float64) * 2
+    torch.testing.assert_close(synced(x), fused(x), rtol=0, atol=0)
+    for (name, a), b in zip(fused.state_dict().items(), synced.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
