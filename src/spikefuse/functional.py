@@ -73,10 +73,8 @@ def chunk_multi_step_forward(split_size: int, x_seq: Tensor, multi_step_module: 
             f"chunk_multi_step_forward: split_size must be an int >= 1, got {split_size!r}"
         )
     check_sequence(x_seq, "chunk_multi_step_forward")
-    from .fused.blocks import FusedBlock  # here: the fused package builds on this module
-
     if split_size < x_seq.shape[0] and any(
-        isinstance(m, FusedBlock) for m in multi_step_module.modules()
+        getattr(m, "restarts_every_call", False) for m in multi_step_module.modules()
     ):
         raise SpikefuseError(
             "chunk_multi_step_forward: fused blocks start every call from the reset state, so "

@@ -96,6 +96,10 @@ class FusedBlock(nn.Module):
             block; the same gradients; see :mod:`spikefuse.fused.low_memory`).
     """
 
+    # The neuron starts from its reset state on every call (read by
+    # functional.chunk_multi_step_forward, which must not split such a module's sequence).
+    restarts_every_call = True
+
     def __init__(
         self,
         synapse: nn.Module,
