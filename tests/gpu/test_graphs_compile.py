@@ -10,7 +10,6 @@ and their error is recorded, not checked.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 
 from conftest import reldiff
 from spikefuse import functional, fuse, layer, neuron, surrogate
+from spikefuse.graphs import capture_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.quick]
 
@@ -82,21 +82,6 @@ def eager(base: nn.Module, x, labels, amp: bool) -> dict[str, torch.Tensor]:
     return results(net, loss_and_grads(net, x, labels, amp))
 
 
-def cuda_graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
-    """``step`` captured whole in a CUDA graph (``torch.cuda.graph``), after warm-up runs on a
-    side stream as capture requires; returns the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 @AMP
 @FUSED
 def test_cuda_graph_replay_matches_eager(case, fused, amp):
@@ -111,7 +96,7 @@ def test_cuda_graph_replay_matches_eager(case, fused, amp):
             p.grad = None
         loss["value"] = loss_and_grads(net, x, labels, amp).detach()
 
-    cuda_graphed(step)()
+    capture_step(step)()
     torch.cuda.synchronize()
     got = results(net, loss["value"])
     err = max(reldiff(got[k], w) for k, w in want.items())

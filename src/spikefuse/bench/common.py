@@ -115,22 +115,6 @@ def time_step(fn: Callable[[], object], device: torch.device, *, warmup: int, it
     return Timing(statistics.median(synced), statistics.median(queued), statistics.median(host))
 
 
-def cuda_graphed(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
-    """``step`` captured whole in a CUDA graph (PyTorch's own ``torch.cuda.graph``); returns
-    the replay. Warm-up runs on a side stream first (kernels compiled and loaded, optimizer
-    state and cuDNN plans created), as capture requires."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def peak_mib(fn: Callable[[], object], device: torch.device, *, iters: int = 1) -> float:
     """Peak allocated MiB while running ``fn()`` ``iters`` times (NaN off CUDA).
 

@@ -46,9 +46,9 @@ from torch import Tensor, nn
 
 from .. import functional, layer, models, neuron, surrogate
 from ..fused import fuse
+from ..graphs import capture_step
 from .common import (
     BenchResult,
-    cuda_graphed,
     format_table,
     measure,
     plot_results,
@@ -303,7 +303,7 @@ def setup_variant(
 ) -> Callable[[], None]:
     net = build(variant, model, device)
     step = training_step(net, device, T, batch, amp, input_geometry(model))
-    return cuda_graphed(step) if variant.endswith("+graph") else step
+    return capture_step(step) if variant.endswith("+graph") else step
 
 
 def run(

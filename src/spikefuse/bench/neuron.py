@@ -24,11 +24,11 @@ import torch
 
 from .. import neuron
 from ..backends import get_backend
+from ..graphs import capture_step
 from ..program import NeuronProgram
 from .common import (
     MIB,
     BenchResult,
-    cuda_graphed,
     format_table,
     require_plots,
     time_step,
@@ -145,7 +145,7 @@ def _measure(
             x = x.detach().clone().requires_grad_()
         step = _step(model, x, g)
         if graphed:
-            step = cuda_graphed(step)
+            step = capture_step(step)
         timing = time_step(step, device, warmup=warmup, iters=iters)
         r.ms, r.queued_ms, r.host_ms = timing.synced, timing.queued, timing.host
         torch.cuda.synchronize(device)
