@@ -3,11 +3,14 @@ synapse in backward; everything else equals the default mode."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
-from spikefuse import fuse
+from conftest import gen
+from spikefuse import fuse, layer
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock
 from spikefuse.fused.low_memory import mark_spikes, memory_order, pack_bits, unpack_bits
@@ -99,3 +102,49 @@ def test_min_memory_recomputes_under_the_forwards_autocast():
         grads.append([p.grad for p in model.parameters()])
     for g_default, g_low in zip(*grads, strict=True):
         torch.testing.assert_close(g_low, g_default)
+
+
+def _synapse_pair(synapse: nn.Module) -> nn.Sequential:
+    """A Conv/Linear -> BN -> LIF block after a first Conv-BN-LIF block (so its input is spikes,
+    packed in memory mode), unfused, float64."""
+    second = {nn.Conv1d: layer.BatchNorm1d, nn.Conv2d: layer.BatchNorm2d, nn.Linear: None}
+    channels = synapse.out_features if isinstance(synapse, nn.Linear) else synapse.out_channels
+    bn = layer.BatchNorm1d if isinstance(synapse, nn.Linear) else second[type(synapse)]
+    torch.manual_seed(0)
+    return nn.Sequential(
+        layer.SeqToANNContainer(synapse),
+        bn(channels, step_mode="m"),
+        lif(),
+    ).double()
+
+
+SYNAPSES = {  # explicit backward: numeric zero padding; autograd: string padding, reflect
+    "conv2d-stride-dilation-groups-bias": lambda: nn.Conv2d(4, 6, 3, 2, 2, 2, groups=2),
+    "conv1d-bias": lambda: nn.Conv1d(4, 6, 3, padding=2),
+    "linear-bias": lambda: nn.Linear(4, 6),
+    "linear": lambda: nn.Linear(4, 6, bias=False),
+    "conv2d-same-padding (autograd)": lambda: nn.Conv2d(4, 6, 3, padding="same", bias=False),
+    "conv2d-reflect (autograd)": lambda: nn.Conv2d(4, 6, 3, padding=1, padding_mode="reflect"),
+}
+SHAPES = {nn.Conv2d: (4, 7, 7), nn.Conv1d: (4, 9), nn.Linear: (4,)}
+
+
+@pytest.mark.parametrize("spikes", [True, False], ids=["spike-input", "real-input"])
+@pytest.mark.parametrize("make", SYNAPSES.values(), ids=SYNAPSES.keys())
+def test_min_memory_equals_the_default_mode_for_every_synapse(make, spikes):
+    """Every synapse configuration, bias or not, input spikes (packed) or real values, with and
+    without an input gradient: memory="min" equals the default mode in float64."""
+    synapse = make()
+    model = _synapse_pair(synapse)
+    default, low = fuse(copy.deepcopy(model)), fuse(copy.deepcopy(model), memory="min")
+    assert sum(isinstance(m, FusedBlock) for m in low.modules()) == 1
+    x = torch.rand(3, 2, *SHAPES[type(synapse)], dtype=torch.float64, generator=gen(5)) * 2
+    if spikes:
+        x = mark_spikes((x > 1).double())
+    for _ in range(2):
+        assert_same_training_step(default, low, x, FP64_TOL)
+    frozen = x.detach()  # no input gradient wanted: the input-gradient pass is skipped
+    out_d, out_l = default(frozen), low(frozen)
+    (out_d.sum() + out_l.sum()).backward()
+    for p_d, p_l in zip(default.parameters(), low.parameters(), strict=True):
+        torch.testing.assert_close(p_l.grad, p_d.grad, **FP64_TOL)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.utils import _pair
 
 from .. import layer, surrogate
@@ -155,7 +156,9 @@ class FusedBlock(nn.Module):
             raise SpikefuseError(
                 "FusedBlock: store_v_seq=True needs V, which fused blocks never keep"
             )
-        self.synapse, self.bn, self.node = synapse, bn, node
+        assert isinstance(synapse, (nn.Linear, _ConvNd))  # what _synapse_kind accepts
+        self.synapse: nn.Linear | _ConvNd = synapse
+        self.bn, self.node = bn, node
         self._kind = kind
         self.process_group = process_group
         self.memory = memory
@@ -230,7 +233,7 @@ class FusedBlock(nn.Module):
             stats,
             bn,
             neuron,
-            self._synapse_call,
+            self,
             *self.synapse.parameters(),
         )
         return mark_spikes(spikes)

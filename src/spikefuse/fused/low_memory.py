@@ -3,17 +3,22 @@
 The DATE'22 blocks keep their synapse (Conv/Linear) output y for backward. With
 ``memory="min"`` a block keeps its *input* instead, packed at 1 bit per element when that
 input is the spike output of another fused block (8 elements per byte: 1/32 of float32), and
-recomputes y = synapse(input) in backward before the BatchNorm-neuron backward; the synapse's
-own backward then runs on the recomputed graph. Backward costs one more synapse forward per
-block; the gradients equal the default mode's (same operations on the same values).
+recomputes y = synapse(input) in backward before the BatchNorm-neuron backward. The synapse's
+own backward is then called explicitly, weight gradient first (the unpacked input is alive only
+for it), input gradient last, so that backward never holds more than three block-sized tensors
+(the upstream gradient, dL/dy and one of input, y or dL/dx); a Conv with a string padding or a
+non-zero padding mode differentiates the recomputed graph with autograd instead. Backward costs
+one more synapse forward per block; the gradients equal the default mode's to rounding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules.conv import _ConvNd
 
 from ..ops import forbid_double_backward
 from .bn_neuron import (
@@ -26,6 +31,9 @@ from .bn_neuron import (
 from .device_constants import device_constant
 from .neuron_call import NeuronCall
 from .statistics import BNSpec, BNStats
+
+if TYPE_CHECKING:
+    from .blocks import FusedBlock
 
 _SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
 
@@ -81,13 +89,74 @@ def unpack_bits(
     return dense.permute(inverse)
 
 
+Synapse = nn.Linear | _ConvNd
+
+
+def explicit_backward(synapse: Synapse) -> bool:
+    """Whether :func:`synapse_grads` handles ``synapse`` (a Linear, or a Conv whose padding is
+    numbers and zeros); otherwise autograd differentiates the recomputed synapse."""
+    if isinstance(synapse, nn.Linear):
+        return True
+    return synapse.padding_mode == "zeros" and not isinstance(synapse.padding, str)
+
+
+def synapse_grads(
+    synapse: Synapse,
+    x: Tensor | torch.Size,
+    grad_y: Tensor,
+    dtype: torch.dtype,
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(dL/dx, dL/dweight, dL/dbias) of ``y = synapse(x)`` on merged [T*B, ...] tensors, each
+    only where ``needs`` says so, computed in ``dtype`` (the forward's autocast dtype, else the
+    weight's) and returned in the dtypes of x, the weight and the bias. ``x`` may be just its
+    shape when only dL/dx is needed (the input's values do not enter it)."""
+    need_x, need_w, need_b = needs
+    weight = synapse.weight.to(dtype)
+    grad_y = grad_y.to(dtype)
+    if isinstance(synapse, nn.Linear):
+        g = grad_y.flatten(0, -2)
+        grad_x = (g @ weight).view(*grad_y.shape[:-1], weight.shape[1]) if need_x else None
+        grad_w = None
+        if need_w:
+            assert isinstance(x, Tensor)  # the weight gradient needs the input's values
+            grad_w = g.t() @ x.to(dtype).flatten(0, -2)
+        grad_b = g.sum(0) if need_b else None
+    else:
+        dims = grad_y.dim() - 2
+        if isinstance(x, Tensor):
+            x = x.to(dtype)
+        else:  # what torch.nn.grad.conv2d_input passes: only the shape is read
+            x = grad_y.new_empty(1).expand(x)
+        grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+            grad_y,
+            x,
+            weight,
+            [weight.shape[0]] if need_b else None,
+            synapse.stride,
+            synapse.padding,
+            synapse.dilation,
+            False,
+            [0] * dims,
+            synapse.groups,
+            [need_x, need_w, need_b],
+        )
+    bias = synapse.bias
+    return (
+        grad_x,
+        None if grad_w is None else grad_w.to(synapse.weight.dtype),
+        None if grad_b is None or bias is None else grad_b.to(bias.dtype),
+    )
+
+
 class SynapseRecomputeFunction(torch.autograd.Function):
     """spikes = neuron(BN(synapse(x))), keeping x (1-bit packed when it is spikes) for backward.
 
-    ``apply(x, y, weight, bias, learnable, stats, bn, neuron, synapse, *synapse_params)``: y is
-    ``synapse(x)``, computed by the caller without autograd (and freed after this forward);
-    ``synapse`` recomputes it from x in backward, where autograd differentiates it with respect
-    to x and ``synapse_params``. The other arguments are :class:`BNNeuronFunction`'s.
+    ``apply(x, y, weight, bias, learnable, stats, bn, neuron, block, *synapse_params)``: y is
+    ``block``'s synapse output for x, computed by the caller without autograd (and freed after
+    this forward); backward recomputes it from x and differentiates it with respect to x and
+    ``synapse_params`` (the synapse's weight and bias). The other arguments are
+    :class:`BNNeuronFunction`'s.
     """
 
     @staticmethod
@@ -101,7 +170,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         stats: BNStats | None,
         bn: BNSpec | None,
         neuron: NeuronCall,
-        synapse: Callable[[Tensor], Tensor],
+        block: FusedBlock,
         *synapse_params,
     ):
         spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, True)
@@ -123,7 +192,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         # backward runs outside the forward's autocast context: recompute y under the same one
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        ctx.synapse = synapse
+        ctx.block = block
         ctx.synapse_params = synapse_params  # parameters: alive anyway, not activations
         return spikes
 
@@ -131,14 +200,23 @@ class SynapseRecomputeFunction(torch.autograd.Function):
     def backward(ctx, grad_spikes):
         forbid_double_backward("a fused block (memory='min')")
         kept, learnable, stats, saved = load_bn_context(ctx)
-        shape, dtype, packed, order = ctx.geometry
-        x = unpack_bits(kept, shape, dtype, order) if packed else kept
+        shape, x_dtype, packed, order = ctx.geometry
+        block = ctx.block
         needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[9:]
+
+        def restored() -> Tensor:
+            return unpack_bits(kept, shape, x_dtype, order) if packed else kept
+
         device, dtype, enabled = ctx.autocast
         autocast = torch.autocast(device, dtype, enabled=enabled, cache_enabled=False)
-        with torch.enable_grad(), autocast:
-            x = x.detach().requires_grad_(needs_x)
-            y = ctx.synapse(x)
+        explicit = explicit_backward(block.synapse)
+        if explicit:
+            with torch.no_grad(), autocast:
+                y = block._synapse_call(restored())  # the unpacked input is freed here
+        else:  # autograd on the recomputed graph (which keeps x)
+            with torch.enable_grad(), autocast:
+                x = restored().detach().requires_grad_(needs_x)
+                y = block._synapse_call(x)
         grad_y, grad_weight, grad_bias, grad_learnable = bn_neuron_grads(
             y=y.detach(),
             stats=stats,
@@ -150,16 +228,62 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             needs=ctx.needs_input_grad[2:5],
         )
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
-        # y (as large as the block's output) is only the root of the graph below: a Conv's or
-        # Linear's backward reads x and the weights, never y's values. Free its memory before
-        # that backward allocates dL/dx, so the two are never alive together.
-        y.untyped_storage().resize_(0)
-        # the synapse's own backward, on the recomputed graph (only what needs a gradient)
-        candidates = zip([x, *ctx.synapse_params], [needs_x, *params_need], strict=True)
-        wanted = [t for t, need in candidates if need]
-        grads = iter(torch.autograd.grad(y, wanted, grad_y) if wanted else ())
-        grad_x = next(grads) if needs_x else None
-        grad_params = [next(grads) if need else None for need in params_need]
-        # x, y, weight, bias, learnable, stats, bn, neuron, synapse, *synapse_params
+        if explicit:
+            del y
+            grad_x, grad_params = _explicit_grads(
+                block,
+                restored,
+                shape,
+                x_dtype,
+                grad_y,
+                dtype if enabled else None,
+                needs_x,
+                params_need,
+            )
+        else:
+            # y is only the root of the graph below: a Conv's or Linear's backward reads x and
+            # the weights, never y's values; free it before that backward allocates dL/dx.
+            y.untyped_storage().resize_(0)
+            candidates = zip([x, *ctx.synapse_params], [needs_x, *params_need], strict=True)
+            wanted = [t for t, need in candidates if need]
+            grads = iter(torch.autograd.grad(y, wanted, grad_y) if wanted else ())
+            grad_x = next(grads) if needs_x else None
+            grad_params = [next(grads) if need else None for need in params_need]
+        # x, y, weight, bias, learnable, stats, bn, neuron, block, *synapse_params
         grads_in = (grad_x, None, grad_weight, grad_bias, grad_learnable, None, None, None, None)
         return *grads_in, *grad_params
+
+
+def _explicit_grads(
+    block: FusedBlock,
+    restored: Callable[[], Tensor],
+    shape: torch.Size,
+    x_dtype: torch.dtype,
+    grad_y: Tensor,
+    autocast_dtype: torch.dtype | None,
+    needs_x: bool,
+    params_need: tuple[bool, ...],
+) -> tuple[Tensor | None, list[Tensor | None]]:
+    """dL/dx and the synapse parameters' gradients, weight gradient first: the input is
+    restored (unpacked) for it alone and freed before dL/dx is allocated."""
+    synapse = block.synapse
+    dtype = autocast_dtype or synapse.weight.dtype
+    need_w = params_need[0]
+    need_b = len(params_need) > 1 and params_need[1]
+    merged_grad_y = grad_y.flatten(0, 1)
+    _, grad_w, grad_b = (
+        synapse_grads(
+            synapse, block._merged(restored()), merged_grad_y, dtype, (False, need_w, need_b)
+        )
+        if need_w or need_b
+        else (None, None, None)
+    )
+    grad_x = None
+    if needs_x:
+        merged_shape = torch.Size((shape[0] * shape[1], *shape[2:]))
+        merged_x, _, _ = synapse_grads(
+            synapse, merged_shape, merged_grad_y, dtype, (True, False, False)
+        )
+        assert merged_x is not None
+        grad_x = merged_x.unflatten(0, shape[:2]).to(x_dtype)
+    return grad_x, [grad_w, *([grad_b] if len(params_need) > 1 else [])]
