@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.modules.conv import _ConvNd
 
 from ..ops import forbid_double_backward
@@ -100,35 +101,19 @@ def explicit_backward(synapse: Synapse) -> bool:
     return synapse.padding_mode == "zeros" and not isinstance(synapse.padding, str)
 
 
-def synapse_grads(
-    synapse: Synapse,
-    x: Tensor | torch.Size,
-    grad_y: Tensor,
-    dtype: torch.dtype,
-    needs: tuple[bool, bool, bool],
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """(dL/dx, dL/dweight, dL/dbias) of ``y = synapse(x)`` on merged [T*B, ...] tensors, each
-    only where ``needs`` says so, computed in ``dtype`` (the forward's autocast dtype, else the
-    weight's) and returned in the dtypes of x, the weight and the bias. ``x`` may be just its
-    shape when only dL/dx is needed (the input's values do not enter it)."""
-    need_x, need_w, need_b = needs
-    weight = synapse.weight.to(dtype)
-    grad_y = grad_y.to(dtype)
+def synapse_param_grads(
+    synapse: Synapse, x: Tensor, grad_y: Tensor, dtype: torch.dtype, need_b: bool
+) -> tuple[Tensor, Tensor | None]:
+    """(dL/dweight, dL/dbias or None) of ``y = synapse(x)`` on merged [T*B, ...] tensors,
+    computed in ``dtype`` (the forward's autocast dtype, else the weight's) and returned in the
+    parameters' dtypes."""
+    grad_y, x = grad_y.to(dtype), x.to(dtype)
     if isinstance(synapse, nn.Linear):
         g = grad_y.flatten(0, -2)
-        grad_x = (g @ weight).view(*grad_y.shape[:-1], weight.shape[1]) if need_x else None
-        grad_w = None
-        if need_w:
-            assert isinstance(x, Tensor)  # the weight gradient needs the input's values
-            grad_w = g.t() @ x.to(dtype).flatten(0, -2)
-        grad_b = g.sum(0) if need_b else None
+        grad_w, grad_b = g.t() @ x.flatten(0, -2), (g.sum(0) if need_b else None)
     else:
-        dims = grad_y.dim() - 2
-        if isinstance(x, Tensor):
-            x = x.to(dtype)
-        else:  # what torch.nn.grad.conv2d_input passes: only the shape is read
-            x = grad_y.new_empty(1).expand(x)
-        grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+        weight = synapse.weight.to(dtype)
+        _, grad_w, grad_b = torch.ops.aten.convolution_backward(
             grad_y,
             x,
             weight,
@@ -137,15 +122,46 @@ def synapse_grads(
             synapse.padding,
             synapse.dilation,
             False,
-            [0] * dims,
+            [0] * (grad_y.dim() - 2),
             synapse.groups,
-            [need_x, need_w, need_b],
+            [False, True, need_b],
         )
     bias = synapse.bias
-    return (
-        grad_x,
-        None if grad_w is None else grad_w.to(synapse.weight.dtype),
-        None if grad_b is None or bias is None else grad_b.to(bias.dtype),
+    grad_b = None if grad_b is None or bias is None else grad_b.to(bias.dtype)
+    return grad_w.to(synapse.weight.dtype), grad_b
+
+
+def synapse_input_grad(
+    synapse: Synapse, x_shape: torch.Size, grad_y: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """dL/dx of ``y = synapse(x)`` on merged [T*B, ...] tensors, in ``dtype``. A Conv's is the
+    transposed convolution of dL/dy (cuDNN's data-gradient kernels, in dL/dy's memory layout;
+    x's values are not needed), with the output padding that restores x's size."""
+    grad_y, weight = grad_y.to(dtype), synapse.weight.to(dtype)
+    if isinstance(synapse, nn.Linear):
+        return grad_y @ weight
+    assert not isinstance(synapse.padding, str)  # explicit_backward
+    spatial = range(grad_y.dim() - 2)
+    output_padding = [
+        x_shape[2 + d]
+        - (
+            (grad_y.shape[2 + d] - 1) * synapse.stride[d]
+            - 2 * synapse.padding[d]
+            + synapse.dilation[d] * (synapse.kernel_size[d] - 1)
+            + 1
+        )
+        for d in spatial
+    ]
+    transposed = F.conv_transpose1d if grad_y.dim() == 3 else F.conv_transpose2d
+    return transposed(
+        grad_y,
+        weight,
+        None,
+        synapse.stride,
+        synapse.padding,
+        output_padding,
+        synapse.groups,
+        synapse.dilation,
     )
 
 
@@ -268,22 +284,18 @@ def _explicit_grads(
     restored (unpacked) for it alone and freed before dL/dx is allocated."""
     synapse = block.synapse
     dtype = autocast_dtype or synapse.weight.dtype
-    need_w = params_need[0]
-    need_b = len(params_need) > 1 and params_need[1]
+    has_bias = len(params_need) > 1
     merged_grad_y = grad_y.flatten(0, 1)
-    _, grad_w, grad_b = (
-        synapse_grads(
-            synapse, block._merged(restored()), merged_grad_y, dtype, (False, need_w, need_b)
+    grad_w: Tensor | None = None
+    grad_b: Tensor | None = None
+    if any(params_need):  # both gradients in one call (a bias gradient alone is rare)
+        grad_w, grad_b = synapse_param_grads(
+            synapse, block._merged(restored()), merged_grad_y, dtype, has_bias and params_need[1]
         )
-        if need_w or need_b
-        else (None, None, None)
-    )
     grad_x = None
     if needs_x:
         merged_shape = torch.Size((shape[0] * shape[1], *shape[2:]))
-        merged_x, _, _ = synapse_grads(
-            synapse, merged_shape, merged_grad_y, dtype, (True, False, False)
-        )
-        assert merged_x is not None
+        merged_x = synapse_input_grad(synapse, merged_shape, merged_grad_y, dtype)
         grad_x = merged_x.unflatten(0, shape[:2]).to(x_dtype)
-    return grad_x, [grad_w, *([grad_b] if len(params_need) > 1 else [])]
+    grad_w = grad_w if params_need[0] else None
+    return grad_x, [grad_w, *([grad_b] if has_bias else [])]
