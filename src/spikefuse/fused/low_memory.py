@@ -69,13 +69,22 @@ def memory_order(t: Tensor) -> tuple[int, ...]:
 
 
 def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
-    """0/1 values → uint8 [ceil(n / 8)], read in ``order`` (:func:`memory_order`: no copy)."""
-    bits = spikes.permute(order).reshape(-1) != 0
-    pad = -bits.numel() % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    weights = _bit_weights(spikes.device)
-    return (bits.view(-1, 8).to(torch.uint8) * weights).sum(dim=1, dtype=torch.uint8)
+    """0/1 values → uint8 [ceil(n / 8)], read in ``order`` (:func:`memory_order`: no copy).
+
+    Bit k of byte i is element 8 i + k. Built one bit position at a time, so that the
+    temporaries are byte-sized (1/8 of a bool copy of the input, 1/32 of float32)."""
+    flat = spikes.permute(order).reshape(-1)
+    whole = flat.numel() // 8
+    packed = torch.zeros(-(-flat.numel() // 8), dtype=torch.uint8, device=flat.device)
+    groups = flat[: whole * 8].view(whole, 8)
+    for bit in range(8):
+        packed[:whole] |= (groups[:, bit] != 0).to(torch.uint8) << bit
+    tail = flat[whole * 8 :]  # the last, partial byte
+    if tail.numel():
+        packed[whole:] = (
+            (tail != 0).to(torch.uint8) * _bit_weights(flat.device)[: tail.numel()]
+        ).sum(dtype=torch.uint8)
+    return packed
 
 
 def unpack_bits(
