@@ -92,9 +92,15 @@ def unpack_bits(
 ) -> Tensor:
     """The inverse of :func:`pack_bits`: a tensor of ``shape`` with the packed tensor's memory
     layout (a dense ``order``)."""
-    dense_shape = [shape[d] for d in order]
-    bits = (packed[:, None] & _bit_weights(packed.device)) != 0
-    dense = bits.reshape(-1)[: shape.numel()].to(dtype).view(dense_shape)
+    n = shape.numel()
+    whole = n // 8
+    flat = torch.empty(n, dtype=dtype, device=packed.device)
+    groups = flat[: whole * 8].view(whole, 8)
+    for bit in range(8):  # one bit position at a time: byte-sized temporaries
+        groups[:, bit] = (packed[:whole] >> bit) & 1
+    if n > whole * 8:  # the last, partial byte
+        flat[whole * 8 :] = (packed[whole] >> torch.arange(n - whole * 8, device=packed.device)) & 1
+    dense = flat.view([shape[d] for d in order])
     inverse = sorted(range(len(order)), key=lambda d: order[d])
     return dense.permute(inverse)
 
