@@ -12,7 +12,7 @@ from torch import nn
 from conftest import gen
 from spikefuse import fuse, layer
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock
+from spikefuse.fused import FusedBlock, low_memory
 from spikefuse.fused.low_memory import mark_spikes, memory_order, pack_bits, unpack_bits
 from test_fused import (
     FP64_TOL,
@@ -24,9 +24,11 @@ from test_fused import (
 )
 
 
+@pytest.mark.parametrize("step", [16, 1 << 24], ids=["in-steps", "at-once"])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_pack_bits_round_trip(n, dtype):
+def test_pack_bits_round_trip(n, dtype, step, monkeypatch):
+    monkeypatch.setattr(low_memory, "_PACK_STEP", step)  # several steps and a partial last one
     spikes = (torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5).to(dtype)
     packed = pack_bits(spikes, (0,))
     assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)

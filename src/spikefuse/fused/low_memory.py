@@ -68,22 +68,25 @@ def memory_order(t: Tensor) -> tuple[int, ...]:
     return order if t.permute(order).is_contiguous() else tuple(range(t.dim()))
 
 
-def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
-    """0/1 values → uint8 [ceil(n / 8)], read in ``order`` (:func:`memory_order`: no copy).
+# Elements packed or unpacked per step (a multiple of 8): the temporaries stay this size
+# (16 MiB of bool) instead of growing with the block, at a handful of launches per step.
+_PACK_STEP = 1 << 24
 
-    Bit k of byte i is element 8 i + k. Built one bit position at a time, so that the
-    temporaries are byte-sized (1/8 of a bool copy of the input, 1/32 of float32)."""
+
+def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
+    """0/1 values → uint8 [ceil(n / 8)] (bit k of byte i: element 8 i + k), read in ``order``
+    (:func:`memory_order`: no copy)."""
     flat = spikes.permute(order).reshape(-1)
-    whole = flat.numel() // 8
-    packed = torch.zeros(-(-flat.numel() // 8), dtype=torch.uint8, device=flat.device)
-    groups = flat[: whole * 8].view(whole, 8)
-    for bit in range(8):
-        packed[:whole] |= (groups[:, bit] != 0).to(torch.uint8) << bit
-    tail = flat[whole * 8 :]  # the last, partial byte
-    if tail.numel():
-        packed[whole:] = (
-            (tail != 0).to(torch.uint8) * _bit_weights(flat.device)[: tail.numel()]
-        ).sum(dtype=torch.uint8)
+    n = flat.numel()
+    packed = torch.empty(-(-n // 8), dtype=torch.uint8, device=flat.device)
+    weights = _bit_weights(flat.device)
+    for start in range(0, n, _PACK_STEP):
+        part = flat[start : start + _PACK_STEP] != 0
+        pad = -part.numel() % 8  # only in the last, partial byte
+        if pad:
+            part = torch.cat([part, part.new_zeros(pad)])
+        bits = part.view(-1, 8).to(torch.uint8) * weights
+        packed[start // 8 : start // 8 + bits.shape[0]] = bits.sum(dim=1, dtype=torch.uint8)
     return packed
 
 
@@ -93,13 +96,13 @@ def unpack_bits(
     """The inverse of :func:`pack_bits`: a tensor of ``shape`` with the packed tensor's memory
     layout (a dense ``order``)."""
     n = shape.numel()
-    whole = n // 8
     flat = torch.empty(n, dtype=dtype, device=packed.device)
-    groups = flat[: whole * 8].view(whole, 8)
-    for bit in range(8):  # one bit position at a time: byte-sized temporaries
-        groups[:, bit] = (packed[:whole] >> bit) & 1
-    if n > whole * 8:  # the last, partial byte
-        flat[whole * 8 :] = (packed[whole] >> torch.arange(n - whole * 8, device=packed.device)) & 1
+    weights = _bit_weights(packed.device)
+    for start in range(0, n, _PACK_STEP):
+        part = flat[start : start + _PACK_STEP]
+        byte = packed[start // 8 : start // 8 + -(-part.numel() // 8)]
+        bits = (byte[:, None] & weights) != 0
+        part.copy_(bits.view(-1)[: part.numel()])
     dense = flat.view([shape[d] for d in order])
     inverse = sorted(range(len(order)), key=lambda d: order[d])
     return dense.permute(inverse)
