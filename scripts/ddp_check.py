@@ -30,6 +30,7 @@ TF32 is switched off: both sides must run the same float32 arithmetic.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -286,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"max relative error {flag.item():.2e}"
                 )
     finally:
+        gc.collect()  # DDP's reducers (reference cycles) must go before their process group
         dist.destroy_process_group()
     return 0 if ok else 1
 

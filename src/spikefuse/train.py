@@ -13,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import gc
 import hashlib
 import io
 import math
@@ -1219,6 +1220,9 @@ def run(config: TrainConfig) -> float:
     try:
         return _run_locked(config, device, backend, ranks)
     finally:
+        # DistributedDataParallel holds reference cycles: collect it, and its reducer, while the
+        # process group still exists (a reducer that outlives it can abort the process at exit).
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 
