@@ -153,7 +153,7 @@ def build_model(
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.2, 0.4)
     fused, report = fuse(model, process_group=group, memory=memory, return_report=True)
-    if len(report.fused) != report.chains:
+    if report.fused_fraction != 1.0:
         raise SystemExit(f"{network}: not every chain was fused\n{report}")
     unfused = unfused_batchnorms(fused)
     if unfused and device.type != "cuda":

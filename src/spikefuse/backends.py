@@ -212,7 +212,7 @@ def resolve(requested: str, x: torch.Tensor, who: str = "") -> str:
         return requested
     if requested == "auto":
         return "cuda" if cuda_unavailable_reason(x) is None else "torch"
-    name = _ALIASES.get(requested, requested)
+    name = canonical_name(requested)
     reason = unavailable_reason(name, x)
     if reason is not None:
         raise BackendUnavailableError(f"{who + ': ' if who else ''}backend {name!r}: {reason}")

@@ -213,12 +213,8 @@ class BaseNode(MemoryModule):
     ) -> None:
         super().__init__(step_mode)
         for name, value in (("v_threshold", v_threshold), ("v_reset", v_reset)):
-            if not (value is None and name == "v_reset") and not (
-                isinstance(value, (int, float)) and math.isfinite(value)
-            ):
-                raise SpikefuseError(
-                    f"{type(self).__name__}: {name} must be a finite float, got {value!r}"
-                )
+            if not (value is None and name == "v_reset"):
+                _check_finite(type(self).__name__, name, value)
         surrogate_function = Sigmoid() if surrogate_function is None else surrogate_function
         runs_in_kernels(surrogate_function)  # validates it
         self.definition = None

@@ -151,7 +151,7 @@ def _bptt(
     grad_v_seq: Tensor | None,
     grad_v_last: Tensor | None,
     grad_w_last: Tensor | None,
-    saved_v: Tensor,
+    saved_v: Tensor | None,
     saved_w: Tensor | None,
     x_seq: Tensor | None,
     v0: Tensor | None,

@@ -173,6 +173,7 @@ def bptt(
             args_next = (v, x_at(t + 1), w_at(t), h_seq[t + 1], *params)
             grad_v = grad_v + grad_h_next * f["dh_dv"](*args_next)
         grad_h = grad_spikes[t].to(cd) * sg + grad_v * dv_dh
+        args = (v_prev, x_at(t), w_at(t - 1), h, *params)  # H[t] = f(V[t-1], X[t], W[t-1])
 
         if d.adaptive:
             grad_w = torch.zeros_like(h)
@@ -181,11 +182,9 @@ def bptt(
             if grad_h_next is not None and grad_w_next is not None:  # both set at t + 1
                 grad_w = grad_w + grad_h_next * f["dh_dw"](*args_next)
                 grad_w = grad_w + grad_w_next * f["dz_dw"](*args_next)
-            args = (v_prev, x_at(t), w_at(t - 1), h, *params)
             grad_h = grad_h + grad_w * (f["dz_dh"](*args) + f["jump"](*args) * sg)
             grad_w_next = grad_w
 
-        args = (v_prev, x_at(t), w_at(t - 1), h, *params)
         grad_x[t] = grad_h * f["dh_dx"](*args)
         for i, name in enumerate(program.learnable):
             grad_learn[i] = grad_learn[i] + (grad_h * f[f"dh_d{name}"](*args)).sum()

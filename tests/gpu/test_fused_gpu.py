@@ -14,6 +14,7 @@ from torch import nn
 from conftest import assert_close, differ, gen, reldiff, seed_of
 from spikefuse import backends, functional, fuse, layer, models, neuron, surrogate
 from spikefuse.fused import FusedBlock, paper_lif
+from spikefuse.fused.blocks import MEMORY_MODES
 
 from .variants import AFFINE_CHUNK, CHUNK, DTYPES, ONE_STATE, Variant, params
 
@@ -164,7 +165,7 @@ def training_step(net: nn.Module, x: torch.Tensor, autocast: bool) -> dict:
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("memory", ["default", "min"])
+@pytest.mark.parametrize("memory", MEMORY_MODES)
 @pytest.mark.parametrize("T", [CHUNK // 2, max(AFFINE_CHUNK.values()) + 3])  # > 16: checkpoints
 def test_fused_model_matches_unfused(T, memory, no_tf32, record_property):
     """fp32 within 1e-4 over the output, x's gradient, the parameter gradients and the running
@@ -201,7 +202,7 @@ def residual_net(name: str) -> nn.Module:
     return model.cuda().to(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("memory", ["default", "min"])
+@pytest.mark.parametrize("memory", MEMORY_MODES)
 @pytest.mark.parametrize(("name", "size"), [("spiking_resnet19", 16), ("sew_resnet18", 32)])
 def test_fused_residual_network_matches_unfused(name, size, memory, no_tf32, record_property):
     """ResNet-19 and SEW-ResNet-18 fused (both memory modes) equal the unfused network in fp32:

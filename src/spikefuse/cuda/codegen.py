@@ -417,7 +417,7 @@ class NeuronKernel:
         ]
         return "\n\n".join(sections) + "\n\n"
 
-    @property
+    @functools.cached_property  # printing runs sympy (cse): once per kernel, not per access
     def full_codes(self) -> str:
         """Both kernels, as one printable CUDA translation unit: the prelude, then the template."""
         return f'{self.prelude()}#line 1 "{TEMPLATE_NAME}"\n{template_source()}'

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..backends import AffineKernels, NeuronBackend, affine_kernels, get_backend
+from ..backends import AffineKernels, FPTTOut, NeuronBackend, affine_kernels, get_backend
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
+from ..ops import _bptt
 from ..program import NeuronProgram
 
 #: What :meth:`NeuronCall.forward` keeps for backward: ``(checkpoints,)`` (the tensor may be
@@ -68,17 +69,7 @@ class NeuronCall:
         reference backend's H) would be as large as x, so it is recomputed in backward instead.
         """
         keep = save and not self.kernels.SAVES_SEQUENCE
-        out = self.kernels.fptt(
-            program=self.program,
-            x_seq=x,
-            v0=None,
-            w0=None,
-            learnable=learnable,
-            constants=self.constants,
-            init=[self.v_init, 0.0],
-            save_for_backward=keep,
-            store_v_seq=False,
-        )
+        out = self._fptt(x, learnable, keep)
         return out.spikes, ((out.saved_v,) if keep else None)
 
     def input_grad(
@@ -89,36 +80,36 @@ class NeuronCall:
         ``saved`` is what :meth:`forward` kept; when None, the neuron's forward is recomputed
         first to get what the backend's BPTT needs.
         """
-        kernels, init = self.kernels, [self.v_init, 0.0]
         if saved is None:
-            out = kernels.fptt(
-                program=self.program,
-                x_seq=x,
-                v0=None,
-                w0=None,
-                learnable=learnable,
-                constants=self.constants,
-                init=init,
-                save_for_backward=True,
-                store_v_seq=False,
-            )
-            saved = (out.saved_v,)
-        grads = kernels.bptt(
+            saved = (self._fptt(x, learnable, True).saved_v,)
+        grad_x, _, _, grad_learnable = _bptt(
             program=self.program,
+            backend=self.backend,
             grad_spikes=grad_spikes.to(x.dtype),
             grad_v_seq=None,
             grad_v_last=None,
             grad_w_last=None,
             saved_v=saved[0],
             saved_w=None,
-            x_seq=x if kernels.keeps_x(self.program) else None,
+            x_seq=x if self.kernels.keeps_x(self.program) else None,
             v0=None,
             w0=None,
             learnable=learnable,
             constants=self.constants,
-            init=init,
+            init=[self.v_init, 0.0],
         )
-        grad_learnable = grads.grad_learnable
-        if learnable is not None and grad_learnable is not None:
-            grad_learnable = grad_learnable.to(learnable.dtype)
-        return grads.grad_x, grad_learnable
+        return grad_x, grad_learnable
+
+    def _fptt(self, x: Tensor, learnable: Tensor | None, save: bool) -> FPTTOut:
+        """The backend's forward from the reset state, without V's sequence."""
+        return self.kernels.fptt(
+            program=self.program,
+            x_seq=x,
+            v0=None,
+            w0=None,
+            learnable=learnable,
+            constants=self.constants,
+            init=[self.v_init, 0.0],
+            save_for_backward=save,
+            store_v_seq=False,
+        )

@@ -93,6 +93,7 @@ from .. import definitions as defs
 from .. import layer
 from ..errors import SpikefuseError
 from ..fused import FusedBlock, SpikePool
+from ..fused.blocks import SYNAPSES
 from ..neuron import BaseNode, IFNode, LIFNode
 from ..surrogate import Rect, Surrogate
 
@@ -109,7 +110,6 @@ __all__ = [
 # what a spikefuse neuron needs (r = 1, r = tau, dt r = 1) are taken as equal.
 _REL_TOL = 1e-6
 # The torch layers NIR can express; spikefuse's layer.Linear etc. are subclasses of them.
-_SYNAPSES = (nn.Linear, nn.Conv1d, nn.Conv2d)
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d)
 _CHAINS = (nn.Sequential, layer.SeqToANNContainer)
 _LIF_DEFS = {defs.LIF: True, defs.LIF_NO_DECAY_INPUT: False}  # definition -> decay_input
@@ -320,7 +320,7 @@ class _Exporter:
         while i < len(leaves):
             name, module = leaves[i]
             bn = None
-            is_synapse = isinstance(module, _SYNAPSES)
+            is_synapse = isinstance(module, SYNAPSES)
             if is_synapse and i + 1 < len(leaves):
                 following = leaves[i + 1][1]
                 if isinstance(following, _BATCHNORM):
