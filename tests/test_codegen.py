@@ -19,6 +19,7 @@ import torch
 from spikefuse import backends, neuron, surrogate
 from spikefuse.cuda import affine, backend
 from spikefuse.cuda.codegen import (
+    BLOCK_THREADS,
     NVRTC_OPTIONS,
     TEMPLATE_NAME,
     TEMPLATE_PATH,
@@ -137,7 +138,9 @@ def test_argument_struct_matches_the_packed_bytes(make, affine):
     layout = struct.Struct("<" + codes + "4x" * (codes.count("f") % 2))  # padded to 8 bytes
     pointers = {f.name: 1000 + i for i, f in enumerate(kernel.pointers)}
     constants = [1.5 + i for i in range(len(kernel.constant_names))]
-    packed = kernel.pack_args(pointers, 3, 5, 0.5, 0.25, constants, (6, 8), inv_count=0.125)
+    packed = kernel.pack_args(
+        pointers, 3, 5, 0.5, 0.25, constants, (6, 8), inv_count=0.125, channel_tiles=7
+    )
     assert len(packed) == layout.size
     values = dict(zip([name for _, name in fields], layout.unpack(packed), strict=True))
     expected = {**pointers, "T": 3, "N": 5, "v_init": 0.5}
@@ -145,8 +148,37 @@ def test_argument_struct_matches_the_packed_bytes(make, affine):
     if kernel.adaptive:
         expected["w_init"] = 0.25
     if affine:
-        expected |= {"channels": 6, "inner": 8, "inv_count": 0.125}
+        expected |= {"channels": 6, "inner": 8, "inv_count": 0.125, "channel_tiles": 7}
     assert values == expected
+
+
+@pytest.mark.parametrize(
+    "rows, channels, inner",
+    [(1, 32, 1), (9, 64, 1), (17, 96, 1), (640 * 4, 512, 1), (5, 10, 1), (4, 32, 16)],
+)
+def test_pass1_channel_tiles_cover_every_neuron_once(rows, channels, inner):
+    """Backward pass 1's thread -> neuron map (the template's bptt_first_neuron, replayed here)
+    gives every neuron to exactly one thread, and block_channel_sums writes each block's sums
+    where _per_channel_sum reads that channel: the per-channel totals equal per-neuron ones."""
+    n = rows * channels * inner
+    tiles, blocks, per_sum = affine._pass1_grid(n, (channels, inner), vec=1)
+    values = torch.rand(n, dtype=torch.float64)
+    expected = affine._per_channel_sum(values[None], (channels, inner))
+    block, thread = torch.meshgrid(torch.arange(blocks), torch.arange(BLOCK_THREADS), indexing="ij")
+    if not tiles:  # consecutive threads own consecutive neurons, each writing its own sum
+        assert (channels % 32 or inner != 1) and per_sum == n
+        owned = (block * BLOCK_THREADS + thread).flatten()
+        assert torch.equal(owned[owned < n], torch.arange(n))
+        return
+    assert tiles == channels // 32
+    row = block // tiles * affine.TILE_ROWS + thread // 32
+    neuron_of = row * channels + block % tiles * 32 + thread % 32
+    owns = row < n // channels
+    assert torch.equal(neuron_of[owns].sort().values, torch.arange(n))
+    out = (block // tiles * channels + block % tiles * 32 + thread % 32)[owns]
+    assert out.max() < per_sum
+    partial = torch.zeros(per_sum, dtype=torch.float64).index_add_(0, out, values[neuron_of[owns]])
+    assert torch.allclose(affine._per_channel_sum(partial[None], (channels, inner)), expected)
 
 
 def test_plain_and_affine_kernels_have_their_own_arguments():

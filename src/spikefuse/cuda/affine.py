@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..program import NeuronProgram
-from .codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, VEC
+from .codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, BLOCK_THREADS, VEC
 from .runtime import (
     blocks_for,
     check_checkpoints,
@@ -50,10 +50,28 @@ def _laid_out_like(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(y).copy_(t)
 
 
+# Rows of a channel-tiled pass-1 block (the template's TILE_ROWS: 32 channels x this many rows).
+TILE_ROWS = BLOCK_THREADS // 32
+
+
 def _per_channel_sum(per_neuron: torch.Tensor, channels: tuple[int, int]) -> torch.Tensor:
-    """[K, N] per-neuron values → [K, C] sums over the neurons of each channel (one launch)."""
+    """[K, M] per-neuron (or per-tile) values → [K, C] sums over each channel's (one launch)."""
     c, inner = channels
     return per_neuron.view(per_neuron.shape[0], -1, c, inner).sum(dim=(1, 3))
+
+
+def _pass1_grid(n: int, channels: tuple[int, int], vec: int) -> tuple[int, int, int]:
+    """(channel_tiles, blocks, partial sums per sum) of backward pass 1.
+
+    With channels innermost in whole warps (inner 1, C a multiple of 32, one neuron per thread)
+    a block owns 32 channels of ``TILE_ROWS`` rows and writes one sum per channel
+    (``channel_tiles`` = C / 32); otherwise every neuron writes its own (``channel_tiles`` 0).
+    """
+    c, inner = channels
+    if inner != 1 or c % 32 or vec != 1:
+        return 0, blocks_for(n, vec), n
+    row_groups = -(-(n // c) // TILE_ROWS)
+    return c // 32, max(1, c // 32 * row_groups), row_groups * c
 
 
 def _bn_pointers(
@@ -142,9 +160,12 @@ def affine_bptt(
     check_checkpoints(T, saved_v, AFFINE_CHUNK[y.dtype])
     grad_spikes = _laid_out_like(grad_spikes, y)
     out = torch.empty_like(y) if grad_y else None
-    sums = None if grad_y else y.new_empty((2, N), dtype=torch.float32)
     vec = vector_width(N, y, grad_spikes, vec=AFFINE_BPTT_VEC)
-    blocks = blocks_for(N, vec)
+    if grad_y:
+        tiles, blocks, sums = 0, blocks_for(N, vec), None
+    else:
+        tiles, blocks, per_sum = _pass1_grid(N, channels, vec)
+        sums = y.new_empty((2, per_sum), dtype=torch.float32)
     partial = None
     if program.learnable and not grad_y:  # every block writes its column
         shape = (len(program.learnable), blocks)
@@ -164,7 +185,9 @@ def affine_bptt(
             **_bn_pointers(mean, invstd, weight, bias),
         }
         kernel = kernel_for(program, y.dtype, vec, affine=True)
-        args = kernel.pack_args(pointers, T, N, v_init, 0.0, constants, channels, inv_count)
+        args = kernel.pack_args(
+            pointers, T, N, v_init, 0.0, constants, channels, inv_count, channel_tiles=tiles
+        )
         launch(kernel, False, y.device, blocks, args)
     if sums is None:  # pass 2
         return out, None, None

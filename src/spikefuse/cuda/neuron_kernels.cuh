@@ -3,7 +3,8 @@
 // spikefuse/cuda/codegen.py compiles this file once per variant, after a generated prelude that
 // defines what varies:
 //   scalar_t, to_float, from_float    storage type (float, __half, __nv_bfloat16) and conversions
-//   VEC, BLOCK_THREADS, MIN_BLOCKS,   neurons per thread, launch bounds, backward's chunk length,
+//   VEC, BLOCK_THREADS, MIN_BLOCKS,   neurons per thread, launch bounds (backward, forward),
+//   FPTT_MIN_BLOCKS,                  backward's chunk length,
 //   CHUNK, LOAD_STEPS                 forward's loads in flight
 //   ADAPTIVE, AFFINE, N_LEARNABLE     two-state neuron; BatchNorm folded in; learnable parameters
 //   Args                              the kernels' one argument (fields as in codegen.py)
@@ -154,13 +155,59 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
         }
 }
 
-// Backward through time: dL/dX[t] (affine pass 2: dL/dY[t]; pass 1: per-neuron sums for
-// BatchNorm), dL/dV[-1] (and dL/dW[-1]), per-block sums of the learnable parameters' gradients.
+// Rows of a channel-tiled block (below).
+constexpr int TILE_ROWS = BLOCK_THREADS / 32;
+
+// The first of the VEC neurons a backward thread owns. Consecutive threads own consecutive
+// neurons, except in the affine kernels' pass 1 with channels innermost (a.channel_tiles > 0,
+// VEC = 1): there a block owns 32 neighbouring channels of TILE_ROWS neighbouring rows (row r,
+// channel c: neuron r * channels + c), so that it adds up its rows' per-channel sums itself
+// (block_channel_sums) and writes TILE_ROWS times fewer of them. Threads past the last row own
+// no neuron (N).
+template <class Args>
+__device__ __forceinline__ long long bptt_first_neuron(const Args& a)
+{
+    if constexpr (AFFINE && VEC == 1)
+        if (a.channel_tiles) {
+            const long long tile = blockIdx.x % a.channel_tiles;
+            const long long row = blockIdx.x / a.channel_tiles * TILE_ROWS + threadIdx.x / 32;
+            return row < a.N / a.channels ? row * a.channels + tile * 32 + threadIdx.x % 32 : a.N;
+        }
+    return ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+}
+
+// Pass 1 of a channel-tiled block: its TILE_ROWS rows' sums of each of its 32 channels, added
+// in a fixed order (same bits on every run), written at [block's row group * channels + c].
+template <class Args>
+__device__ __forceinline__ void block_channel_sums(const Args& a, const bool owns, const float g,
+                                                   const float gy)
+{
+    __shared__ float rows_g[TILE_ROWS][32], rows_gy[TILE_ROWS][32];
+    const int lane = threadIdx.x % 32, row = threadIdx.x / 32;
+    rows_g[row][lane] = owns ? g : 0.0f;
+    rows_gy[row][lane] = owns ? gy : 0.0f;
+    __syncthreads();
+    if (row == 0) {
+        float sum_g = 0.0f, sum_gy = 0.0f;
+        for (int r = 0; r < TILE_ROWS; ++r) {
+            sum_g += rows_g[r][lane];
+            sum_gy += rows_gy[r][lane];
+        }
+        const long long group = blockIdx.x / a.channel_tiles, tile = blockIdx.x % a.channel_tiles;
+        const long long out = group * a.channels + tile * 32 + lane;
+        a.grad_sum[out] = sum_g;
+        a.grad_dot[out] = sum_gy;
+    }
+}
+
+// Backward through time: dL/dX[t] (affine pass 2: dL/dY[t]; pass 1: per-neuron or per-tile
+// sums for BatchNorm), dL/dV[-1] (and dL/dW[-1]), per-block sums of the learnable parameters'
+// gradients.
 template <class Args>
 __device__ __forceinline__ void neuron_bptt(const Args& a)
 {
     const int T = (int)a.T;
-    const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    const long long N = a.N, n = bptt_first_neuron(a);
     const auto p = load_params(a);
     // Affine kernels: this thread's neurons' channels, and BatchNorm's backward through the
     // batch statistics from the channel totals: dL/dY = scale g + coef_y Y + coef_0
@@ -284,12 +331,15 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 if (a.grad_w0)
                     a.grad_w0[n + k] = grad_w_carry[k];
             if constexpr (AFFINE)
-                if (a.grad_sum) {
+                if (a.grad_sum && !a.channel_tiles) {
                     a.grad_sum[n + k] = sum_g[k];
                     a.grad_dot[n + k] = sum_gy[k];
                 }
         }
     }
+    if constexpr (AFFINE && VEC == 1)
+        if (a.grad_sum && a.channel_tiles)  // the same for the whole block: it may synchronise
+            block_channel_sums(a, n < N, sum_g[0], sum_gy[0]);
     if constexpr (N_LEARNABLE > 0) {
         // Deterministic reduction: warp shuffle, then shared memory, one partial per block.
         __shared__ float partial[LEARNABLE_SLOTS][BLOCK_THREADS / 32];
@@ -312,7 +362,8 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
 }
 
 // The entry points, named by the prelude (kernel names say the variant, as profilers show).
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) FPTT_KERNEL(const Args a)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, FPTT_MIN_BLOCKS)
+    FPTT_KERNEL(const Args a)
 {
     neuron_fptt(a);
 }
