@@ -32,6 +32,9 @@ AFFINE_SHAPES = [
     (4, (2, 7, 6, 6), nn.Conv2d),
     (1, (5, 33), nn.Linear),
     (10, (4, 16, 8, 8), nn.Conv2d),
+    # channels innermost in whole warps: backward pass 1 sums per block (a partial last row group)
+    (3, (5, 64, 3, 3), nn.Conv2d),
+    (max(AFFINE_CHUNK.values()) + 1, (3, 96), nn.Linear),
 ]
 
 
