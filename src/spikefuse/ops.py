@@ -34,7 +34,24 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
     return like.new_empty(0) if t is None else t  # distinct objects: op outputs must not alias
 
 
-@torch.library.custom_op("spikefuse::neuron_fptt", mutates_args=())
+# The ops are defined with torch.library's low-level API, not ``torch.library.custom_op``: its
+# Python wrapper checks every call's outputs for aliasing, which cost ~50 us per call of host
+# time (compiled models call the ops once per neuron and step); these implementations return
+# fresh tensors only (tests/test_ops.py runs torch.library.opcheck on them).
+_LIB = torch.library.Library("spikefuse", "DEF")
+_LIB.define(
+    "neuron_fptt(str program, str backend, Tensor x_seq, Tensor? v0, Tensor? w0, "
+    "Tensor? learnable, float[] constants, float[] init, bool save_for_backward, "
+    "bool store_v_seq) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_LIB.define(
+    "neuron_bptt(str program, str backend, Tensor grad_spikes, Tensor? grad_v_seq, "
+    "Tensor? grad_v_last, Tensor? grad_w_last, Tensor saved_v, Tensor? saved_w, Tensor? x_seq, "
+    "Tensor? v0, Tensor? w0, Tensor? learnable, float[] constants, float[] init) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
+)
+
+
 def neuron_fptt(
     program: str,
     backend: str,
@@ -54,7 +71,6 @@ def neuron_fptt(
     return tuple(_or_empty(t, x_seq) for t in out)  # type: ignore[return-value]  # 6 outputs
 
 
-@neuron_fptt.register_fake
 def _neuron_fptt_fake(
     program: str,
     backend: str,
@@ -80,7 +96,6 @@ def _neuron_fptt_fake(
     return tuple(_or_empty(t, x_seq) for t in out)
 
 
-@torch.library.custom_op("spikefuse::neuron_bptt", mutates_args=())
 def neuron_bptt(
     program: str,
     backend: str,
@@ -117,7 +132,6 @@ def neuron_bptt(
     return tuple(_or_empty(t, grad_spikes) for t in out)  # type: ignore[return-value]  # 4 outputs
 
 
-@neuron_bptt.register_fake
 def _neuron_bptt_fake(
     program: str,
     backend: str,
@@ -265,7 +279,7 @@ def _setup_op_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, .
 
 def _op_bptt(program: NeuronProgram, backend: str, *tensors_and_constants: Any) -> InputGrads:
     """:func:`_bptt` through the ``neuron_bptt`` op (what torch.compile traces)."""
-    return neuron_bptt(program.key, backend, *tensors_and_constants)
+    return torch.ops.spikefuse.neuron_bptt.default(program.key, backend, *tensors_and_constants)
 
 
 def _op_backward(
@@ -286,7 +300,15 @@ def _op_backward(
     return None, None, *input_grads, None, None, None, None
 
 
-neuron_fptt.register_autograd(_op_backward, setup_context=_setup_op_context)
+for _name, _impl, _fake in (
+    ("neuron_fptt", neuron_fptt, _neuron_fptt_fake),
+    ("neuron_bptt", neuron_bptt, _neuron_bptt_fake),
+):
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"spikefuse::{_name}", _fake, lib=_LIB)
+torch.library.register_autograd(
+    "spikefuse::neuron_fptt", _op_backward, setup_context=_setup_op_context, lib=_LIB
+)
 
 
 class _EagerNeuron(torch.autograd.Function):
