@@ -95,3 +95,74 @@ def test_cumulative_average_batchnorm_needs_no_host_sync():
     torch.testing.assert_close(fused[0].bn.running_mean, model[1].running_mean)
     torch.testing.assert_close(fused[0].bn.running_var, model[1].running_var)
     assert int(fused[0].bn.num_batches_tracked) == 3
+
+
+def _compiled_ops(model: nn.Module, x: torch.Tensor) -> set[str]:
+    """The targets of the call_function nodes of the forward graph torch.compile traces."""
+    targets: set[str] = set()
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compiler.reset()
+    try:
+        torch.compile(model, fullgraph=True, backend=backend)(x)
+    finally:
+        torch.compiler.reset()
+    return targets
+
+
+def test_compiled_fused_blocks_run_the_bn_neuron_op():
+    """A compiled fused block calls the fused BatchNorm → neuron op (the BN-folded kernels on
+    CUDA), not torch's BatchNorm and the plain neuron."""
+    model = fuse(sj_net())
+    targets = _compiled_ops(model, torch.rand(4, 2, 3, 8, 8))
+    assert sum("bn_neuron_fptt" in t for t in targets) >= 1
+    assert not any("batch_norm" in t and "stats" not in t for t in targets), targets
+    assert not any("neuron_fptt" in t and "bn_neuron" not in t for t in targets), targets
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_compiled_fused_plif_block_matches_eager(training):
+    """Learnable neuron parameters, running statistics (eval) and BN without affine go through
+    the op's backward like the eager block's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        layer.Conv2d(3, 6, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(6, affine=False, step_mode="m"),
+        neuron.ParametricLIFNode(surrogate_function=surrogate.Sigmoid(), step_mode="m"),
+        layer.Flatten(step_mode="m"),
+        layer.Linear(6 * 16, 5, bias=False, step_mode="m"),
+        layer.BatchNorm1d(5, step_mode="m"),
+        neuron.ParametricLIFNode(step_mode="m"),
+    )
+    model = fuse(model).train(training)
+    eager = copy.deepcopy(model)
+    torch.compiler.reset()
+    try:
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        x = torch.rand(3, 2, 3, 4, 4)
+        for net in (compiled, eager):
+            net(x).sum().backward()
+    finally:
+        torch.compiler.reset()
+    for (name, got), want in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for got, want in zip(model.buffers(), eager.buffers(), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("count", [0, 96], ids=["running-stats", "batch-stats"])
+def test_opcheck_bn_neuron_ops(count):
+    """Schema, fake tensors, autograd registration and AOT dispatch of the fused block's ops."""
+    g = torch.Generator().manual_seed(3)
+    node = neuron.ParametricLIFNode(step_mode="m")
+    y = torch.randn(3, 2, 4, 4, generator=g, dtype=torch.float64).requires_grad_()
+    mean, invstd = torch.rand(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) + 0.5
+    weight = torch.rand(4, dtype=torch.float64).requires_grad_()
+    bias = torch.rand(4, dtype=torch.float64).requires_grad_()
+    learnable = node.learnable_values(y.device, torch.float64).detach().requires_grad_()
+    config = (node.program.key, "torch", list(node.constants()), 0.0, count)
+    args = (y, mean, invstd, weight, bias, learnable, *config, True)
+    torch.library.opcheck(torch.ops.spikefuse.bn_neuron_fptt.default, args)

@@ -122,6 +122,13 @@ class AffineKernels(Protocol):
         """(spikes, chunk checkpoints or None) of neuron(y * scale[c] + shift[c])."""
         ...
 
+    def affine_saved_like(
+        self, program: NeuronProgram, y: torch.Tensor, save: bool
+    ) -> torch.Tensor | None:
+        """An uninitialised tensor like the checkpoints :meth:`affine_fptt` returns (None
+        where it returns None): what a compiled block's fake forward promises."""
+        ...
+
     def affine_bptt(
         self,
         program: NeuronProgram,

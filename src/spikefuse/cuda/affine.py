@@ -85,6 +85,11 @@ def _bn_pointers(
     }
 
 
+def affine_saved_like(program: NeuronProgram, y: torch.Tensor, save: bool) -> torch.Tensor | None:
+    """Uninitialised checkpoints as :func:`affine_fptt` returns them (None if it returns None)."""
+    return checkpoints_like(program, y, save, AFFINE_CHUNK[y.dtype])[0]
+
+
 def affine_fptt(
     program: NeuronProgram,
     y: torch.Tensor,
@@ -109,7 +114,7 @@ def affine_fptt(
     y, channels = channel_layout(y)
     T, N = y.shape[0], y.numel() // y.shape[0]
     spikes = torch.empty_like(y)
-    v_ckpt, _ = checkpoints_like(program, y, save_for_backward, AFFINE_CHUNK[y.dtype])
+    v_ckpt = affine_saved_like(program, y, save_for_backward)
     if N:
         vec = vector_width(N, y, vec=VEC)
         pointers = {

@@ -7,7 +7,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.utils import _pair
 
@@ -21,6 +20,7 @@ from .low_memory import SynapseRecomputeFunction, mark_spikes
 from .neuron_call import NeuronCall
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
 from .statistics import BNSpec, BNStats, bn_statistics, is_distributed, refuse_join
+from .traced import traced_bn_neuron
 
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
 MEMORY_MODES = ("default", "min")
@@ -212,7 +212,8 @@ class FusedBlock(nn.Module):
         neuron = NeuronCall.from_node(self.node, y)  # may raise
         if self.bn is not None and is_distributed(self.process_group):
             refuse_join()
-        if torch.is_anomaly_enabled():  # the node's NaN check (a host sync: anomaly mode only)
+        # the node's NaN check (a host sync: eager anomaly mode only)
+        if not torch.compiler.is_compiling() and torch.is_anomaly_enabled():
             self.node._check_no_nan(y, None)
         learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
         bn = self._bn_spec()
@@ -285,12 +286,13 @@ class FusedBlock(nn.Module):
         )
 
     def _traced_forward(self, x: Tensor) -> Tensor:
-        """What ``torch.compile`` traces: the unfused computation, in ops it can see through.
-
-        The synapse, torch's BatchNorm over (T, B, spatial) (the same statistics and running
-        averages) and the neuron's custom op (opaque to the compiler, no graph break). The
-        eager path's memory savings rely on autograd hooks that the compiler cannot trace;
-        compiled, the compiler decides what is saved for backward.
+        """What ``torch.compile`` traces: the synapse, the eager block's statistics (and
+        running-statistics update), then BatchNorm → neuron as the ``bn_neuron_fptt`` op of
+        :mod:`spikefuse.fused.traced` (the BN-folded kernels with the cuda backend; opaque to
+        the compiler, no graph break; its backward keeps only y and the per-channel vectors).
+        Without BatchNorm, the neuron's own op. The eager path's recomputation of the next
+        layer's input (autograd saved-tensor hooks) cannot be traced: compiled, the next
+        synapse saves the spikes it reads.
         """
         if is_distributed(self.process_group):
             raise SpikefuseError(
@@ -298,11 +300,10 @@ class FusedBlock(nn.Module):
                 "processes; run the fused model eagerly (or CUDA-graph it) under torch.distributed"
             )
         y = self._kind.forward(self.synapse, self._merged(x))  # as in eager: the same layout
-        if self.bn is not None:  # torch's own BatchNorm on the merged [T*B, C, *] batch
-            y = _BatchNorm.forward(self.bn, y)
         y = y.unflatten(0, x.shape[:2])
-        neuron = NeuronCall.from_node(self.node, y)
-        learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
+        neuron, learnable, bn, stats = self._prepare(y)
+        if bn is not None and stats is not None:  # the eager block's functions, as ops
+            return traced_bn_neuron(y, stats, bn, neuron, learnable)
         spikes, _, _, _ = run_neuron(
             program=neuron.program,
             backend=neuron.backend,
