@@ -6,7 +6,7 @@ innermost: the memory of a channels-last convolution output [T*B, C, H, W] or of
 output [T, B, C]. On that layout torch's kernel reaches a fraction of the bandwidth (0.56 TB/s in
 bfloat16 on an H100); this one streams it once with vector loads.
 
-The kernels are in ``channel_stats.cu`` (next to this file; its header explains the algorithm
+The kernels are in ``channel_stats.cuh`` (next to this file; its header explains the algorithm
 and the numerics: a per-channel pivot, Welford per thread, Chan's merges in a fixed order). Two
 launches, compiled once per (storage dtype, vector width) and device with NVRTC through
 :mod:`.runtime`, on PyTorch's current stream, writing only tensors from PyTorch's allocator and
@@ -29,10 +29,10 @@ from ..errors import SpikefuseError
 from .codegen import _STORAGE
 from .runtime import check_input, launch_named
 
-SOURCE_PATH = Path(__file__).with_name("channel_stats.cu")
-SOURCE_NAME = "spikefuse/cuda/channel_stats.cu"
+SOURCE_PATH = Path(__file__).with_name("channel_stats.cuh")
+SOURCE_NAME = "spikefuse/cuda/channel_stats.cuh"
 
-# As in channel_stats.cu (the kernels' block shapes and loop structure).
+# As in channel_stats.cuh (the kernels' block shapes and loop structure).
 MAX_THREADS = 256  # threads per block of the partial kernel
 UNROLL = 4  # rows each thread loads before using any
 MERGE_CHANNELS, MERGE_LANES = 32, 32  # the merge kernel's block: channels x chunks side by side
@@ -44,7 +44,7 @@ BLOCKS_PER_SM = 8
 MIN_ROWS_PER_THREAD = 2 * UNROLL
 _VECTOR_BYTES = 16  # the widest load: 16 bytes per thread and row
 
-#: The kernels' one argument, ``Args`` in channel_stats.cu: y, partial, mean, invstd, rows,
+#: The kernels' one argument, ``Args`` in channel_stats.cuh: y, partial, mean, invstd, rows,
 #: rows_per_chunk, channels, chunks, eps (and the struct's tail padding to 8 bytes).
 ARGS = struct.Struct("=4Q2q2if4x")
 
@@ -114,7 +114,7 @@ class StatsKernels:
 
     @functools.cached_property
     def source(self) -> str:
-        """The prelude (storage type, VEC, kernel names), then ``channel_stats.cu``."""
+        """The prelude (storage type, VEC, kernel names), then ``channel_stats.cuh``."""
         storage = _STORAGE[self.dtype]
         lines = [f"// spikefuse channel statistics: {storage.ctype} storage, VEC = {self.vec}"]
         if storage.include:
