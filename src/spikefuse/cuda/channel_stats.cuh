@@ -11,8 +11,8 @@
 // Two launches, both reading consecutive channels with consecutive threads (coalesced):
 //   1. PARTIAL_KERNEL, grid (channel tiles, row chunks), block (TX channel vectors, TY rows):
 //      each thread streams every TY-th row of its block's chunk for its VEC channels, the block
-//      merges its TY rows of threads, and writes the chunk's (mean, M2) per channel. Enough
-//      chunks to keep every SM streaming; several loads in flight per thread (UNROLL).
+//      merges its TY rows of threads, and writes the chunk's (mean, M2) per channel. Chunks
+//      enough for one full wave of MIN_BLOCKS blocks per SM; UNROLL loads in flight per thread.
 //   2. MERGE_KERNEL, grid (channel tiles of MERGE_CHANNELS), block (MERGE_CHANNELS, MERGE_LANES):
 //      each lane merges every MERGE_LANES-th chunk in order, the block merges its lanes, and
 //      writes mean[c] and invstd[c].
@@ -31,6 +31,11 @@
 // As torch.batch_norm_stats: invstd = rsqrt(var + eps), and 0 where var = eps = 0.
 
 constexpr int MAX_THREADS = 256;  // threads per block of PARTIAL_KERNEL (TX * TY <= this)
+// Blocks of PARTIAL_KERNEL resident per SM that the register budget must allow (85 registers
+// per thread; bfloat16 with VEC = 8 uses 78, spilling at 64): the launch fills exactly this many
+// per SM, one wave of equally long blocks. Without it ptxas may cap VEC = 1 at 32 registers and
+// spill.
+constexpr int MIN_BLOCKS = 3;
 constexpr int UNROLL = 4;         // rows loaded before any is used: loads in flight per thread
 constexpr int MERGE_CHANNELS = 32;
 constexpr int MERGE_LANES = 32;  // chunks merged side by side per channel in MERGE_KERNEL
@@ -72,7 +77,7 @@ __device__ __forceinline__ void chan_merge(
         return;
     }
     const float delta = mean_b - mean;
-    const float w_b = n_b / (n + n_b);
+    const float w_b = n_b * __frcp_rn(n + n_b);  // exact counts: one rounding more is harmless
     mean = __fmaf_rn(delta, w_b, mean);
     m2 = m2 + m2_b + delta * delta * (n * w_b);  // + delta^2 n n_b / (n + n_b)
 }
@@ -137,7 +142,7 @@ __device__ __forceinline__ void fold_slots(
 }
 
 // ---- launch 1: per-chunk partial statistics -----------------------------------------------------
-extern "C" __global__ void __launch_bounds__(MAX_THREADS) PARTIAL_KERNEL(const Args a)
+extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) PARTIAL_KERNEL(const Args a)
 {
     const int tx = threadIdx.x, ty = threadIdx.y, rows_step = blockDim.y;
     const long long c0 = ((long long)blockIdx.x * blockDim.x + tx) * VEC;  // first channel

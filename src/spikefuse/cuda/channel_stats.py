@@ -36,9 +36,9 @@ SOURCE_NAME = "spikefuse/cuda/channel_stats.cuh"
 MAX_THREADS = 256  # threads per block of the partial kernel
 UNROLL = 4  # rows each thread loads before using any
 MERGE_CHANNELS, MERGE_LANES = 32, 32  # the merge kernel's block: channels x chunks side by side
-#: Blocks of the partial kernel per SM the row chunks aim at: about two waves at the four
-#: resident blocks its registers allow, so that no SM idles while the last blocks finish.
-BLOCKS_PER_SM = 8
+#: Blocks of the partial kernel per SM the row chunks aim at: MIN_BLOCKS, the residency its
+#: launch bounds guarantee, so that one wave of equally long blocks streams everything (no tail).
+BLOCKS_PER_SM = 3
 #: Fewest rows each thread of a chunk streams: fewer would make the [2, chunks, C] partial
 #: results a noticeable fraction of the traffic (and leave the loads no time in flight).
 MIN_ROWS_PER_THREAD = 2 * UNROLL
@@ -79,14 +79,14 @@ def plan(rows: int, channels: int, element_size: int, address: int, sm_count: in
     """The launch geometry for a [rows, channels] matrix (rows, channels >= 1) on a GPU with
     ``sm_count`` SMs: channel vectors across a block's threads (consecutive threads read
     consecutive memory, a warp spans whole rows when C is narrow), rows across the rest of the
-    block, and as many row chunks as fill the GPU with :data:`BLOCKS_PER_SM` blocks per SM while
-    each thread still streams :data:`MIN_ROWS_PER_THREAD` rows."""
+    block, and as many row chunks as fill the GPU with one wave of :data:`BLOCKS_PER_SM` blocks
+    per SM while each thread still streams :data:`MIN_ROWS_PER_THREAD` rows."""
     vec = vector_width(channels, element_size, address)
     vectors = channels // vec
     tx = min(vectors, MAX_THREADS)
     ty = MAX_THREADS // tx
     tiles = -(-vectors // tx)
-    target_chunks = max(1, -(-sm_count * BLOCKS_PER_SM // tiles))
+    target_chunks = max(1, sm_count * BLOCKS_PER_SM // tiles)  # at most one wave of blocks
     rows_per_chunk = max(-(-rows // target_chunks), ty * MIN_ROWS_PER_THREAD)
     rows_per_chunk = -(-rows_per_chunk // ty) * ty
     chunks = -(-rows // rows_per_chunk)
