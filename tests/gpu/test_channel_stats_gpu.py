@@ -3,12 +3,15 @@ float64 statistics and torch.batch_norm_stats in every storage dtype and awkward
 numerics (a large mean with a small variance, NaN and Inf), determinism, streams and CUDA graphs,
 and the fused blocks that use it against the unfused modules.
 
-Tolerances (max |got - want| / max |want| per vector, over the channels):
+Tolerances, as normalised errors over the channels: max |got - want| / max |want| for invstd
+(and the variance), and for the mean max |got - want| / max(max |mean|, max std) (the kernel's
+mean is exact to float32 rounding of the deviations from its pivot, a sample of the channel, so
+its error scales with the spread where means are near 0):
 
 * against float64 statistics of the same stored values: 2e-6 for mean and invstd in every
   storage dtype (the kernel reads 16-bit values exactly and accumulates in float32);
 * against torch.batch_norm_stats (itself float32 Welford): 5e-6 for both;
-* mean 1000, std 0.01 (float32): the variance within 1e-5 of float64's.
+* mean 1000, std 0.01 (float32): the variance within 1e-5 of float64's, the mean within 2e-6.
 """
 
 from __future__ import annotations
@@ -39,16 +42,27 @@ def reference(rows: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tenso
     return mean, (var + eps).rsqrt()
 
 
+def mean_error(got: torch.Tensor, want: torch.Tensor, want_invstd: torch.Tensor) -> float:
+    """max |got - want| / max(max |want|, largest standard deviation)."""
+    scale = max(want.abs().max().item(), want_invstd.double().reciprocal().max().item())
+    return (got.double() - want.double()).abs().max().item() / scale
+
+
 def check(rows: torch.Tensor, torch_view: torch.Tensor, eps: float = 1e-5) -> None:
     """channel_stats(rows) against float64 and torch.batch_norm_stats of torch_view (the same
     memory as [N, C, *])."""
     mean, invstd = cs.channel_stats(rows, eps)
     assert mean.dtype == invstd.dtype == torch.float32 and mean.shape == (rows.shape[1],)
     want_mean, want_invstd = reference(rows, eps)
-    assert reldiff(mean, want_mean) <= EXACT, f"mean vs float64: {reldiff(mean, want_mean):.1e}"
+    error = mean_error(mean, want_mean, want_invstd)
+    assert error <= EXACT, f"mean vs float64: {error:.1e}"
     assert reldiff(invstd, want_invstd) <= EXACT, f"invstd: {reldiff(invstd, want_invstd):.1e}"
     torch_mean, torch_invstd = torch.batch_norm_stats(torch_view, eps)
-    assert reldiff(mean, torch_mean) <= TORCH and reldiff(invstd, torch_invstd) <= TORCH
+    error = mean_error(mean, torch_mean, want_invstd)
+    assert error <= TORCH, f"mean vs torch: {error:.1e}"
+    assert reldiff(invstd, torch_invstd) <= TORCH, (
+        f"invstd vs torch: {reldiff(invstd, torch_invstd):.1e}"
+    )
 
 
 @pytest.mark.quick
@@ -121,7 +135,7 @@ def test_nan_and_inf_give_non_finite_statistics(dtype):
     assert invstd[bad].isnan().all(), invstd[bad]
     good = [0, *range(7, 16)]
     want_mean, want_invstd = reference(rows[:, good], 1e-5)
-    assert reldiff(mean[good], want_mean) <= EXACT
+    assert mean_error(mean[good], want_mean, want_invstd) <= EXACT
     assert reldiff(invstd[good], want_invstd) <= EXACT
 
 
@@ -256,7 +270,8 @@ def test_bn_statistics_running_update_matches_torch(dtype):
     torch.batch_norm_gather_stats_with_counts(
         flat, want_mean[None], want_invstd[None], *want_running, 0.1, 1e-5, count
     )
-    assert reldiff(stats.mean, want_mean) <= TORCH and reldiff(stats.invstd, want_invstd) <= TORCH
+    assert mean_error(stats.mean, want_mean, want_invstd) <= TORCH
+    assert reldiff(stats.invstd, want_invstd) <= TORCH
     for got, want in zip(running, want_running, strict=True):
         assert reldiff(got, want) <= TORCH
 

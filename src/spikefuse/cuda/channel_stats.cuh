@@ -36,7 +36,7 @@ constexpr int MAX_THREADS = 256;  // threads per block of PARTIAL_KERNEL (TX * T
 // per SM, one wave of equally long blocks. Without it ptxas may cap VEC = 1 at 32 registers and
 // spill.
 constexpr int MIN_BLOCKS = 3;
-constexpr int UNROLL = 4;         // rows loaded before any is used: loads in flight per thread
+constexpr int UNROLL = 4;  // rows loaded before any is used: loads in flight per thread
 constexpr int MERGE_CHANNELS = 32;
 constexpr int MERGE_LANES = 32;  // chunks merged side by side per channel in MERGE_KERNEL
 
