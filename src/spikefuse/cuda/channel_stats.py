@@ -68,19 +68,22 @@ class LaunchPlan:
 
 def vector_width(channels: int, element_size: int, address: int) -> int:
     """Channels per thread: the widest vector of up to 16 bytes that divides C and whose loads
-    the data's address keeps aligned (rows are C elements apart, so row 0 decides)."""
+    the data's address keeps aligned (rows are C elements apart, so row 0 decides; only the
+    address modulo 16 matters)."""
     vec = _VECTOR_BYTES // element_size
     while vec > 1 and (channels % vec or address % (vec * element_size)):
         vec //= 2
     return vec
 
 
+@functools.cache  # per call: one lookup (the address enters modulo 16)
 def plan(rows: int, channels: int, element_size: int, address: int, sm_count: int) -> LaunchPlan:
-    """The launch geometry for a [rows, channels] matrix (rows, channels >= 1) on a GPU with
-    ``sm_count`` SMs: channel vectors across a block's threads (consecutive threads read
-    consecutive memory, a warp spans whole rows when C is narrow), rows across the rest of the
-    block, and as many row chunks as fill the GPU with one wave of :data:`BLOCKS_PER_SM` blocks
-    per SM while each thread still streams :data:`MIN_ROWS_PER_THREAD` rows."""
+    """The launch geometry for a [rows, channels] matrix (rows, channels >= 1) at ``address``
+    (modulo 16 is enough) on a GPU with ``sm_count`` SMs: channel vectors across a block's
+    threads (consecutive threads read consecutive memory, a warp spans whole rows when C is
+    narrow), rows across the rest of the block, and as many row chunks as fill the GPU with one
+    wave of :data:`BLOCKS_PER_SM` blocks per SM while each thread still streams
+    :data:`MIN_ROWS_PER_THREAD` rows."""
     vec = vector_width(channels, element_size, address)
     vectors = channels // vec
     tx = min(vectors, MAX_THREADS)
@@ -138,6 +141,7 @@ def _template() -> str:
 
 @functools.cache
 def kernels_for(dtype: torch.dtype, vec: int) -> StatsKernels:
+    """The kernels of a variant (cached: their source is built and hashed once)."""
     return StatsKernels(dtype, vec)
 
 
@@ -170,10 +174,11 @@ def channel_stats(y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tens
     if channels == 0:
         return mean, invstd
     index = y.device.index if y.device.index is not None else torch.cuda.current_device()
-    geometry = plan(rows, channels, y.element_size(), y.data_ptr(), _sm_count(index))
+    address = y.data_ptr()
+    geometry = plan(rows, channels, y.element_size(), address % _VECTOR_BYTES, _sm_count(index))
     partial = y.new_empty((2, geometry.chunks, channels), dtype=torch.float32)
     args = ARGS.pack(
-        y.data_ptr(),
+        address,
         partial.data_ptr(),
         mean.data_ptr(),
         invstd.data_ptr(),
