@@ -241,14 +241,14 @@ def test_fused_conv_block_matches_unfused(kernel_calls, no_tf32):
 
 def test_fused_conv1d_keeps_torch_statistics(kernel_calls):
     """A contiguous Conv1d output has its channels outside the length: torch's kernel."""
-    block = fuse(
-        nn.Sequential(
-            layer.Conv1d(3, 8, 3, padding=1, bias=False, step_mode="m"),
-            layer.BatchNorm1d(8, step_mode="m"),
-            neuron.LIFNode(step_mode="m", backend="cuda"),
-        )
+    model = nn.Sequential(
+        layer.Conv1d(3, 8, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm1d(8, step_mode="m"),
+        neuron.LIFNode(step_mode="m", backend="cuda"),
     ).cuda()
-    block(torch.randn(2, 4, 3, 20, device="cuda")).sum().backward()
+    fused, report = fuse(model, return_report=True)
+    assert report.fused_fraction == 1.0, str(report)
+    fused(torch.randn(2, 4, 3, 20, device="cuda")).sum().backward()
     assert kernel_calls == []
 
 
