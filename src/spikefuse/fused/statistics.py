@@ -118,9 +118,9 @@ def batch_mean_invstd(y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 def _local_mean_var(y: Tensor) -> tuple[Tensor, Tensor]:
     """Per-channel mean and biased variance of y [T, B, C, *] in the compute dtype, one pass."""
     if y.is_cuda:
-        # Welford in float32 over the [T*B, C, *] view, any storage dtype, NCHW or channels-last,
-        # without a float32 copy of y. It returns 1/sqrt(var) (0 where var is 0).
-        mean, invstd = torch.batch_norm_stats(y.flatten(0, 1), 0.0)
+        # float32 statistics of any storage dtype and layout without a float32 copy of y. They
+        # come as 1/sqrt(var) (0 where var is 0).
+        mean, invstd = batch_mean_invstd(y, 0.0)
         return mean, torch.where(invstd > 0, invstd.reciprocal().square(), 0.0)
     var, mean = torch.var_mean(y.to(compute_dtype(y.dtype)), dim=reduce_dims(y.dim()), correction=0)
     return mean, var
