@@ -76,6 +76,7 @@ def routes(monkeypatch):
     monkeypatch.setattr(statistics, "_channel_stats", lambda: kernel)
     monkeypatch.setattr(torch, "batch_norm_stats", torch_stats)
     monkeypatch.setattr(statistics, "unavailable_reason", lambda name, x: None)
+    monkeypatch.setattr(statistics, "_KERNEL_MIN_ELEMENTS", 0)
     return calls
 
 
@@ -86,6 +87,16 @@ def test_channels_innermost_layouts_go_to_the_kernel(routes):
     assert route == "kernel" and eps == 1e-3 and rows.shape == (2 * 3 * 16, 5)
     assert rows.data_ptr() == y.data_ptr()
     statistics.batch_mean_invstd(torch.randn(3, 2, 6), 1e-5)
+    assert routes.pop()[0] == "kernel"
+
+
+def test_small_maps_keep_torch_batch_norm_stats(routes, monkeypatch):
+    """Below _KERNEL_MIN_ELEMENTS torch's single launch is faster than the kernel's two."""
+    monkeypatch.setattr(statistics, "_KERNEL_MIN_ELEMENTS", 2 * 3 * 5 * 16 + 1)
+    statistics.batch_mean_invstd(channels_last_y(2, 3, 5, 4, 4), 1e-3)
+    assert routes.pop()[0] == "torch"
+    monkeypatch.setattr(statistics, "_KERNEL_MIN_ELEMENTS", 2 * 3 * 5 * 16)
+    statistics.batch_mean_invstd(channels_last_y(2, 3, 5, 4, 4), 1e-3)
     assert routes.pop()[0] == "kernel"
 
 
