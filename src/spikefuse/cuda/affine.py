@@ -70,12 +70,12 @@ def pooled_geometry(y: torch.Tensor, pool: int) -> tuple[int, int]:
 
 
 def _pooled_empty(y: torch.Tensor, pool: int) -> torch.Tensor:
-    """Uninitialised [T, B, C, H/pool, W/pool] in y's dtype, channels-last like y (the layout
-    :class:`~spikefuse.fused.WindowAvgPool` gives a channels-last map)."""
+    """Uninitialised [T, B, C, H/pool, W/pool] in y's dtype, channels innermost like y (the
+    layout :class:`~spikefuse.fused.WindowAvgPool` gives a channels-last map); not a view."""
     T, B, C, H, W = y.shape
-    merged = (T * B, C, H // pool, W // pool)
-    out = torch.empty(merged, dtype=y.dtype, device=y.device, memory_format=torch.channels_last)
-    return out.unflatten(0, (T, B))
+    h, w = H // pool, W // pool
+    strides = (B * h * w * C, h * w * C, 1, w * C, C)
+    return torch.empty_strided((T, B, C, h, w), strides, dtype=y.dtype, device=y.device)
 
 
 def _channels_innermost(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

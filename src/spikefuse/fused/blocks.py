@@ -298,28 +298,32 @@ class FusedBlock(nn.Module):
         # the kernels' pooling window: the block's, where they can pool themselves
         pool = self._window if kernels_pool(y, stats, neuron, self._window) else 1
         out = BNNeuronFunction.apply(y, weight, bias, learnable, stats, bn, neuron, save, pool)
-        out = self._tagged(self._pooled(out, pool))
         if not save:
-            return out
+            return self._tagged(self._pooled(out, pool))
         y, learnable = y.detach(), None if learnable is None else learnable.detach()
 
-        def recipe() -> Tensor:
-            spikes = bn_neuron_forward(y, stats, neuron, learnable, False, pool)[0]
-            return self._pooled(spikes, pool)
+        def recipe() -> Tensor:  # the kernels' output, recomputed
+            return bn_neuron_forward(y, stats, neuron, learnable, False, pool)[0]
 
-        return mark_recomputable(out, recipe)
+        return self._tagged(self._pooled(mark_recomputable(out, recipe), pool, recipe))
 
-    def _pooled(self, out: Tensor, kernel_pool: int) -> Tensor:
+    def _pooled(self, out: Tensor, kernel_pool: int, recipe: Recipe | None = None) -> Tensor:
         """The block's output from the neuron's: ``out`` as it is, or where the block pools and
-        the kernels did not (``kernel_pool`` 1), the pooling of the full spikes with torch ops."""
+        the kernels did not (``kernel_pool`` 1), the pooling of the full spikes with torch ops,
+        tagged with the pooling of ``recipe`` (out's recipe) when given."""
         if self.pool is None or kernel_pool > 1:
             return out
-        merged = out.flatten(0, 1)
-        if torch.compiler.is_compiling():  # the compiler generates its own kernels
-            pooled = nn.AvgPool2d.forward(self.pool, merged)
-        else:
-            pooled = WindowAvgPool.apply(merged, self._window, self._window)
+        pooled = self._pool_merged(out.flatten(0, 1))
+        if recipe is not None:  # views of the merged map (this unflatten, a flatten) read its tag
+            mark_recomputable(pooled, lambda: self._pool_merged(recipe().flatten(0, 1)))
         return pooled.unflatten(0, out.shape[:2])
+
+    def _pool_merged(self, merged: Tensor) -> Tensor:
+        """The block's pooling of full spikes [T*B, C, H, W] with torch ops."""
+        assert self.pool is not None  # called for pooling blocks only
+        if torch.compiler.is_compiling():  # the compiler generates its own kernels
+            return nn.AvgPool2d.forward(self.pool, merged)
+        return WindowAvgPool.apply(merged, self._window, self._window)
 
     def _tagged(self, out: Tensor) -> Tensor:
         """The output, tagged as binary spikes unless it is a pooled map (memory="min" packs a
