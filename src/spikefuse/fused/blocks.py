@@ -296,7 +296,8 @@ class FusedBlock(nn.Module):
         grads = (y, weight, bias, learnable)
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
         # the kernels' pooling window: the block's, where they can pool themselves
-        pool = self._window if kernels_pool(y, stats, neuron, self._window) else 1
+        folds = self.pool is not None and kernels_pool(y, stats, neuron, self._window)
+        pool = self._window if folds else 1
         out = BNNeuronFunction.apply(y, weight, bias, learnable, stats, bn, neuron, save, pool)
         if not save:
             return self._tagged(self._pooled(out, pool))
