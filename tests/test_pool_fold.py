@@ -11,6 +11,7 @@ import struct
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from spikefuse import functional, fuse, layer, neuron
 from spikefuse.cuda import affine
@@ -19,6 +20,8 @@ from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock, SpikePool, WindowAvgPool, paper_lif
 from spikefuse.fused.convert import FusedAttributeError
 from spikefuse.fused.low_memory import is_spikes
+from spikefuse.fused.neuron_call import NeuronCall
+from spikefuse.ops import run_neuron
 
 T, B = 3, 2
 FP64_TOL = dict(rtol=1e-9, atol=1e-11)
@@ -349,3 +352,87 @@ def test_pooled_output_layout_matches_window_avg_pool():
     out = affine._pooled_empty(y, 2)
     want = WindowAvgPool.apply(y.flatten(0, 1), 2, 2).unflatten(0, (2, 3))
     assert out.shape == want.shape and out.stride() == want.stride() and out._base is None
+
+
+# ---- the block's wiring to pooling kernels (stand-ins computing with torch ops) --------------
+class PoolingKernels:
+    """Stand-in BN-folded kernels (float64, any layout) that pool like the cuda ones: forward
+    returns the pooled map, backward takes its gradient; records each call's pool and the shape
+    of what it got. Composed of torch ops and autograd, so the block must give the torch
+    path's results exactly when it wires them right."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, tuple[int, ...]]] = []
+
+    @staticmethod
+    def can_pool(y: torch.Tensor, pool: int) -> bool:
+        return pool == 2 and y.dim() == 5 and y.shape[3] % 2 == 0 and y.shape[4] % 2 == 0
+
+    @staticmethod
+    def _pooled_spikes(program, y, mean, invstd, weight, bias, constants, v_init, pool):
+        view = lambda v: v.view(1, 1, -1, *([1] * (y.dim() - 3)))  # noqa: E731
+        scale = invstd * weight
+        x = y * view(scale) + view(bias - mean * scale)
+        spikes = run_neuron(program, "torch", x, None, None, None, constants, [v_init, 0.0], False)
+        out = spikes[0]
+        if pool > 1:  # a new tensor, no view (as the kernels')
+            out = F.avg_pool2d(out.flatten(0, 1), pool).unflatten(0, out.shape[:2]).clone()
+        return x, out, view, scale
+
+    def affine_fptt(self, program, y, mean, invstd, weight, bias, learnable, constants, v_init,
+                    save_for_backward, pool=1):  # fmt: skip
+        self.calls.append(("fptt", pool, tuple(y.shape)))
+        args = (program, y, mean, invstd, weight, bias, constants, v_init, pool)
+        return self._pooled_spikes(*args)[1], None
+
+    def affine_bptt(self, program, y, grad_spikes, saved_v, learnable, constants, v_init, mean,
+                    invstd, weight, bias, totals=None, inv_count=0.0, *, grad_y, pool=1):  # fmt: skip
+        self.calls.append(("bptt", pool, tuple(grad_spikes.shape)))
+        with torch.enable_grad():
+            leaf = y.detach().requires_grad_()
+            args = (program, leaf, mean, invstd, weight, bias, constants, v_init, pool)
+            x, out, view, scale = self._pooled_spikes(*args)
+            (g,) = torch.autograd.grad(out, x, grad_spikes)
+        if not grad_y:
+            dims = [0, 1, 3, 4]
+            return None, torch.stack([g.sum(dims), (g * (y - view(mean))).sum(dims)]), None
+        grad = g * view(scale)
+        if totals is not None:
+            mean_g, mean_gxhat = totals[0] * inv_count, totals[1] * invstd * inv_count
+            coef_y = -scale * invstd * mean_gxhat
+            grad = grad + y * view(coef_y) + view(-scale * mean_g - mean * coef_y)
+        return grad, None, None
+
+
+def test_block_hands_the_pooling_to_kernels_that_can_pool(monkeypatch):
+    """Where the backend's BN-folded kernels can pool, the block asks them to (pool=2 in forward,
+    both backward passes and the next block's recompute), passes them the pooled map's
+    gradient and pools nothing itself; the results are the torch path's."""
+    kernels = PoolingKernels()
+    model = pooled_net()
+    reference = fuse(model)
+    folded = fuse(model)
+    monkeypatch.setattr(NeuronCall, "affine", property(lambda self: kernels))
+    monkeypatch.setattr(WindowAvgPool, "apply", _refuse_window_avg_pool)
+    out_f, gx_f, gp_f = training_step(folded, net_input())
+    monkeypatch.undo()
+    out_r, gx_r, gp_r = training_step(reference, net_input())
+    torch.testing.assert_close(out_f, out_r, **FP64_TOL)
+    torch.testing.assert_close(gx_f, gx_r, **FP64_TOL)
+    for key in gp_r:
+        torch.testing.assert_close(gp_f[key], gp_r[key], **FP64_TOL, msg=key)
+    full_1, full_2 = (T, B, 4, 8, 8), (T, B, 6, 4, 4)
+    pooled_1, pooled_2 = (T, B, 4, 4, 4), (T, B, 6, 2, 2)
+    assert kernels.calls == [
+        ("fptt", 2, full_1),
+        ("fptt", 2, full_2),
+        ("bptt", 2, pooled_2),  # pass 1
+        ("bptt", 2, pooled_2),  # pass 2
+        ("fptt", 2, full_1),  # the second conv's input, recomputed for its weight gradient
+        ("bptt", 2, pooled_1),
+        ("bptt", 2, pooled_1),
+    ]
+
+
+def _refuse_window_avg_pool(*_):
+    raise AssertionError("the block pooled with torch ops although the kernels pool")
