@@ -209,8 +209,8 @@ __device__ __forceinline__ void neuron_fptt_pooled(const Args& a)
     if (i >= outputs)
         return;
     const auto p = load_params(a);
-    float scale[1], shift[1];  // the window's one channel
-    channel_affine(a, i % a.channels, scale[0], shift[0]);
+    float scale, shift;  // the window's one channel
+    channel_affine(a, i % a.channels, scale, shift);
     const long long first = window_first_neuron(a, i);
     float v[WINDOW], w[WINDOW];
     for (int k = 0; k < WINDOW; ++k) {
@@ -234,7 +234,7 @@ __device__ __forceinline__ void neuron_fptt_pooled(const Args& a)
                 float total = 0.0f;  // of the window's spikes
 #pragma unroll
                 for (int k = 0; k < WINDOW; ++k) {
-                    const float x = __fmaf_rn(to_float(yp[j][k]), scale[0], shift[0]);
+                    const float x = __fmaf_rn(to_float(yp[j][k]), scale, shift);  // neuron_input
                     total += spike_of(step(v[k], w[k], x, p), p);
                 }
                 a.spike_seq[(g + j) * outputs + i] = from_float(total * (1.0f / WINDOW));
