@@ -436,3 +436,28 @@ def test_block_hands_the_pooling_to_kernels_that_can_pool(monkeypatch):
 
 def _refuse_window_avg_pool(*_):
     raise AssertionError("the block pooled with torch ops although the kernels pool")
+
+
+def test_a_pool_used_only_in_training_mode_does_not_fold():
+    """fuse() traces training and eval mode: a pooling that only one of them applies is not
+    folded (the chain still fuses) and the report says so."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn, self.sn = conv_bn_lif(3, 4)
+            self.pool = layer.AvgPool2d(2, step_mode="m")
+
+        def forward(self, x):
+            s = self.sn(self.bn(self.conv(x)))
+            return self.pool(s) if self.training else s
+
+    model = Net().double()
+    fused, report = fuse(model, return_report=True)
+    assert len(report.fused) == 1 and report.folded_pools == [] and report.pools == ["pool"]
+    assert "differently in training mode" in report.unfolded_pools["pool"]
+    for training in (True, False):
+        model.train(training)
+        fused.train(training)
+        torch.testing.assert_close(fused(net_input()), model(net_input()), **FP64_TOL)
+        functional.reset_net(model)
