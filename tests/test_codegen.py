@@ -45,7 +45,8 @@ NODES = (
 
 def all_variants() -> list[NeuronKernel]:
     """Every neuron, surrogate, dtype and reset at both vector widths; and the channel-affine
-    (BatchNorm-folded) kernels of every one-state neuron, dtype and reset."""
+    (BatchNorm-folded) kernels of every one-state neuron, dtype and reset, unpooled at both
+    widths and with 2 x 2 average pooling folded in (vec 1)."""
     kernels = []
     for make, sur, dtype, hard, detach in itertools.product(
         NODES, surrogate.ALL, DTYPES, (True, False), (True, False)
@@ -54,6 +55,7 @@ def all_variants() -> list[NeuronKernel]:
         kernels += [DefinitionKernel(node.program, dtype, vec) for vec in (1, VEC)]
         if sur is surrogate.Rect and not node.definition.adaptive:
             kernels += [DefinitionKernel(node.program, dtype, vec, affine=True) for vec in (1, VEC)]
+            kernels.append(DefinitionKernel(node.program, dtype, 1, affine=True, pool=2))
     return kernels
 
 
@@ -75,8 +77,8 @@ def translation_unit(kernels: list[NeuronKernel]) -> str:
 def test_every_variant_compiles_with_nvcc(tmp_path):
     kernels = all_variants()
     # 8 neurons x every surrogate x 3 dtypes x 2 resets x 2 detach, scalar and vector width;
-    # affine: 7 one-state neurons x 3 dtypes x 2 resets x 2 detach x 2 widths
-    assert len(kernels) == 8 * len(surrogate.ALL) * 3 * 2 * 2 * 2 + 7 * 3 * 2 * 2 * 2
+    # affine: 7 one-state neurons x 3 dtypes x 2 resets x 2 detach x (2 widths + pooled)
+    assert len(kernels) == 8 * len(surrogate.ALL) * 3 * 2 * 2 * 2 + 7 * 3 * 2 * 2 * 3
     source = tmp_path / "variants.cu"
     source.write_text(translation_unit(kernels))
 

@@ -368,18 +368,21 @@ def test_saved_memory_per_block():
     assert fused_bytes / unfused_bytes < 0.42
 
 
-def test_no_spike_map_outlives_the_forward():
+@pytest.mark.parametrize("fold_pools", [False, True])
+def test_no_spike_map_outlives_the_forward(fold_pools):
     """Nothing (saved tensors, recipes, tags, hooks) keeps a fused block's spikes or pooled maps
     alive after the next fused layer consumed them: only synapse outputs stay for backward.
-    (The last block's spikes feed a plain nn.Linear, which saves them as they are.)"""
-    model = fuse(conv_stack(torch.float32))
+    (The last block's spikes feed a plain nn.Linear, which saves them as they are.) With
+    ``fold_pools`` the pooling is part of the first block: one map fewer."""
+    model = fuse(conv_stack(torch.float32), fold_pools=fold_pools)
     maps = []
     for m in model:
         if isinstance(m, (FusedBlock, SpikePool)):
             m.register_forward_hook(lambda mod, args, out: maps.append(weakref.ref(out)))
     out = model(torch.randn(T, B, 3, 8, 8))
     gc.collect()
-    assert len(maps) == 5 and all(r() is None for r in maps[:-1]) and maps[-1]() is not None
+    assert len(maps) == (4 if fold_pools else 5)
+    assert all(r() is None for r in maps[:-1]) and maps[-1]() is not None
     out.sum().backward()  # and backward recomputes them
 
 
@@ -398,8 +401,10 @@ def test_window_avg_pool_matches_avg_pool2d(layout, size, window):
     assert grad.stride() == x.stride() and out.is_contiguous(memory_format=layout)
 
 
-def test_saved_memory_with_pooling():
-    """Pooled fused spikes are recomputed (spikes, then the pooling) wherever they are saved.
+@pytest.mark.parametrize("fold_pools", [False, True])
+def test_saved_memory_with_pooling(fold_pools):
+    """Pooled fused spikes are recomputed (spikes, then the pooling) wherever they are saved,
+    whether the pooling is a SpikePool or folded into the block (``fold_pools``).
 
     Conv-BN-LIF, AvgPool, Conv-BN-LIF, AvgPool, Flatten, Linear-BN-LIF: the saved state is the
     three synapse outputs and their per-channel vectors. (The flatten of the last pooled map
@@ -417,8 +422,11 @@ def test_saved_memory_with_pooling():
     x = torch.randn(t, b, 3, 8, 8)
     n1, n2, n3 = t * b * c * 64, t * b * c * 16, t * b * f
     vectors = 2 * 4 * (c + c + f)  # mean and invstd per channel
-    fused = fuse(model)
-    assert sum(isinstance(m, SpikePool) for m in fused.modules()) == 2
+    fused = fuse(model, fold_pools=fold_pools)
+    assert sum(isinstance(m, SpikePool) for m in fused.modules()) == (0 if fold_pools else 2)
+    assert sum(m.pool is not None for m in fused.modules() if isinstance(m, FusedBlock)) == (
+        2 if fold_pools else 0
+    )
     assert saved_bytes(fused, x) == 4 * (n1 + n2 + n3) + vectors
 
 

@@ -118,8 +118,15 @@ class AffineKernels(Protocol):
         constants: list[float],
         v_init: float,
         save_for_backward: bool,
+        pool: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(spikes, chunk checkpoints or None) of neuron(y * scale[c] + shift[c])."""
+        """(spikes, chunk checkpoints or None) of neuron(y * scale[c] + shift[c]); ``pool`` = k
+        > 1: the spikes averaged over k x k windows instead (channels-last maps)."""
+        ...
+
+    def can_pool(self, y: torch.Tensor, pool: int) -> bool:
+        """Whether ``affine_fptt``/``affine_bptt`` can pool y's spikes over ``pool`` x ``pool``
+        windows themselves (``pool`` > 1)."""
         ...
 
     def affine_saved_like(
@@ -146,9 +153,10 @@ class AffineKernels(Protocol):
         inv_count: float = 0.0,
         *,
         grad_y: bool,
+        pool: int = 1,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Pass 1 (``grad_y=False``): (None, per-channel sums [2, C], dL/dlearnable or None);
-        pass 2: (dL/dy, None, None)."""
+        pass 2: (dL/dy, None, None). ``pool``: as the forward's (grad_spikes then pooled)."""
         ...
 
 

@@ -4,7 +4,9 @@ Conv/Linear -> BatchNorm -> neuron blocks (:mod:`spikefuse.fused`).
 Implements :class:`spikefuse.backends.AffineKernels`: :func:`affine_fptt` computes
 spikes = neuron(BN(y)) in one launch, :func:`affine_bptt` BatchNorm's two backward passes through
 the neuron, recomputing it from y chunk by chunk. The kernels are the neuron kernels' template
-compiled with ``AFFINE`` (see :mod:`.codegen`); launches go through :mod:`.runtime`.
+compiled with ``AFFINE`` (see :mod:`.codegen`); launches go through :mod:`.runtime`. With
+``pool`` = k > 1 both also fold the k x k average pooling of the spikes in (``POOL``): forward
+returns the pooled spikes, backward takes their gradient.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import torch
 
 from ..program import NeuronProgram
-from .codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, BLOCK_THREADS, VEC
+from .codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, BLOCK_THREADS, POOLS, VEC
 from .runtime import (
     blocks_for,
     check_checkpoints,
@@ -43,6 +45,47 @@ def channel_layout(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     return y.contiguous(), (channels, spatial)
 
 
+def can_pool(y: torch.Tensor, pool: int) -> bool:
+    """Whether the pooled kernels take y [T, B, C, H, W] with ``pool`` x ``pool`` windows (one
+    of :data:`~.codegen.POOLS`): channels innermost in memory (a channels-last convolution's
+    output), H and W multiples of ``pool``."""
+    return (
+        pool in POOLS[1:]
+        and y.dim() == 5
+        and y.shape[3] % pool == 0
+        and y.shape[4] % pool == 0
+        and y.permute(0, 1, 3, 4, 2).is_contiguous()
+    )
+
+
+def pooled_geometry(y: torch.Tensor, pool: int) -> tuple[int, int]:
+    """(channels, W / pool) of a map y that :func:`can_pool`; raises ValueError for others."""
+    if not can_pool(y, pool):
+        raise ValueError(
+            f"pooled affine kernels take windows of {POOLS[1:]} on a channels-last [T, B, C, H, "
+            f"W] map with H and W multiples of the window; got pool={pool}, shape "
+            f"{tuple(y.shape)}, strides {y.stride()}"
+        )
+    return y.shape[2], y.shape[4] // pool
+
+
+def _pooled_empty(y: torch.Tensor, pool: int) -> torch.Tensor:
+    """Uninitialised [T, B, C, H/pool, W/pool] in y's dtype, channels innermost like y (the
+    layout :class:`~spikefuse.fused.WindowAvgPool` gives a channels-last map); not a view."""
+    T, B, C, H, W = y.shape
+    h, w = H // pool, W // pool
+    strides = (B * h * w * C, h * w * C, 1, w * C, C)
+    return torch.empty_strided((T, B, C, h, w), strides, dtype=y.dtype, device=y.device)
+
+
+def _channels_innermost(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t [T, B, C, H, W] in ``dtype`` with channels innermost in memory, copied only if needed."""
+    last = t.permute(0, 1, 3, 4, 2)
+    if t.dtype == dtype and last.is_contiguous():
+        return t
+    return last.to(dtype).contiguous().permute(0, 1, 4, 2, 3)
+
+
 def _laid_out_like(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """t (same shape as y) with y's strides and dtype, copied only if they differ."""
     if t.stride() == y.stride() and t.dtype == y.dtype:
@@ -60,15 +103,16 @@ def _per_channel_sum(per_neuron: torch.Tensor, channels: tuple[int, int]) -> tor
     return per_neuron.view(per_neuron.shape[0], -1, c, inner).sum(dim=(1, 3))
 
 
-def _pass1_grid(n: int, channels: tuple[int, int], vec: int) -> tuple[int, int, int]:
-    """(channel_tiles, blocks, partial sums per sum) of backward pass 1.
+def _pass1_grid(n: int, channels: tuple[int, int], vec: int, pool: int = 1) -> tuple[int, int, int]:
+    """(channel_tiles, blocks, partial sums per sum) of backward pass 1 over ``n`` slots (the
+    neurons, or the pooled kernels' windows).
 
-    With channels innermost in whole warps (inner 1, C a multiple of 32, one neuron per thread)
-    a block owns 32 channels of ``TILE_ROWS`` rows and writes one sum per channel
-    (``channel_tiles`` = C / 32); otherwise every neuron writes its own (``channel_tiles`` 0).
+    With channels innermost in whole warps (inner 1, C a multiple of 32, one neuron per thread,
+    no pooling) a block owns 32 channels of ``TILE_ROWS`` rows and writes one sum per channel
+    (``channel_tiles`` = C / 32); otherwise every slot writes its own (``channel_tiles`` 0).
     """
     c, inner = channels
-    if inner != 1 or c % 32 or vec != 1:
+    if inner != 1 or c % 32 or vec != 1 or pool != 1:
         return 0, blocks_for(n, vec), n
     row_groups = -(-(n // c) // TILE_ROWS)
     return c // 32, max(1, c // 32 * row_groups), row_groups * c
@@ -101,6 +145,7 @@ def affine_fptt(
     constants: list[float],
     v_init: float,
     save_for_backward: bool,
+    pool: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """spikes = neuron(BN(y)) for y [T, B, C, *] in one launch.
 
@@ -109,14 +154,22 @@ def affine_fptt(
     constant ``v_init``. Returns the spikes (y's dtype and layout) and, with
     ``save_for_backward``, the chunk checkpoints (V at the end of every chunk of
     ``AFFINE_CHUNK[dtype]`` steps but the last, float32; None for T <= the chunk).
+
+    ``pool`` = k > 1 (a map y as :func:`pooled_geometry` describes): returns instead the means
+    of the spikes over k x k windows [T, B, C, H/k, W/k] (channels-last), the average pooling
+    of the spikes with kernel = stride = k; the full spikes are never written.
     """
     check_input(y)
-    y, channels = channel_layout(y)
+    if pool > 1:
+        channels, pool_width = pooled_geometry(y, pool)
+        layout, spikes = (channels, 1), _pooled_empty(y, pool)
+    else:
+        y, layout = channel_layout(y)
+        spikes, pool_width = torch.empty_like(y), 0
     T, N = y.shape[0], y.numel() // y.shape[0]
-    spikes = torch.empty_like(y)
     v_ckpt = affine_saved_like(program, y, save_for_backward)
     if N:
-        vec = vector_width(N, y, vec=VEC)
+        vec = vector_width(N, y, vec=VEC) if pool == 1 else 1
         pointers = {
             "x_seq": y.data_ptr(),
             "spike_seq": spikes.data_ptr(),
@@ -124,9 +177,11 @@ def affine_fptt(
             "learnable": pointer(learnable),
             **_bn_pointers(mean, invstd, weight, bias),
         }
-        kernel = kernel_for(program, y.dtype, vec, affine=True)
-        args = kernel.pack_args(pointers, T, N, v_init, 0.0, constants, channels)
-        launch(kernel, True, y.device, blocks_for(N, vec), args)
+        kernel = kernel_for(program, y.dtype, vec, affine=True, pool=pool)
+        args = kernel.pack_args(
+            pointers, T, N, v_init, 0.0, constants, layout, pool_width=pool_width
+        )
+        launch(kernel, True, y.device, blocks_for(N // pool**2, vec), args)
     return spikes, v_ckpt
 
 
@@ -146,6 +201,7 @@ def affine_bptt(
     inv_count: float = 0.0,
     *,
     grad_y: bool,
+    pool: int = 1,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """BPTT of :func:`affine_fptt` in one launch, recomputing the neuron from y chunk by chunk.
 
@@ -158,18 +214,26 @@ def affine_bptt(
       scale g + coef_y y + coef_0, coef_y = -scale invstd m_gy invstd, coef_0 = -scale m_g -
       mean coef_y, from ``totals`` [2, C] (pass 1's sums over all processes) times
       ``inv_count`` (m_g, m_gy). The other two are None.
+
+    ``pool`` = k > 1: of :func:`affine_fptt` with that ``pool``; ``grad_spikes`` is the gradient
+    of the pooled spikes, each neuron's dL/dS that of its window's mean divided by k².
     """
     check_input(y)
-    y, channels = channel_layout(y)
-    T, N = y.shape[0], y.numel() // y.shape[0]
-    check_checkpoints(T, saved_v, AFFINE_CHUNK[y.dtype])
-    grad_spikes = _laid_out_like(grad_spikes, y)
-    out = torch.empty_like(y) if grad_y else None
-    vec = vector_width(N, y, grad_spikes, vec=AFFINE_BPTT_VEC)
-    if grad_y:
-        tiles, blocks, sums = 0, blocks_for(N, vec), None
+    if pool > 1:
+        channels, pool_width = pooled_geometry(y, pool)
+        layout, grad_spikes = (channels, 1), _channels_innermost(grad_spikes, y.dtype)
     else:
-        tiles, blocks, per_sum = _pass1_grid(N, channels, vec)
+        y, layout = channel_layout(y)
+        pool_width, grad_spikes = 0, _laid_out_like(grad_spikes, y)
+    T, N = y.shape[0], y.numel() // y.shape[0]
+    slots = N // pool**2  # what the threads own: neurons, or (pooled) windows
+    check_checkpoints(T, saved_v, AFFINE_CHUNK[y.dtype])
+    out = torch.empty_like(y) if grad_y else None
+    vec = vector_width(N, y, grad_spikes, vec=AFFINE_BPTT_VEC) if pool == 1 else 1
+    if grad_y:
+        tiles, blocks, sums = 0, blocks_for(slots, vec), None
+    else:
+        tiles, blocks, per_sum = _pass1_grid(slots, layout, vec, pool)
         sums = y.new_empty((2, per_sum), dtype=torch.float32)
     partial = None
     if program.learnable and not grad_y:  # every block writes its column
@@ -189,11 +253,20 @@ def affine_bptt(
             "bn_total_gy": 0 if totals is None else totals[1].data_ptr(),
             **_bn_pointers(mean, invstd, weight, bias),
         }
-        kernel = kernel_for(program, y.dtype, vec, affine=True)
+        kernel = kernel_for(program, y.dtype, vec, affine=True, pool=pool)
         args = kernel.pack_args(
-            pointers, T, N, v_init, 0.0, constants, channels, inv_count, channel_tiles=tiles
+            pointers,
+            T,
+            N,
+            v_init,
+            0.0,
+            constants,
+            layout,
+            inv_count,
+            channel_tiles=tiles,
+            pool_width=pool_width,
         )
         launch(kernel, False, y.device, blocks, args)
     if sums is None:  # pass 2
         return out, None, None
-    return None, _per_channel_sum(sums, channels), None if partial is None else partial.sum(dim=1)
+    return None, _per_channel_sum(sums, layout), None if partial is None else partial.sum(dim=1)

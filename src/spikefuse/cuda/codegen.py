@@ -24,6 +24,14 @@ and channel where channels are innermost) of dL/dX and dL/dX * (Y - mean[c]) tha
 backward reduces per channel (pass 1), or dL/dY, with
 BatchNorm's coefficients computed per thread from those channel totals (pass 2).
 
+Pooled variants (``pool`` = k > 1, channel-affine, channels-last maps) fold the k x k average
+pooling that follows a fused block into its kernels: a thread owns one element of the pooled map
+and the k x k neurons of its window (one channel). Forward advances the window's neurons
+together and writes only their mean; backward walks them one after another (one neuron's
+registers at a time), each receiving dL/d(mean) / k² as its dL/dS, and writes dL/dY (pass 2) or
+the window's sums (pass 1). Only k = 2 is generated (:data:`POOLS`): there the mean of the spikes
+is exact in every dtype.
+
 Both kernels take one argument, an ``Args`` struct whose fields are the variant's own (see
 :data:`ARG_POINTERS` and :meth:`NeuronKernel.pack_args`), so a launch packs a single buffer.
 Extension path (as in SpikingJelly's kernel templates): subclass :class:`NeuronKernel` and
@@ -62,6 +70,8 @@ BPTT_VEC = {torch.float32: VEC, torch.float16: 1, torch.bfloat16: 1}
 # The channel-affine backward holds 7 more values per neuron (its channel's vectors and sums):
 # with VEC = 4 it spills registers, with one neuron per thread it fits in 64.
 AFFINE_BPTT_VEC = 1
+#: Window sizes k of the pooled kernels (k x k average pooling folded in; 1: none).
+POOLS = (1, 2)
 NVRTC_OPTIONS: tuple[str, ...] = (
     "--std=c++17",
     "--fmad=false",
@@ -119,14 +129,14 @@ ARG_POINTERS = (
     ArgPointer(
         "const float*", "w0", "W[-1] [N], or null: every neuron starts at w_init", "two_state"
     ),
-    ArgPointer("scalar_t*", "spike_seq", "S [T, N]", "both"),
+    ArgPointer("scalar_t*", "spike_seq", "S [T, N] (pooled: the windows' means)", "both"),
     ArgPointer("scalar_t*", "v_seq", "V [T, N], or null", "plain"),
     ArgPointer("float*", "v_last", "V[T-1] [N], or null", "plain"),
     ArgPointer("float*", "w_last", "W[T-1] [N], or null", "two_state"),
     ArgPointer("float*", "v_ckpt", "V at each chunk's end but the last's, or null", "both"),
     ArgPointer("float*", "w_ckpt", "W likewise", "two_state"),
     ArgPointer("const float*", "learnable", "learnable parameter values [P]", "both"),
-    ArgPointer("const scalar_t*", "grad_spike_seq", "dL/dS [T, N]", "both"),
+    ArgPointer("const scalar_t*", "grad_spike_seq", "dL/dS [T, N] (pooled: of means)", "both"),
     ArgPointer("const scalar_t*", "grad_v_seq", "dL/dV [T, N], or null", "plain"),
     ArgPointer("const float*", "grad_v_last", "dL/dV[T-1] [N], or null", "plain"),
     ArgPointer("const float*", "grad_w_last", "dL/dW[T-1] [N], or null", "two_state"),
@@ -138,14 +148,19 @@ ARG_POINTERS = (
     ArgPointer("const float*", "bn_invstd", "[C] 1 / sqrt(var + eps)", "affine"),
     ArgPointer("const float*", "bn_weight", "[C] gamma, or null (1)", "affine"),
     ArgPointer("const float*", "bn_bias", "[C] beta, or null (0)", "affine"),
-    ArgPointer("float*", "grad_sum", "sum of dL/dX per neuron [N] (or tile), or null", "affine"),
+    ArgPointer(
+        "float*", "grad_sum", "sum of dL/dX per neuron [N] (window, tile), or null", "affine"
+    ),
     ArgPointer("float*", "grad_dot", "sum of dL/dX (Y - bn_mean[c]) likewise, or null", "affine"),
     ArgPointer("const float*", "bn_total_g", "[C] channel total of grad_sum, or null", "affine"),
     ArgPointer("const float*", "bn_total_gy", "[C] channel total of grad_dot", "affine"),
 )
 POINTER_NAMES = tuple(f.name for f in ARG_POINTERS)
 # Names a parameter may not take: they are Args fields of some kernel.
-_RESERVED = {*POINTER_NAMES, "T", "N", "channels", "inner", "v_init", "w_init", "inv_count"}
+_RESERVED = {
+    *POINTER_NAMES,
+    *("T", "N", "channels", "inner", "pool_width", "v_init", "w_init", "inv_count"),
+}
 
 # Parameters of the per-neuron device functions: before the step, and with its H.
 _STATE = "const float v, const float x, const float w, const Params& p"
@@ -178,6 +193,9 @@ class NeuronKernel:
             forward reads Y and feeds X = Y * scale[c] + shift[c] to the neuron; backward
             recomputes X the same way and writes dL/dY (an affine map of dL/dX per channel)
             and/or the per-neuron sums over t that BatchNorm's backward reduces per channel.
+        pool: k of the k x k average pooling folded into affine kernels (one of :data:`POOLS`;
+            1: none): forward writes the windows' means of the spikes [T, N / k²], backward
+            reads their gradient; channels-last maps, one output element per thread (vec 1).
     """
 
     def __init__(
@@ -192,20 +210,28 @@ class NeuronKernel:
         vec: int = 1,
         adaptive: bool = False,
         affine: bool = False,
+        pool: int = 1,
     ) -> None:
         if dtype not in _STORAGE:
             raise ValueError(f"unsupported storage dtype {dtype}")
         if affine and adaptive:
             raise ValueError(f"{name}: channel-affine kernels are for one-state neurons")
+        if pool not in POOLS or (pool > 1 and (not affine or vec != 1)):
+            raise ValueError(
+                f"{name}: pooled kernels take pool in {POOLS[1:]}, affine, vec 1; got "
+                f"pool={pool}, affine={affine}, vec={vec}"
+            )
         clash = set(params) & _RESERVED
         if clash:
             raise ValueError(f"{name}: parameter names {sorted(clash)} are reserved by the kernels")
         self.name, self.params, self.learnable = name, params, learnable
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
         self.dtype, self.vec, self.adaptive, self.affine = dtype, vec, adaptive, affine
+        self.pool = pool
         self.chunk = AFFINE_CHUNK[dtype] if affine else CHUNK
         tag = f"{'hard' if hard_reset else 'soft'}{'_detach' if detach_reset else ''}"
         tag += "_affine" if affine else ""
+        tag += f"_pool{pool}" if pool > 1 else ""
         self.kernel_prefix = f"{name}_{tag}_{_STORAGE[dtype].ctype.strip('_')}_v{vec}"
         self.constant_names = tuple(
             n for n in ("v_threshold", "v_reset", *params) if n not in learnable
@@ -216,7 +242,7 @@ class NeuronKernel:
         self.pointers = tuple(f for f in ARG_POINTERS if f.kernels in kinds)
         self._pointer_names = tuple(f.name for f in self.pointers)
         # Args as bytes: pointers, then 64-bit integers, then floats; padded to 8 bytes.
-        n_ints = 5 if affine else 2
+        n_ints = (5 if affine else 2) + (pool > 1)
         n_floats = 1 + adaptive + affine + len(self.constant_names)
         self.arg_layout = struct.Struct(
             f"<{len(self.pointers)}Q{n_ints}q{n_floats}f{4 * (n_floats % 2)}x"
@@ -285,18 +311,19 @@ class NeuronKernel:
         channels: tuple[int, int] = (1, 1),
         inv_count: float = 0.0,
         channel_tiles: int = 0,
+        pool_width: int = 0,
     ) -> bytes:
         """The ``Args`` struct as bytes; absent pointers are null, pointers and values of fields
         this variant does not have are left out (``w_init`` of one-state neurons; ``channels``,
         ``inv_count`` of plain kernels). ``channels`` is (channels, inner) of the channel-affine
         kernels: c = (n / inner) % channels; ``inv_count`` scales ``bn_total_*`` to per-channel
         means (1 / elements per channel); ``channel_tiles`` (channels / 32, or 0) makes backward
-        pass 1 reduce its sums per block and channel (see the template's ``bptt_first_neuron``)."""
+        pass 1 reduce its sums per block and channel (see the template's ``bptt_first_neuron``);
+        ``pool_width`` is the pooled kernels' W / k (outputs per row of a map)."""
         ptrs = [pointers.get(name, 0) for name in self._pointer_names]
         if self.affine:
-            return self.arg_layout.pack(
-                *ptrs, T, N, *channels, channel_tiles, v_init, inv_count, *constants
-            )
+            ints = (T, N, *channels, channel_tiles, *((pool_width,) if self.pool > 1 else ()))
+            return self.arg_layout.pack(*ptrs, *ints, v_init, inv_count, *constants)
         if self.adaptive:
             return self.arg_layout.pack(*ptrs, T, N, v_init, w_init, *constants)
         return self.arg_layout.pack(*ptrs, T, N, v_init, *constants)
@@ -311,6 +338,8 @@ class NeuronKernel:
             lines.append(
                 "    long long channel_tiles;  // backward pass 1: channels / 32 (tiled), or 0"
             )
+        if self.pool > 1:
+            lines.append("    long long pool_width;  // W / POOL: outputs per row of a pooled map")
         start = "of every neuron" if self.affine else "where v0 is null"
         lines.append(f"    float v_init;  // V[-1] {start}")
         if self.adaptive:
@@ -423,6 +452,7 @@ class NeuronKernel:
             f"constexpr bool ADAPTIVE = {str(self.adaptive).lower()};  // two-state neuron (W)",
             f"constexpr bool AFFINE = {str(self.affine).lower()};  // BatchNorm folded in",
             f"constexpr int N_LEARNABLE = {len(self.learnable)};  // parameters with gradients",
+            f"constexpr int POOL = {self.pool};  // k x k windows averaged (1: no pooling)",
             f"#define FPTT_KERNEL {self.fptt_name}",
             f"#define BPTT_KERNEL {self.bptt_name}",
         ]
@@ -451,7 +481,12 @@ class DefinitionKernel(NeuronKernel):
     """
 
     def __init__(
-        self, program: NeuronProgram, dtype: torch.dtype, vec: int = 1, affine: bool = False
+        self,
+        program: NeuronProgram,
+        dtype: torch.dtype,
+        vec: int = 1,
+        affine: bool = False,
+        pool: int = 1,
     ) -> None:
         d = program.definition
         super().__init__(
@@ -465,6 +500,7 @@ class DefinitionKernel(NeuronKernel):
             vec=vec,
             adaptive=d.adaptive,
             affine=affine,
+            pool=pool,
         )
         self.definition = d
         self._names = {d.symbols[n]: f"p.{n}" for n in d.all_params}

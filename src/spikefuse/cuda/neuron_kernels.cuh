@@ -7,6 +7,7 @@
 //   FPTT_MIN_BLOCKS,                  backward's chunk length,
 //   CHUNK, LOAD_STEPS                 forward's loads in flight
 //   ADAPTIVE, AFFINE, N_LEARNABLE     two-state neuron; BatchNorm folded in; learnable parameters
+//   POOL                              pooled kernels: the k of the k x k windows averaged (1: none)
 //   Args                              the kernels' one argument (fields as in codegen.py)
 //   Params, load_params(a)            the neuron's parameters, read once per thread
 //   charge, reset, surrogate_grad,    the neuron's device functions, printed from its sympy
@@ -37,6 +38,41 @@ __device__ __forceinline__ void store_pack(scalar_t* p, const long long i, const
 
 // C++ has no empty arrays: the learnable gradients take one unused slot without parameters.
 constexpr int LEARNABLE_SLOTS = N_LEARNABLE > 0 ? N_LEARNABLE : 1;
+
+// Pooled kernels (POOL > 1; affine, channels-last maps [B, H, W, C] per step, H and W multiples
+// of POOL): a thread owns one element i of the pooled map [B, H/POOL, W/POOL, C] and the WINDOW
+// neurons of its window, which share i's channel i % C. Consecutive threads take consecutive
+// channels, so every load and store stays coalesced.
+constexpr int WINDOW = POOL * POOL;  // neurons per output element (1: unpooled)
+
+// Offset of the window's neuron k (row k / POOL, column k % POOL) from its first neuron.
+template <class Args>
+__device__ __forceinline__ long long window_offset(const Args& a, const int k)
+{
+    return ((k / POOL) * a.pool_width * POOL + k % POOL) * a.channels;
+}
+
+// The window's first neuron: element i = (row * W/POOL + col) * C + c (row = b H/POOL + h/POOL)
+// averages the neurons from (POOL row * W + POOL col) * C + c on.
+template <class Args>
+__device__ __forceinline__ long long window_first_neuron(const Args& a, const long long i)
+{
+    const long long pixel = i / a.channels, row = pixel / a.pool_width;
+    return ((row * a.pool_width * POOL + pixel % a.pool_width) * POOL) * a.channels
+         + i % a.channels;
+}
+
+// The neuron a backward walk of a thread's slot takes: the slot itself (unpooled kernels), or
+// the window's neuron `walk` (pooled kernels walk their window's neurons one after another).
+template <class Args>
+__device__ __forceinline__ long long walked_neuron(const Args& a, const long long slot,
+                                                  const int walk)
+{
+    if constexpr (POOL > 1)
+        return window_first_neuron(a, slot) + window_offset(a, walk);
+    else
+        return slot;
+}
 
 // One step of one neuron, shared by forward and backward's recompute (same float32 results):
 // returns H[t]; updates v = V[t-1] -> V[t] and w = W[t-1] -> W[t].
@@ -89,6 +125,13 @@ __device__ __forceinline__ float neuron_input(const float y, const float (&scale
     return AFFINE ? __fmaf_rn(y, scale[k], shift[k]) : y;
 }
 
+// S[t] from H[t]; a NaN H gives a NaN spike, never a valid "no spike" (the NaN policy).
+template <class P>
+__device__ __forceinline__ float spike_of(const float h, const P& p)
+{
+    return h >= p.v_threshold ? 1.0f : (isnan(h) ? h : 0.0f);
+}
+
 // Forward through time: S[t], V[t] (if v_seq), V (and W) at chunk ends, last V (and W).
 template <class Args>
 __device__ __forceinline__ void neuron_fptt(const Args& a)
@@ -125,8 +168,7 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
                 for (int k = 0; k < VEC; ++k) {
                     const float x = neuron_input(to_float(xp[j].e[k]), scale, shift, k);
                     const float h = step(v[k], w[k], x, p);
-                    // a NaN H gives a NaN spike, never a valid "no spike" (the NaN policy)
-                    sp.e[k] = from_float(h >= p.v_threshold ? 1.0f : (isnan(h) ? h : 0.0f));
+                    sp.e[k] = from_float(spike_of(h, p));
                     vp.e[k] = from_float(v[k]);
                 }
                 store_pack(a.spike_seq, base + j * N, sp);
@@ -158,16 +200,16 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
 // Rows of a channel-tiled block (below).
 constexpr int TILE_ROWS = BLOCK_THREADS / 32;
 
-// The first of the VEC neurons a backward thread owns. Consecutive threads own consecutive
-// neurons, except in the affine kernels' pass 1 with channels innermost (a.channel_tiles > 0,
-// VEC = 1): there a block owns 32 neighbouring channels of TILE_ROWS neighbouring rows (row r,
-// channel c: neuron r * channels + c), so that it adds up its rows' per-channel sums itself
-// (block_channel_sums) and writes TILE_ROWS times fewer of them. Threads past the last row own
-// no neuron (N).
+// The slot of a backward thread: the first of its VEC neurons, or (pooled kernels) its output
+// element. Consecutive threads own consecutive slots, except in the unpooled affine kernels'
+// pass 1 with channels innermost (a.channel_tiles > 0, VEC = 1): there a block owns 32
+// neighbouring channels of TILE_ROWS neighbouring rows (row r, channel c: neuron r * channels +
+// c), so that it adds up its rows' per-channel sums itself (block_channel_sums) and writes
+// TILE_ROWS times fewer of them. Threads past the last row own no neuron (slot N).
 template <class Args>
 __device__ __forceinline__ long long bptt_first_neuron(const Args& a)
 {
-    if constexpr (AFFINE && VEC == 1)
+    if constexpr (AFFINE && VEC == 1 && POOL == 1)
         if (a.channel_tiles) {
             const long long tile = blockIdx.x % a.channel_tiles;
             const long long row = blockIdx.x / a.channel_tiles * TILE_ROWS + threadIdx.x / 32;
@@ -200,22 +242,93 @@ __device__ __forceinline__ void block_channel_sums(const Args& a, const bool own
     }
 }
 
-// Backward through time: dL/dX[t] (affine pass 2: dL/dY[t]; pass 1: per-neuron or per-tile
-// sums for BatchNorm), dL/dV[-1] (and dL/dW[-1]), per-block sums of the learnable parameters'
-// gradients.
+// Forward of the pooled kernels: thread i advances its window's neurons together and writes
+// only their mean, element i of each step's pooled map [T, N / WINDOW]; checkpoints as
+// neuron_fptt's, at the neurons' own indices. The mean is the spikes' sum (exact: at most
+// WINDOW ones, or NaN) times 1 / WINDOW, as torch.mean computes it (exact for POOL = 2).
+template <class Args>
+__device__ __forceinline__ void neuron_fptt_pooled(const Args& a)
+{
+    const int T = (int)a.T;
+    const long long N = a.N, outputs = N / WINDOW;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= outputs)
+        return;
+    const auto p = load_params(a);
+    float scale, shift;  // the window's one channel
+    channel_affine(a, i % a.channels, scale, shift);
+    const long long first = window_first_neuron(a, i);
+    float v[WINDOW], w[WINDOW];
+    for (int k = 0; k < WINDOW; ++k) {
+        v[k] = initial_v(a, first + window_offset(a, k));
+        w[k] = 0.0f;  // one-state neurons (affine kernels): unused
+    }
+    for (int t0 = 0; t0 < T; t0 += CHUNK) {
+        for (int g = t0; g < t0 + CHUNK && g < T; g += LOAD_STEPS) {
+            // the group's loads first: independent, so they overlap
+            scalar_t yp[LOAD_STEPS][WINDOW];
+#pragma unroll
+            for (int j = 0; j < LOAD_STEPS; ++j)
+                if (g + j < T)
+#pragma unroll
+                    for (int k = 0; k < WINDOW; ++k)
+                        yp[j][k] = a.x_seq[(g + j) * N + first + window_offset(a, k)];
+#pragma unroll
+            for (int j = 0; j < LOAD_STEPS; ++j) {
+                if (g + j >= T)
+                    break;
+                float total = 0.0f;  // of the window's spikes
+#pragma unroll
+                for (int k = 0; k < WINDOW; ++k) {
+                    const float x = __fmaf_rn(to_float(yp[j][k]), scale, shift);  // neuron_input
+                    total += spike_of(step(v[k], w[k], x, p), p);
+                }
+                a.spike_seq[(g + j) * outputs + i] = from_float(total * (1.0f / WINDOW));
+            }
+        }
+        if (a.v_ckpt && t0 + CHUNK < T) {  // the state the next chunk starts from
+            const long long c = (t0 / CHUNK) * N + first;
+            for (int k = 0; k < WINDOW; ++k)
+                a.v_ckpt[c + window_offset(a, k)] = v[k];
+        }
+    }
+}
+
+// dL/dS[t] of neuron n, one pack of VEC: as given, or in pooled kernels the gradient of the
+// output element `slot` shared by its window's neurons, divided by WINDOW in the storage dtype
+// (what the average pooling's backward writes for each of them).
+template <class Args>
+__device__ __forceinline__ pack_t grad_spike_pack(const Args& a, const long long t,
+                                                  const long long n, const long long slot)
+{
+    if constexpr (POOL > 1) {
+        pack_t g;
+        const float pooled = to_float(a.grad_spike_seq[t * (a.N / WINDOW) + slot]);
+        g.e[0] = from_float(pooled * (1.0f / WINDOW));
+        return g;
+    } else {
+        return load_pack(a.grad_spike_seq, t * a.N + n);
+    }
+}
+
+// Backward through time: dL/dX[t] (affine pass 2: dL/dY[t]; pass 1: per-neuron, per-window or
+// per-tile sums for BatchNorm), dL/dV[-1] (and dL/dW[-1]), per-block sums of the learnable
+// parameters' gradients.
 template <class Args>
 __device__ __forceinline__ void neuron_bptt(const Args& a)
 {
     const int T = (int)a.T;
-    const long long N = a.N, n = bptt_first_neuron(a);
+    // The thread's slot: neurons slot .. slot + VEC - 1, or (pooled) output element slot.
+    const long long N = a.N, slot = bptt_first_neuron(a);
+    const bool active = slot < N / WINDOW;
     const auto p = load_params(a);
     // Affine kernels: this thread's neurons' channels, and BatchNorm's backward through the
     // batch statistics from the channel totals: dL/dY = scale g + coef_y Y + coef_0
     // (see spikefuse.fused.bn_neuron); zero coefficients with running statistics.
     float scale[VEC], shift[VEC], mean[VEC], coef_y[VEC], coef_0[VEC], sum_g[VEC], sum_gy[VEC];
     if constexpr (AFFINE)
-        for (int k = 0; k < VEC && n < N; ++k) {
-            const long long c = (n + k) / a.inner % a.channels;
+        for (int k = 0; k < VEC && active; ++k) {
+            const long long c = (slot + k) / a.inner % a.channels;
             channel_affine(a, c, scale[k], shift[k]);
             mean[k] = a.bn_mean[c];
             coef_y[k] = coef_0[k] = sum_g[k] = sum_gy[k] = 0.0f;
@@ -230,7 +343,10 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     float acc[LEARNABLE_SLOTS] = {0.0f};  // dL/dp over this thread's neurons and steps
     // Carried from step t+1 to step t: the gradient reaching V[t] (and W[t]) from later steps.
     float grad_v_carry[VEC], grad_w_carry[VEC];
-    if (n < N) {
+    // One walk through time per neuron of the slot (pooled kernels: per neuron of the window,
+    // summing BatchNorm's sums and the learnable gradients over them).
+    for (int walk = 0; walk < WINDOW && active; ++walk) {
+        const long long n = walked_neuron(a, slot, walk);
         for (int k = 0; k < VEC; ++k) {
             grad_v_carry[k] = 0.0f;
             if constexpr (!AFFINE)
@@ -239,107 +355,110 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
             if constexpr (ADAPTIVE)
                 grad_w_carry[k] = a.grad_w_last ? a.grad_w_last[n + k] : 0.0f;
         }
-    }
-    for (int t0 = (T - 1) / CHUNK * CHUNK; n < N && t0 >= 0; t0 -= CHUNK) {
-        const long long base = t0 * N + n;  // element (t0, n); step j of the chunk is base + j*N
-        // State at the chunk's start (V[t0-1], W[t0-1]): the forward's checkpoint, or V[-1].
-        float v_start[VEC], w_start[VEC];
-        const long long c = (t0 / CHUNK - 1) * N + n;
-        for (int k = 0; k < VEC; ++k) {
-            v_start[k] = t0 ? a.v_ckpt[c + k] : initial_v(a, n + k);
-            if constexpr (ADAPTIVE)
-                w_start[k] = t0 ? a.w_ckpt[c + k] : initial_w(a, n + k);
-            else
-                w_start[k] = 0.0f;
-        }
-        pack_t xp[CHUNK], gsp[CHUNK];  // the chunk's loads first: independent, so they overlap
-#pragma unroll
-        for (int j = 0; j < CHUNK; ++j) {
-            if (t0 + j >= T)
-                break;
-            xp[j] = load_pack(a.x_seq, base + j * N);
-            gsp[j] = load_pack(a.grad_spike_seq, base + j * N);
-        }
-        // Recompute the chunk as forward did: H[t] (and W[t]) into registers.
-        float hc[CHUNK][VEC], wc[CHUNK][VEC];
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-            float v = v_start[k], w = w_start[k];
+        for (int t0 = (T - 1) / CHUNK * CHUNK; t0 >= 0; t0 -= CHUNK) {
+            // element (t0, n); step j of the chunk is base + j*N
+            const long long base = t0 * N + n;
+            // State at the chunk's start (V[t0-1], W[t0-1]): the forward's checkpoint, or V[-1].
+            float v_start[VEC], w_start[VEC];
+            const long long c = (t0 / CHUNK - 1) * N + n;
+            for (int k = 0; k < VEC; ++k) {
+                v_start[k] = t0 ? a.v_ckpt[c + k] : initial_v(a, n + k);
+                if constexpr (ADAPTIVE)
+                    w_start[k] = t0 ? a.w_ckpt[c + k] : initial_w(a, n + k);
+                else
+                    w_start[k] = 0.0f;
+            }
+            pack_t xp[CHUNK], gsp[CHUNK];  // the chunk's loads first: independent, so they overlap
 #pragma unroll
             for (int j = 0; j < CHUNK; ++j) {
                 if (t0 + j >= T)
                     break;
-                hc[j][k] = step(v, w, neuron_input(to_float(xp[j].e[k]), scale, shift, k), p);
-                wc[j][k] = w;
+                xp[j] = load_pack(a.x_seq, base + j * N);
+                gsp[j] = grad_spike_pack(a, t0 + j, n, slot);
             }
-        }
-        // Walk the chunk backwards (seed 003):
-        //   dL/dH[t] = dL/dS[t] Θ' + dL/dV[t] dV[t]/dH[t] (+ dL/dW[t] (∂Z[t]/∂H[t] + jump Θ'))
-#pragma unroll
-        for (int j = CHUNK - 1; j >= 0; --j) {
-            if (t0 + j >= T)
-                continue;
-            pack_t gxp, gvp;
-            if constexpr (!AFFINE)
-                if (a.grad_v_seq)
-                    gvp = load_pack(a.grad_v_seq, base + j * N);
+            // Recompute the chunk as forward did: H[t] (and W[t]) into registers.
+            float hc[CHUNK][VEC], wc[CHUNK][VEC];
 #pragma unroll
             for (int k = 0; k < VEC; ++k) {
-                const float h = hc[j][k];
-                const float y = to_float(xp[j].e[k]);  // X, or Y in the affine kernels
-                const float x = neuron_input(y, scale, shift, k);
-                // The state step t started from: the chunk's start, or step t-1's result.
-                const float v_prev = j == 0 ? v_start[k] : reset(hc[j - 1][k], p);
-                const float w_prev = j == 0 ? w_start[k] : wc[j - 1][k];
-                const float spike = h >= p.v_threshold ? 1.0f : 0.0f;
-                const float sg = surrogate_grad(h - p.v_threshold);
-                float grad_v_seq = 0.0f;  // dL/dV[t] through the V sequence (if v_seq)
+                float v = v_start[k], w = w_start[k];
+#pragma unroll
+                for (int j = 0; j < CHUNK; ++j) {
+                    if (t0 + j >= T)
+                        break;
+                    hc[j][k] = step(v, w, neuron_input(to_float(xp[j].e[k]), scale, shift, k), p);
+                    wc[j][k] = w;
+                }
+            }
+            // Walk the chunk backwards (seed 003):
+            //   dL/dH[t] = dL/dS[t] Θ' + dL/dV[t] dV[t]/dH[t]
+            //              (+ dL/dW[t] (∂Z[t]/∂H[t] + jump Θ'))
+#pragma unroll
+            for (int j = CHUNK - 1; j >= 0; --j) {
+                if (t0 + j >= T)
+                    continue;
+                pack_t gxp, gvp;
                 if constexpr (!AFFINE)
                     if (a.grad_v_seq)
-                        grad_v_seq = to_float(gvp.e[k]);
-                const float grad_v = grad_v_carry[k] + grad_v_seq;
-                float grad_h = to_float(gsp[j].e[k]) * sg + grad_v * dv_dh(h, spike, sg, p);
-                if constexpr (ADAPTIVE) {
-                    const float grad_w = grad_w_carry[k];  // dL/dW[t]
-                    grad_h += grad_w * (dz_dh(v_prev, x, w_prev, h, p) + adaptation_jump(p) * sg);
-                    grad_w_carry[k] = grad_h * dh_dw(v_prev, x, w_prev, h, p)
-                                    + grad_w * dz_dw(v_prev, x, w_prev, h, p);
+                        gvp = load_pack(a.grad_v_seq, base + j * N);
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) {
+                    const float h = hc[j][k];
+                    const float y = to_float(xp[j].e[k]);  // X, or Y in the affine kernels
+                    const float x = neuron_input(y, scale, shift, k);
+                    // The state step t started from: the chunk's start, or step t-1's result.
+                    const float v_prev = j == 0 ? v_start[k] : reset(hc[j - 1][k], p);
+                    const float w_prev = j == 0 ? w_start[k] : wc[j - 1][k];
+                    const float spike = h >= p.v_threshold ? 1.0f : 0.0f;
+                    const float sg = surrogate_grad(h - p.v_threshold);
+                    float grad_v_seq = 0.0f;  // dL/dV[t] through the V sequence (if v_seq)
+                    if constexpr (!AFFINE)
+                        if (a.grad_v_seq)
+                            grad_v_seq = to_float(gvp.e[k]);
+                    const float grad_v = grad_v_carry[k] + grad_v_seq;
+                    float grad_h = to_float(gsp[j].e[k]) * sg + grad_v * dv_dh(h, spike, sg, p);
+                    if constexpr (ADAPTIVE) {
+                        const float grad_w = grad_w_carry[k];  // dL/dW[t]
+                        grad_h += grad_w
+                                * (dz_dh(v_prev, x, w_prev, h, p) + adaptation_jump(p) * sg);
+                        grad_w_carry[k] = grad_h * dh_dw(v_prev, x, w_prev, h, p)
+                                        + grad_w * dz_dw(v_prev, x, w_prev, h, p);
+                    }
+                    const float grad_x = grad_h * dh_dx(v_prev, x, w_prev, h, p);
+                    if constexpr (AFFINE) {
+                        sum_g[k] += grad_x;
+                        sum_gy[k] += grad_x * (y - mean[k]);
+                        // dL/dY
+                        gxp.e[k] = from_float(scale[k] * grad_x + coef_y[k] * y + coef_0[k]);
+                    } else {
+                        gxp.e[k] = from_float(grad_x);
+                    }
+                    grad_v_carry[k] = grad_h * dh_dv(v_prev, x, w_prev, h, p);  // to V[t-1]
+                    if constexpr (N_LEARNABLE > 0)
+                        add_learnable_grads(acc, grad_h, v_prev, x, w_prev, h, p);
                 }
-                const float grad_x = grad_h * dh_dx(v_prev, x, w_prev, h, p);
-                if constexpr (AFFINE) {
-                    sum_g[k] += grad_x;
-                    sum_gy[k] += grad_x * (y - mean[k]);
-                    // dL/dY
-                    gxp.e[k] = from_float(scale[k] * grad_x + coef_y[k] * y + coef_0[k]);
-                } else {
-                    gxp.e[k] = from_float(grad_x);
-                }
-                grad_v_carry[k] = grad_h * dh_dv(v_prev, x, w_prev, h, p);  // to V[t-1]
-                if constexpr (N_LEARNABLE > 0)
-                    add_learnable_grads(acc, grad_h, v_prev, x, w_prev, h, p);
+                if (!AFFINE || a.grad_x_seq)  // affine pass 1 writes only the sums
+                    store_pack(a.grad_x_seq, base + j * N, gxp);
             }
-            if (!AFFINE || a.grad_x_seq)  // affine pass 1 writes only the sums
-                store_pack(a.grad_x_seq, base + j * N, gxp);
         }
     }
-    if (n < N) {
+    if (active) {
         for (int k = 0; k < VEC; ++k) {
             if constexpr (!AFFINE)
                 if (a.grad_v0)
-                    a.grad_v0[n + k] = grad_v_carry[k];
+                    a.grad_v0[slot + k] = grad_v_carry[k];
             if constexpr (ADAPTIVE)
                 if (a.grad_w0)
-                    a.grad_w0[n + k] = grad_w_carry[k];
-            if constexpr (AFFINE)
+                    a.grad_w0[slot + k] = grad_w_carry[k];
+            if constexpr (AFFINE)  // pooled kernels: the window's sums
                 if (a.grad_sum && !a.channel_tiles) {
-                    a.grad_sum[n + k] = sum_g[k];
-                    a.grad_dot[n + k] = sum_gy[k];
+                    a.grad_sum[slot + k] = sum_g[k];
+                    a.grad_dot[slot + k] = sum_gy[k];
                 }
         }
     }
     if constexpr (AFFINE && VEC == 1)
         if (a.grad_sum && a.channel_tiles)  // the same for the whole block: it may synchronise
-            block_channel_sums(a, n < N, sum_g[0], sum_gy[0]);
+            block_channel_sums(a, active, sum_g[0], sum_gy[0]);
     if constexpr (N_LEARNABLE > 0) {
         // Deterministic reduction: warp shuffle, then shared memory, one partial per block.
         __shared__ float partial[LEARNABLE_SLOTS][BLOCK_THREADS / 32];
@@ -361,11 +480,21 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     }
 }
 
+// Forward of the variant (a template, so that the other one is never instantiated).
+template <class Args>
+__device__ __forceinline__ void fptt(const Args& a)
+{
+    if constexpr (POOL > 1)
+        neuron_fptt_pooled(a);
+    else
+        neuron_fptt(a);
+}
+
 // The entry points, named by the prelude (kernel names say the variant, as profilers show).
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, FPTT_MIN_BLOCKS)
     FPTT_KERNEL(const Args a)
 {
-    neuron_fptt(a);
+    fptt(a);
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) BPTT_KERNEL(const Args a)

@@ -43,10 +43,11 @@ def _cupy() -> ModuleType:
 
 @functools.cache
 def kernel_for(
-    program: NeuronProgram, dtype: torch.dtype, vec: int, affine: bool = False
+    program: NeuronProgram, dtype: torch.dtype, vec: int, affine: bool = False, pool: int = 1
 ) -> NeuronKernel:
-    """The generated kernel template of a program (cached; print ``.full_codes`` to read it)."""
-    return DefinitionKernel(program, dtype, vec, affine)
+    """The generated kernel template of a program (cached; print ``.full_codes`` to read it;
+    ``pool``: the pooled variant's window size)."""
+    return DefinitionKernel(program, dtype, vec, affine, pool)
 
 
 @functools.cache

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from ..backends import compute_dtype
 from ..errors import SpikefuseError
 from ..neuron import BaseNode, LIFNode
 from ..ops import forbid_double_backward, run_neuron
-from .bn_neuron import BNNeuronFunction, bn_neuron_forward
+from .bn_neuron import BNNeuronFunction, bn_neuron_forward, kernels_pool
 from .low_memory import SynapseRecomputeFunction, mark_spikes
 from .neuron_call import NeuronCall
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
@@ -25,6 +25,9 @@ from .traced import traced_bn_neuron
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
 MEMORY_MODES = ("default", "min")
 POOLS = (nn.AvgPool2d, nn.MaxPool2d)
+# Windows (k x k) of the average pooling a Conv2d block folds in: the mean of 2 x 2 spikes is
+# exact in every dtype, so folded and unfolded pooling give the same bits.
+FOLDED_WINDOWS = (2,)
 # The BatchNorm class that matches each synapse: channels are dim 1 of the merged [T*B, C, *].
 _BN_FOR = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Linear: nn.BatchNorm1d}
 # The rank of each synapse's multi-step input [T, B, C, *spatial].
@@ -86,6 +89,14 @@ class FusedBlock(nn.Module):
     convolution); the output spikes keep that memory layout, which the next fused block,
     :class:`SpikePool` and ``flatten`` all accept.
 
+    Pooling: a Conv2d block may end with the 2 x 2 average pooling of its spikes (``pool``; what
+    :func:`~spikefuse.fused.fuse` folds in where such a pooling is the sole user of the
+    neuron's output). Its output is then the pooled map ``[T, B, C_out, H/2, W/2]``. With the
+    cuda backend and BatchNorm the kernels pool themselves: forward writes only the pooled map
+    (never the full spikes) and backward reads only its gradient. Otherwise (torch backend, no
+    BatchNorm, odd H or W, ``memory="min"``, ``torch.compile``) the block pools its full spikes
+    with torch ops (:class:`WindowAvgPool`): the same values either way.
+
     Args:
         synapse: ``nn.Conv1d``/``nn.Conv2d``/``nn.Linear`` (or spikefuse ``layer`` versions).
         bn: the matching ``BatchNorm1d``/``BatchNorm2d``, or None for no normalisation.
@@ -95,6 +106,8 @@ class FusedBlock(nn.Module):
             ``"min"`` keeps only the block's input, 1-bit packed when it is the spike output
             of another fused block, and recomputes y in backward (one more synapse forward per
             block; the same gradients; see :mod:`spikefuse.fused.low_memory`).
+        pool: an ``nn.AvgPool2d`` (or ``layer.AvgPool2d``) averaging 2 x 2 windows with kernel =
+            stride, no padding, ceil_mode or divisor_override, applied to the spikes; or None.
     """
 
     # The neuron starts from its reset state on every call (read by
@@ -108,6 +121,7 @@ class FusedBlock(nn.Module):
         node: BaseNode,
         process_group: dist.ProcessGroup | None = None,
         memory: str = "default",
+        pool: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if memory not in MEMORY_MODES:
@@ -156,9 +170,16 @@ class FusedBlock(nn.Module):
             raise SpikefuseError(
                 "FusedBlock: store_v_seq=True needs V, which fused blocks never keep"
             )
+        if pool is not None:
+            problem = pool_fold_problem(pool, kind)
+            if problem is not None:
+                raise SpikefuseError(f"FusedBlock: the pooling cannot be folded in: {problem}")
         assert isinstance(synapse, (nn.Linear, _ConvNd))  # what _synapse_kind accepts
         self.synapse: nn.Linear | _ConvNd = synapse
         self.bn, self.node = bn, node
+        self.pool = cast("nn.AvgPool2d | None", pool)  # pool_fold_problem checked it
+        # k of the block's k x k average pooling (1: none)
+        self._window = 1 if pool is None else _pair(pool.kernel_size)[0]
         self._kind = kind
         self.process_group = process_group
         self.memory = memory
@@ -237,7 +258,7 @@ class FusedBlock(nn.Module):
             self,
             *self.synapse.parameters(),
         )
-        return mark_spikes(spikes)
+        return self._tagged(self._pooled(spikes, 1))
 
     def _bn_spec(self) -> BNSpec | None:
         """This call's BatchNorm side; counts the batch (call it only once the call can run)."""
@@ -275,15 +296,41 @@ class FusedBlock(nn.Module):
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
         grads = (y, weight, bias, learnable)
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
-        spikes = BNNeuronFunction.apply(y, weight, bias, learnable, stats, bn, neuron, save)
+        # the kernels' pooling window: the block's, where they can pool themselves
+        folds = self.pool is not None and kernels_pool(y, stats, neuron, self._window)
+        pool = self._window if folds else 1
+        out = BNNeuronFunction.apply(y, weight, bias, learnable, stats, bn, neuron, save, pool)
         if not save:
-            return mark_spikes(spikes)
+            return self._tagged(self._pooled(out, pool))
         y, learnable = y.detach(), None if learnable is None else learnable.detach()
-        return mark_spikes(
-            mark_recomputable(
-                spikes, lambda: bn_neuron_forward(y, stats, neuron, learnable, False)[0]
-            )
-        )
+
+        def recipe() -> Tensor:  # the kernels' output, recomputed
+            return bn_neuron_forward(y, stats, neuron, learnable, False, pool)[0]
+
+        return self._tagged(self._pooled(mark_recomputable(out, recipe), pool, recipe))
+
+    def _pooled(self, out: Tensor, kernel_pool: int, recipe: Recipe | None = None) -> Tensor:
+        """The block's output from the neuron's: ``out`` as it is, or where the block pools and
+        the kernels did not (``kernel_pool`` 1), the pooling of the full spikes with torch ops,
+        tagged with the pooling of ``recipe`` (out's recipe) when given."""
+        if self.pool is None or kernel_pool > 1:
+            return out
+        pooled = self._pool_merged(out.flatten(0, 1))
+        if recipe is not None:  # views of the merged map (this unflatten, a flatten) read its tag
+            mark_recomputable(pooled, lambda: self._pool_merged(recipe().flatten(0, 1)))
+        return pooled.unflatten(0, out.shape[:2])
+
+    def _pool_merged(self, merged: Tensor) -> Tensor:
+        """The block's pooling of full spikes [T*B, C, H, W] with torch ops."""
+        assert self.pool is not None  # called for pooling blocks only
+        if torch.compiler.is_compiling():  # the compiler generates its own kernels
+            return nn.AvgPool2d.forward(self.pool, merged)
+        return WindowAvgPool.apply(merged, self._window, self._window)
+
+    def _tagged(self, out: Tensor) -> Tensor:
+        """The output, tagged as binary spikes unless it is a pooled map (memory="min" packs a
+        next block's binary input at 1 bit per element)."""
+        return mark_spikes(out) if self.pool is None else out
 
     def _traced_forward(self, x: Tensor) -> Tensor:
         """What ``torch.compile`` traces: the synapse, the eager block's statistics (and
@@ -303,7 +350,9 @@ class FusedBlock(nn.Module):
         y = y.unflatten(0, x.shape[:2])
         neuron, learnable, bn, stats = self._prepare(y)
         if bn is not None and stats is not None:  # the eager block's functions, as ops
-            return traced_bn_neuron(y, stats, bn, neuron, learnable)
+            # (a pooling block pools the full spikes with torch ops: whether the kernels could
+            # pool depends on the backend registry, which the compiler cannot trace)
+            return self._pooled(traced_bn_neuron(y, stats, bn, neuron, learnable), 1)
         spikes, _, _, _ = run_neuron(
             program=neuron.program,
             backend=neuron.backend,
@@ -315,7 +364,7 @@ class FusedBlock(nn.Module):
             init=[neuron.v_init, 0.0],  # every call starts from the reset state, as in eager
             store_v_seq=False,
         )
-        return spikes
+        return self._pooled(spikes, 1)
 
 
 def _channels_last(recipe: Recipe) -> Recipe:
@@ -362,6 +411,23 @@ def _windows(x: Tensor, kh: int, kw: int) -> Tensor:
     """[N, C, H, W] → the view [N, C, H/kh, kh, W/kw, kw] of its whole windows."""
     ho, wo = x.shape[2] // kh, x.shape[3] // kw
     return x[:, :, : ho * kh, : wo * kw].unflatten(3, (wo, kw)).unflatten(2, (ho, kh))
+
+
+def pool_fold_problem(pool: nn.Module, synapse_kind: type[nn.Module]) -> str | None:
+    """Why ``pool`` cannot be folded into a fused block of ``synapse_kind``, or None."""
+    if synapse_kind is not nn.Conv2d:
+        return f"only Conv2d blocks pool, not {synapse_kind.__name__} blocks"
+    if type(pool) not in _EXACT[nn.AvgPool2d]:
+        return f"{type(pool).__name__} is not an AvgPool2d; only average pooling folds"
+    window = _window_size(pool)
+    if window is None:
+        return "its kernel differs from its stride, or it pads, uses ceil_mode or divisor_override"
+    if window[0] != window[1] or window[0] not in FOLDED_WINDOWS:
+        return (
+            f"its windows are {window[0]}x{window[1]}; only 2x2 windows fold (their mean is "
+            "exact in every dtype)"
+        )
+    return None
 
 
 def _window_size(pool: nn.Module) -> tuple[int, int] | None:

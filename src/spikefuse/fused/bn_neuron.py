@@ -27,6 +27,10 @@ three functions: :func:`bn_neuron_forward` (affine + neuron forward), :func:`bn_
 channel-affine kernel, which computes scale, shift and the coefficients per thread from the
 per-channel vectors (so a block costs no small per-channel torch ops beyond the statistics);
 with the torch backend they are composed from the reference neuron and torch ops.
+
+Pooled blocks (``pool`` = k > 1, see :func:`kernels_pool`): the kernels also average the spikes
+over k x k windows, so forward returns the pooled map and backward takes its gradient, giving
+each neuron of a window dL/dS = dL/d(pooled) / k² (the average pooling's backward).
 """
 
 from __future__ import annotations
@@ -56,16 +60,36 @@ def _neuron_input(y: Tensor, stats: BNStats | None) -> Tensor:
     return torch.addcmul(_per_channel(stats.shift(scale), nd), y.to(cd), _per_channel(scale, nd))
 
 
+def kernels_pool(y: Tensor, stats: BNStats | None, neuron: NeuronCall, pool: int) -> bool:
+    """Whether the BN-folded kernels average y's spikes over ``pool`` x ``pool`` windows
+    themselves: a backend with them (cuda), BatchNorm, and a map they take (channels-last, H and
+    W multiples of ``pool``; see the backend's ``can_pool``)."""
+    affine = neuron.affine
+    return stats is not None and affine is not None and affine.can_pool(y, pool)
+
+
+def _check_pool(y: Tensor, stats: BNStats | None, neuron: NeuronCall, pool: int) -> None:
+    if pool > 1 and not kernels_pool(y, stats, neuron, pool):
+        raise ValueError(
+            f"spikefuse: the {neuron.backend} kernels cannot pool this block's spikes over "
+            f"{pool} x {pool} windows (BatchNorm: {stats is not None}, map {tuple(y.shape)}); "
+            "pool the full spikes instead"
+        )
+
+
 def bn_neuron_forward(
     y: Tensor,
     stats: BNStats | None,
     neuron: NeuronCall,
     learnable: Tensor | None,
     save: bool,
+    pool: int = 1,
 ) -> tuple[Tensor, Kept]:
     """Spikes [T, B, C, *] in y's dtype (and layout, with the cuda backend) from the synapse
     output y (no BN when stats is None), and the neuron state backward may reuse (see
-    :meth:`NeuronCall.forward`)."""
+    :meth:`NeuronCall.forward`). ``pool`` = k > 1 (where :func:`kernels_pool`): the spikes
+    averaged over k x k windows [T, B, C, H/k, W/k] instead."""
+    _check_pool(y, stats, neuron, pool)
     affine = neuron.affine
     if stats is not None and affine is not None:
         spikes, checkpoints = affine.affine_fptt(
@@ -79,6 +103,7 @@ def bn_neuron_forward(
             constants=neuron.constants,
             v_init=neuron.v_init,
             save_for_backward=save,
+            pool=pool,
         )
         return spikes, ((checkpoints,) if save else None)
     spikes, saved = neuron.forward(_neuron_input(y, stats), learnable, save)
@@ -92,6 +117,7 @@ def bn_neuron_backward(
     learnable: Tensor | None,
     grad_spikes: Tensor,
     saved: Kept,
+    pool: int = 1,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward pass 1 (the paper's Alg. 2): recompute the neuron from y, BPTT, per-channel sums.
 
@@ -99,12 +125,13 @@ def bn_neuron_backward(
     g (y - mean) (None without BN), the gradient of the neuron's learnable parameters [P] and,
     optionally, g = dL/dx [T, B, C, *] in the compute dtype for pass 2 to reuse. The cuda
     backend returns g = None (pass 2 recomputes it: no [T, N] buffer is written); without BN
-    g is always given.
+    g is always given. ``pool``: the forward's (grad_spikes is then the pooled map's gradient).
     """
+    _check_pool(y, stats, neuron, pool)
     affine = neuron.affine
     if stats is not None and affine is not None:
         _, sums, grad_learnable = _affine_backward(
-            affine, neuron, y, grad_spikes, saved, learnable, stats, grad_y=False
+            affine, neuron, y, grad_spikes, saved, learnable, stats, grad_y=False, pool=pool
         )
         return None, sums, grad_learnable
     x = _neuron_input(y, stats)
@@ -127,6 +154,7 @@ def _affine_backward(
     grad_y: bool,
     totals: Tensor | None = None,
     inv_count: float = 0.0,
+    pool: int = 1,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """One of the BN-folded kernel's two backward passes: pass 1 (``grad_y=False``) returns
     (None, per-channel sums [2, C], dL/dlearnable), pass 2 (dL/dy, None, None)."""
@@ -146,6 +174,7 @@ def _affine_backward(
         totals=totals,
         inv_count=inv_count,
         grad_y=grad_y,
+        pool=pool,
     )
 
 
@@ -159,18 +188,19 @@ def bn_input_grad(
     learnable: Tensor | None,
     grad_spikes: Tensor,
     saved: Kept,
+    pool: int = 1,
 ) -> Tensor:
     """Backward pass 2 (the paper's Alg. 3): dL/dy in y's dtype.
 
     dL/dy = g * scale[c], plus with batch statistics (``totals``: pass 1's sums over all
     processes, times ``inv_count`` their means) the terms coef_y[c] y + coef_0[c] of the
     module docstring. Uses pass 1's g when given, overwriting it (so float32 needs no new
-    buffer), else recomputes g from y.
+    buffer), else recomputes g from y. ``pool``: the forward's.
     """
     affine = neuron.affine
     if affine is not None:
         grad_y, _, _ = _affine_backward(
-            affine, neuron, y, grad_spikes, saved, learnable, stats, True, totals, inv_count
+            affine, neuron, y, grad_spikes, saved, learnable, stats, True, totals, inv_count, pool
         )
         assert grad_y is not None  # pass 2 writes dL/dy
         return grad_y
@@ -196,14 +226,17 @@ def bn_neuron_grads(
     grad_spikes: Tensor,
     saved: Kept,
     needs: tuple[bool, bool, bool],
+    pool: int = 1,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """The whole backward of spikes = neuron(BN(y)): ``(dL/dy, dL/dgamma, dL/dbeta,
     dL/dlearnable)``, the last three None unless ``needs`` (gamma, beta, learnable) asks.
 
     Pass 1 (:func:`bn_neuron_backward`), the per-channel sums (all-reduced when distributed),
     pass 2 (:func:`bn_input_grad`); ``saved`` is what the forward kept (see
-    :meth:`NeuronCall.forward`)."""
-    g, sums, grad_learnable = bn_neuron_backward(y, stats, neuron, learnable, grad_spikes, saved)
+    :meth:`NeuronCall.forward`); ``pool``: the forward's (grad_spikes then of the pooled map)."""
+    g, sums, grad_learnable = bn_neuron_backward(
+        y, stats, neuron, learnable, grad_spikes, saved, pool
+    )
     grad_learnable = grad_learnable if needs[2] else None
     if stats is None or bn is None or sums is None:  # no BN: pass 1 always gives g
         assert g is not None
@@ -218,7 +251,9 @@ def bn_neuron_grads(
         if isinstance(count, Tensor):  # the count over all processes stays on the device
             totals, count = totals / count, 1
         inv_count = 1.0 / count
-    grad_y = bn_input_grad(g, y, stats, totals, inv_count, neuron, learnable, grad_spikes, saved)
+    grad_y = bn_input_grad(
+        g, y, stats, totals, inv_count, neuron, learnable, grad_spikes, saved, pool
+    )
     return grad_y, grad_weight, grad_bias, grad_learnable
 
 
@@ -275,10 +310,11 @@ def bn_param_grads(
 class BNNeuronFunction(torch.autograd.Function):
     """spikes = neuron(BN(y)); saves y and per-channel vectors only (see the module docstring).
 
-    ``apply(y, weight, bias, learnable, stats, bn, neuron, save)``: ``stats`` from
+    ``apply(y, weight, bias, learnable, stats, bn, neuron, save, pool)``: ``stats`` from
     :func:`~spikefuse.fused.statistics.bn_statistics` (None: no BN); ``weight``/``bias`` are
     BN's gamma/beta (or None), inputs so that autograd tracks them (``stats`` already holds
-    their values); ``save`` whether a backward will follow (keep the neuron's checkpoints).
+    their values); ``save`` whether a backward will follow (keep the neuron's checkpoints);
+    ``pool`` = k > 1 (where :func:`kernels_pool`): return the spikes averaged over k x k windows.
     """
 
     @staticmethod
@@ -292,8 +328,9 @@ class BNNeuronFunction(torch.autograd.Function):
         bn: BNSpec | None,
         neuron: NeuronCall,
         save: bool = True,
+        pool: int = 1,
     ) -> Tensor:
-        spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, save)
+        spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, save, pool)
         save_bn_context(
             ctx,
             y,
@@ -305,14 +342,16 @@ class BNNeuronFunction(torch.autograd.Function):
             neuron=neuron,
             bn=bn,
         )
+        ctx.pool = pool
         return spikes
 
     @staticmethod
     def backward(ctx: Any, grad_spikes: Tensor) -> tuple[Tensor | None, ...]:
         forbid_double_backward("a fused block (BNNeuronFunction)")
         y, learnable, stats, saved = load_bn_context(ctx)
+        needs = ctx.needs_input_grad[1:4]
         grad_y, grad_weight, grad_bias, grad_learnable = bn_neuron_grads(
-            y, stats, ctx.bn, ctx.neuron, learnable, grad_spikes, saved, ctx.needs_input_grad[1:4]
+            y, stats, ctx.bn, ctx.neuron, learnable, grad_spikes, saved, needs, ctx.pool
         )
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
-        return grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None
+        return grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None, None

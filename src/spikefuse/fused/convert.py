@@ -12,7 +12,9 @@ the containers or custom ``forward`` methods, and replaces each by a :class:`Fus
    classes. The synapse's attribute becomes the FusedBlock (which holds the original synapse,
    BatchNorm and neuron), the BatchNorm's and neuron's attributes become :class:`FusedAway`
    (an ``nn.Identity``); the forward still calls all three, which together compute what the
-   chain did.
+   chain did. A 2 x 2 average pooling that is the sole user of a Conv2d chain's spikes is folded
+   into the block too (its attribute becomes :class:`FusedAway`; the report says which pools
+   were folded and why others were not).
 3. Where tracing fails (data-dependent control flow, ...), each child is tried on its own and
    an ``nn.Sequential``'s children are searched in order (its forward is known).
 4. State dict hooks on the module holding each chain save the chain's parameters and buffers
@@ -26,8 +28,8 @@ import copy
 import inspect
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeGuard, overload
 
 import torch.distributed as dist
@@ -46,6 +48,7 @@ from .blocks import (
     FusedBlock,
     SpikePool,
     _synapse_kind,
+    pool_fold_problem,
 )
 
 log = logging.getLogger("spikefuse.fuse")
@@ -58,10 +61,12 @@ class FusedChain:
     """A chain replaced by a FusedBlock.
 
     ``modules``: the original modules' names (synapse, [BatchNorm], neuron); ``block``: where
-    the FusedBlock is (the synapse's name; the others are now :class:`FusedAway`)."""
+    the FusedBlock is (the synapse's name; the others are now :class:`FusedAway`); ``pool``:
+    the average pooling folded into the block (also a :class:`FusedAway` now), or None."""
 
     block: str
     modules: tuple[str, ...]
+    pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,13 +89,16 @@ class FuseReport:
     """What :func:`fuse` did. ``str(report)`` is a readable summary.
 
     ``fused``: the chains now fused; ``skipped``: every other Conv/Linear call, with the reason;
-    ``pools``: pooling layers now :class:`SpikePool`; ``traced``: modules whose forward was
-    traced with torch.fx; ``untraced``: modules whose forward could not be traced (name → error),
-    searched as a module tree instead."""
+    ``pools``: pooling layers now :class:`SpikePool`; ``unfolded_pools``: pooling layers right
+    after a fused chain that were not folded into its block (name → why); ``traced``: modules
+    whose forward was traced with torch.fx; ``untraced``: modules whose forward could not be
+    traced (name → error), searched as a module tree instead. The folded pools:
+    :attr:`folded_pools`."""
 
     fused: list[FusedChain] = field(default_factory=list)
     skipped: list[SkippedCandidate] = field(default_factory=list)
     pools: list[str] = field(default_factory=list)
+    unfolded_pools: dict[str, str] = field(default_factory=dict)
     traced: list[str] = field(default_factory=list)
     untraced: dict[str, str] = field(default_factory=dict)
 
@@ -98,6 +106,11 @@ class FuseReport:
     def chains(self) -> int:
         """The number of chains found, fused or not (unknown data flow counts as a chain)."""
         return len(self.fused) + sum(s.is_chain is not False for s in self.skipped)
+
+    @property
+    def folded_pools(self) -> list[str]:
+        """The pooling layers folded into fused blocks, in call order."""
+        return [c.pool for c in self.fused if c.pool is not None]
 
     @property
     def fused_fraction(self) -> float:
@@ -109,10 +122,15 @@ class FuseReport:
             f"fuse: fused {len(self.fused)} of {self.chains} Conv/Linear -> BatchNorm -> neuron "
             f"chains ({100 * self.fused_fraction:.0f}%)"
         ]
-        lines += [f"  fused: {' -> '.join(c.modules)}" for c in self.fused]
+        lines += [
+            f"  fused: {' -> '.join(c.modules)}"
+            + (f", pooling {c.pool} folded in" if c.pool is not None else "")
+            for c in self.fused
+        ]
         lines += [f"  not fused: {' -> '.join(s.modules)}: {s.reason}" for s in self.skipped]
         if self.pools:
             lines.append(f"  pooling as SpikePool: {', '.join(self.pools)}")
+        lines += [f"  pooling not folded: {n}: {why}" for n, why in self.unfolded_pools.items()]
         if self.traced:
             lines.append(f"  traced with torch.fx: {', '.join(self.traced)}")
         lines += [
@@ -242,6 +260,7 @@ class _Chain:
     synapse: str  # call targets, relative to the traced module
     bn: str | None  # a separate BatchNorm call (None: none, or inside the synapse's container)
     node: str
+    pool: str | None = None  # an average pooling folded in
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -253,6 +272,7 @@ class _Findings:
     chains: dict[str, _Chain] = field(default_factory=dict)  # by synapse name
     skipped: dict[str, SkippedCandidate] = field(default_factory=dict)
     pools: dict[str, None] = field(default_factory=dict)  # an ordered set, in call order
+    unfolded_pools: dict[str, str] = field(default_factory=dict)  # after a chain: name -> why
 
 
 def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
@@ -332,20 +352,57 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
             found.skipped[call.target] = SkippedCandidate(names, reason, True)
             continue
         bn_name = None if bn_call is None else str(bn_call.target)
-        found.chains[call.target] = _Chain(call.target, bn_name, str(nxt.target))
+        pool = _folded_pool(nxt, synapse_bn, modules, shared, found, full)
+        found.chains[call.target] = _Chain(call.target, bn_name, str(nxt.target), pool)
     return found
+
+
+def _folded_pool(
+    node_call: fx.Node,
+    synapse_bn: tuple[nn.Module, _BatchNorm | None] | None,
+    modules: dict[str, nn.Module],
+    shared: Callable[[str], str | None],
+    found: _Findings,
+    full: Callable[[str], str],
+) -> str | None:
+    """The pooling call to fold into a chain whose neuron call is ``node_call``: the sole user
+    of its output, if it can be folded (else its reason is recorded in ``found``)."""
+    user = _sole_user(node_call)
+    pool = None if user is None else _as_pool(modules[str(user.target)])
+    if user is None or pool is None:
+        return None
+    assert synapse_bn is not None  # a chain's synapse
+    kind = _synapse_kind(synapse_bn[0])
+    assert kind is not None
+    target = str(user.target)
+    problem = pool_fold_problem(pool, kind) or shared(target)
+    if problem is not None:
+        found.unfolded_pools[full(target)] = problem
+        return None
+    return target
 
 
 def _merge(findings: list[tuple[str, _Findings]], path: str) -> _Findings:
     """Fuse only what every traced variant agrees on (training and eval mode, and the root's
     optional arguments given or left at their defaults): the patch must hold for each."""
     merged = _Findings(pools=dict.fromkeys(p for _, f in findings for p in f.pools))
+    for _, f in findings:
+        merged.unfolded_pools = f.unfolded_pools | merged.unfolded_pools
     names = dict.fromkeys(n for _, f in findings for n in (*f.chains, *f.skipped))
     for name in names:
         chains = [(label, f.chains.get(name)) for label, f in findings]
         first = chains[0][1]
         if first is not None and all(chain == first for _, chain in chains):
             merged.chains[name] = first
+            continue
+        unpooled = {None if c is None else replace(c, pool=None) for _, c in chains}
+        if first is not None and len(unpooled) == 1:  # they disagree about the pooling only
+            merged.chains[name] = replace(first, pool=None)
+            for label, chain in chains:
+                if chain is not None and chain.pool is not None:
+                    merged.unfolded_pools[_join(path, chain.pool)] = (
+                        f"the forward uses it differently in {label} and in other variants"
+                    )
             continue
         if all(chain is None for _, chain in chains):
             merged.skipped[name] = next(f.skipped[name] for _, f in findings if name in f.skipped)
@@ -478,14 +535,16 @@ class FusedAttributeError(SpikefuseError, AttributeError):
 
 
 class FusedAway(nn.Identity):
-    """What stands at a fused BatchNorm's or neuron's place: passes its input through (the
-    FusedBlock at the synapse's place did the work) and, when the model reads an attribute of
-    the module that was here (e.g. a neuron's ``.v``), raises :class:`FusedAttributeError`
-    naming that module and the block (an AttributeError: ``hasattr`` stays False)."""
+    """What stands at a fused BatchNorm's, neuron's or folded pooling's place: passes its input
+    through (the FusedBlock at the synapse's place did the work) and, when the model reads an
+    attribute of the module that was here (e.g. a neuron's ``.v``), raises
+    :class:`FusedAttributeError` naming that module and the block (an AttributeError:
+    ``hasattr`` stays False). ``role``: ``"bn"``, ``"node"`` or ``"pool"``, the block's
+    attribute that now holds the module."""
 
-    def __init__(self, name: str, block: str, is_neuron: bool) -> None:
+    def __init__(self, name: str, block: str, role: str) -> None:
         super().__init__()
-        self.fused_name, self.block, self.is_neuron = name, block, is_neuron
+        self.fused_name, self.block, self.role = name, block, role
 
     def __getattr__(self, attribute: str) -> Any:
         try:
@@ -494,15 +553,16 @@ class FusedAway(nn.Identity):
             if attribute.startswith("_"):  # Python's and torch's own probes
                 raise
         where = f"'{self.fused_name}' was fused into the FusedBlock at '{self.block}' (fuse())"
-        if self.is_neuron:
+        if self.role == "node":
             raise FusedAttributeError(
                 f"{where}, which runs the neuron from its reset state on every call and keeps no "
                 f"neuron state: fused blocks do not expose per-step potentials, so "
                 f"'{self.fused_name}.{attribute}' does not exist; read it from the unfused model"
             )
+        what = "BatchNorm" if self.role == "bn" else "pooling"
         raise FusedAttributeError(
-            f"{where}: '{self.fused_name}.{attribute}' does not exist; the BatchNorm is "
-            f"'{self.block}.bn'"
+            f"{where}: '{self.fused_name}.{attribute}' does not exist; the {what} is "
+            f"'{self.block}.{self.role}'"
         )
 
 
@@ -531,11 +591,13 @@ def _replace(
     node = root.get_submodule(chain.node)
     assert isinstance(node, BaseNode)  # _examine found it
     originals["node"] = chain.node
-    _set_submodule(root, chain.synapse, FusedBlock(synapse, bn, node, process_group, memory))
+    pool = None if chain.pool is None else _as_pool(root.get_submodule(chain.pool))
+    fused = FusedBlock(synapse, bn, node, process_group, memory, pool)
+    _set_submodule(root, chain.synapse, fused)
     block = _join(path, chain.synapse)
-    for name in chain.names[1:]:
-        away = FusedAway(_join(path, name), block, is_neuron=name == chain.node)
-        _set_submodule(root, name, away)
+    roles = {chain.node: "node", chain.pool: "pool"}
+    for name in (*chain.names[1:], *([chain.pool] if chain.pool is not None else [])):
+        _set_submodule(root, name, FusedAway(_join(path, name), block, roles.get(name, "bn")))
     parents = [_parent(name) for name in chain.names]
     common = []
     for parts in zip(*parents, strict=False):
@@ -563,8 +625,10 @@ def _display(name: str) -> str:
 
 
 class _Fuser:
-    def __init__(self, process_group: dist.ProcessGroup | None, memory: str) -> None:
-        self.process_group, self.memory = process_group, memory
+    def __init__(
+        self, process_group: dist.ProcessGroup | None, memory: str, fold_pools: bool
+    ) -> None:
+        self.process_group, self.memory, self.fold_pools = process_group, memory, fold_pools
         self.report = FuseReport()
 
     def convert(self, module: nn.Module, path: str) -> None:
@@ -586,6 +650,9 @@ class _Fuser:
             self.report.traced.append(_display(path))
         findings = [(label, _examine(graph, module, path)) for label, graph in graphs]
         merged = _merge(findings, path)
+        if not self.fold_pools:  # every pooling stays a layer of its own (a SpikePool)
+            merged.chains = {n: replace(c, pool=None) for n, c in merged.chains.items()}
+            merged.unfolded_pools = {}
         self._apply(module, path, merged)
 
     def _unknown_children(self, module: nn.Module, path: str) -> None:
@@ -595,7 +662,10 @@ class _Fuser:
                 self.report.skipped.append(SkippedCandidate((_join(path, name),), reason, None))
 
     def _apply(self, root: nn.Module, path: str, findings: _Findings) -> None:
+        folded = {c.pool for c in findings.chains.values()}
         for name in findings.pools:
+            if name in folded:
+                continue
             pool = _as_pool(root.get_submodule(name))
             assert pool is not None  # _examine found it
             _set_submodule(root, name, SpikePool(pool))
@@ -603,8 +673,10 @@ class _Fuser:
         for chain in findings.chains.values():
             _replace(root, path, chain, self.process_group, self.memory)
             names = tuple(_join(path, n) for n in chain.names)
-            self.report.fused.append(FusedChain(names[0], names))
+            folded_pool = None if chain.pool is None else _join(path, chain.pool)
+            self.report.fused.append(FusedChain(names[0], names, folded_pool))
         self.report.skipped.extend(findings.skipped.values())
+        self.report.unfolded_pools.update(findings.unfolded_pools)
 
 
 @overload
@@ -615,6 +687,7 @@ def fuse(
     *,
     return_report: Literal[False] = ...,
     memory: str = ...,
+    fold_pools: bool = ...,
 ) -> nn.Module: ...
 
 
@@ -626,6 +699,7 @@ def fuse(
     *,
     return_report: Literal[True],
     memory: str = ...,
+    fold_pools: bool = ...,
 ) -> tuple[nn.Module, FuseReport]: ...
 
 
@@ -636,6 +710,7 @@ def fuse(
     *,
     return_report: bool = False,
     memory: str = "default",
+    fold_pools: bool = True,
 ) -> nn.Module | tuple[nn.Module, FuseReport]:
     """Replace every multi-step ``synapse → [BN] → neuron`` chain of ``model`` by a FusedBlock.
 
@@ -654,8 +729,13 @@ def fuse(
     registered under one name, not be read as an attribute by the forward
     (``self.conv1.weight``) and have no forward hooks. Everything else (residual additions,
     SEW connect functions, Conv → BN downsample branches, Dropout between layers, ...) stays as
-    it is. Multi-step ``AvgPool2d``/``MaxPool2d`` layers become :class:`SpikePool` (same result;
-    on fused-block spikes they save their input at 1 bit per spike). Where a forward cannot be
+    it is. A multi-step 2 x 2 ``AvgPool2d`` (kernel = stride, no padding, ceil_mode or
+    divisor_override) called once, right after a Conv2d chain's neuron as the sole user of its
+    spikes, is folded into the block (``fold_pools``; the block's output is then the pooled map,
+    which the cuda kernels compute without writing the full spikes); the report names the
+    folded pools and says why a pooling after a chain was not folded. Other multi-step
+    ``AvgPool2d``/``MaxPool2d`` layers become :class:`SpikePool` (same result; on fused-block
+    spikes they save their input at 1 bit per spike). Where a forward cannot be
     traced, its children are converted one by one and ``nn.Sequential`` children are searched
     in order; the report names those modules.
 
@@ -672,14 +752,17 @@ def fuse(
     ``process_group``: what the fused BatchNorms synchronise over (None: the default group).
     ``memory``: ``"default"`` (blocks keep their Conv/Linear output, as in the DATE'22 paper) or
     ``"min"`` (blocks keep only their input, 1-bit packed when it is spikes, and recompute the
-    Conv/Linear in backward; see :class:`FusedBlock`). Returns the converted model (a deep copy unless ``inplace``), and with ``return_report`` also
-    a :class:`FuseReport`; the report is logged (logger ``spikefuse.fuse``: INFO, WARNING when
-    a chain was left unfused). The model computes the same function, but each forward call is
+    Conv/Linear in backward; see :class:`FusedBlock`). ``fold_pools``: fold pooling layers into
+    the blocks as above (False: they all become :class:`SpikePool`). Returns the converted model
+    (a deep copy unless ``inplace``), and with ``return_report`` also a :class:`FuseReport`;
+    the report is logged (logger ``spikefuse.fuse``: INFO, WARNING when a chain was left
+    unfused). The model computes the same function, but each forward call is
     an independent sequence (fused neurons start from their reset state).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse: model must be a torch.nn.Module, got {type(model).__name__}")
-    for name, flag in (("inplace", inplace), ("return_report", return_report)):
+    flags = (("inplace", inplace), ("return_report", return_report), ("fold_pools", fold_pools))
+    for name, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(f"fuse: {name} must be a bool, got {type(flag).__name__}")
     group_type = getattr(dist, "ProcessGroup", None)  # absent where torch lacks distributed
@@ -694,7 +777,7 @@ def fuse(
         raise SpikefuseError(f"fuse: memory must be one of {MEMORY_MODES}, got {memory!r}")
     if not inplace:
         model = copy.deepcopy(model)
-    fuser = _Fuser(process_group, memory)
+    fuser = _Fuser(process_group, memory, fold_pools)
     fuser.convert(model, "")
     report = fuser.report
     log.info("%s", report)

@@ -275,6 +275,8 @@ def _leaves(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
         if module.bn is not None:
             yield f"{prefix}.bn", module.bn
         yield f"{prefix}.node", module.node
+        if module.pool is not None:  # pooling folded into the block: after the neuron
+            yield f"{prefix}.pool", module.pool
     elif isinstance(module, SpikePool):
         yield prefix, module.pool
     elif not isinstance(module, nn.Identity):  # incl. what fuse() leaves at fused modules
