@@ -171,7 +171,7 @@ def test_medium_net_folded_matches_unfolded_and_unfused(autocast, no_tf32, recor
     worst = max(errors, key=errors.get)
     record_property("worst_folded_vs_unfolded", errors[worst])
     # bf16: a gradient may round to the neighbouring bf16 value (TOLERANCE's gradient bound);
-    # fp32: BatchNorm's per-channel sums over up to 40960 values each, added per window
+    # fp32: BatchNorm's per-channel sums (16384 values each here), added per window
     # (folded) or per 8-row tile (unfolded): orders whose float32 results differ by ~1e-5 of
     # a gradient's scale (1.1e-5 seen on an H100)
     bound = TOLERANCE[torch.bfloat16][1] if autocast else 5e-5
