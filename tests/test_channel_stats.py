@@ -100,6 +100,15 @@ def test_small_maps_keep_torch_batch_norm_stats(routes, monkeypatch):
     assert routes.pop()[0] == "kernel"
 
 
+def test_torch_compile_traces_torch_batch_norm_stats(routes, monkeypatch):
+    """Review: a compiled fused model on large maps reached the kernel's CuPy launch while
+    dynamo traced (graph breaks, 2x slower steps); while compiling, the statistics are torch's
+    op (which the compiler traces; it has no CPU kernel, so this checks the route only)."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    statistics.batch_mean_invstd(channels_last_y(2, 3, 5, 4, 4), 1e-3)
+    assert routes.pop()[0] == "torch"
+
+
 def test_other_layouts_keep_torch_batch_norm_stats(routes):
     conv1d = torch.randn(2, 3, 4, 5)
     statistics.batch_mean_invstd(conv1d, 1e-5)

@@ -246,7 +246,7 @@ def build(variant: str, model: str, device: torch.device) -> nn.Module:
     """The variant's model (``+graph`` is applied to its training step, not here)."""
     backend = "cuda" if device.type == "cuda" else "torch"
     base, _, mode = variant.partition("+")
-    if base == "vanilla":
+    if base in ("vanilla", "vanilla-compile"):
         net = zoo_model(model, None) if model in ZOO else vanilla_model(model)
         return compiled(net) if variant == "vanilla-compile" else net
     if base not in ("spikefuse", "fused", "fused-min"):

@@ -109,14 +109,17 @@ def batch_mean_invstd(y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     least one value per channel, as ``torch.batch_norm_stats`` computes them.
 
     Where channels are innermost (:func:`rows_by_channel`), y is large (``_KERNEL_MIN_ELEMENTS``)
-    and the cuda backend can run y, the backend's kernel (:mod:`spikefuse.cuda.channel_stats`) streams y at memory bandwidth, where
-    torch's Welford kernel reaches a fraction of it (0.56 TB/s in bfloat16 on an H100). Every
-    other layout, dtype, or a missing CuPy keeps ``torch.batch_norm_stats`` (Welford in float32,
-    any layout) on the [T*B, C, *] view.
+    and the cuda backend can run y, the backend's kernel (:mod:`spikefuse.cuda.channel_stats`)
+    streams y at memory bandwidth, where torch's Welford kernel reaches a fraction of it (0.56
+    TB/s in bfloat16 on an H100). Every other layout, dtype, a missing CuPy, or ``torch.compile``
+    tracing keeps ``torch.batch_norm_stats`` (Welford in float32, any layout) on the [T*B, C, *]
+    view.
     """
     rows = rows_by_channel(y)
     large = y.numel() >= _KERNEL_MIN_ELEMENTS
-    if large and rows is not None and unavailable_reason("cuda", y) is None:
+    # torch.compile traces torch's op: the kernel's launch (CuPy) is opaque to the compiler
+    traced = torch.compiler.is_compiling()
+    if large and not traced and rows is not None and unavailable_reason("cuda", y) is None:
         return _channel_stats()(rows, eps)
     return torch.batch_norm_stats(y.flatten(0, 1), eps)
 
