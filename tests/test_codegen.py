@@ -88,7 +88,7 @@ def test_every_variant_compiles_with_nvcc(tmp_path):
         unoptimised = ["-Xcicc", "-O0", "-Xptxas", "-O0"]
         output = str(tmp_path / f"{arch}.o")
         cmd = [NVCC, "-c", *NVRTC_OPTIONS, *unoptimised, f"-arch=sm_{arch}", "-o", output]
-        return subprocess.run([*cmd, str(source)], capture_output=True, text=True, timeout=900)
+        return subprocess.run([*cmd, str(source)], capture_output=True, text=True, timeout=1800)
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(compile_for, ("80", "90")))

@@ -86,6 +86,8 @@ def training_step(model: nn.Module, x: torch.Tensor):
 
 
 def assert_equivalent(ref: nn.Module, fused: nn.Module, x: torch.Tensor) -> None:
+    """Output, input and parameter gradients (by the unfused state_dict keys) and running
+    statistics, in training and in eval mode."""
     for training in (True, False):
         ref.train(training)
         fused.train(training)

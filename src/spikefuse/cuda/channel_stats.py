@@ -119,13 +119,9 @@ class StatsKernels:
     def source(self) -> str:
         """The prelude (storage type, VEC, kernel names), then ``channel_stats.cuh``."""
         storage = _STORAGE[self.dtype]
-        lines = [f"// spikefuse channel statistics: {storage.ctype} storage, VEC = {self.vec}"]
-        if storage.include:
-            lines.append(f"#include <{storage.include}>")
-        lines += [
-            f"typedef {storage.ctype} scalar_t;",
-            "__device__ __forceinline__ float to_float(const scalar_t x) "
-            f"{{ return {storage.to_float}; }}",
+        lines = [
+            f"// spikefuse channel statistics: {storage.ctype} storage, VEC = {self.vec}",
+            *storage.declarations(),
             f"constexpr int VEC = {self.vec};  // channels per thread",
             f"#define PARTIAL_KERNEL {self.partial_name}",
             f"#define MERGE_KERNEL {self.merge_name}",

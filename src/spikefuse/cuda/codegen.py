@@ -97,6 +97,18 @@ class Storage:
     to_float: str
     from_float: str
 
+    def declarations(self) -> list[str]:
+        """The prelude lines that define ``scalar_t``, ``to_float`` and ``from_float``."""
+        lines = [f"#include <{self.include}>"] if self.include else []
+        return [
+            *lines,
+            f"typedef {self.ctype} scalar_t;",
+            "__device__ __forceinline__ float to_float(const scalar_t x) "
+            f"{{ return {self.to_float}; }}",
+            "__device__ __forceinline__ scalar_t from_float(const float x) "
+            f"{{ return {self.from_float}; }}",
+        ]
+
 
 _STORAGE = {
     torch.float32: Storage("float", "", "x", "x"),
@@ -432,14 +444,8 @@ class NeuronKernel:
             f"// detach_reset={self.detach_reset}, surrogate {type(self.surrogate).__name__}"
             f"({self.surrogate.extra_repr()})",
         ]
-        if storage.include:
-            lines.append(f"#include <{storage.include}>")
         lines += [
-            f"typedef {storage.ctype} scalar_t;",
-            "__device__ __forceinline__ float to_float(const scalar_t x) "
-            f"{{ return {storage.to_float}; }}",
-            "__device__ __forceinline__ scalar_t from_float(const float x) "
-            f"{{ return {storage.from_float}; }}",
+            *storage.declarations(),
             f"constexpr int VEC = {self.vec};  // neurons per thread",
             f"constexpr int BLOCK_THREADS = {BLOCK_THREADS};",
             "// Resident blocks per SM the register budget must allow (measured on an H200):",
