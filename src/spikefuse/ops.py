@@ -300,14 +300,28 @@ def _op_backward(
     return None, None, *input_grads, None, None, None, None
 
 
-for _name, _impl, _fake in (
-    ("neuron_fptt", neuron_fptt, _neuron_fptt_fake),
-    ("neuron_bptt", neuron_bptt, _neuron_bptt_fake),
-):
-    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"spikefuse::{_name}", _fake, lib=_LIB)
-torch.library.register_autograd(
-    "spikefuse::neuron_fptt", _op_backward, setup_context=_setup_op_context, lib=_LIB
+def register_op_pair(
+    lib: torch.library.Library,
+    forward: tuple[Callable[..., Any], Callable[..., Any]],
+    backward: tuple[Callable[..., Any], Callable[..., Any]],
+    autograd: tuple[Callable[..., Any], Callable[..., Any]],
+) -> None:
+    """Register a forward op and its backward op, both defined in ``lib`` and named like their
+    implementations: (implementation, fake) each, and the forward's autograd formula
+    (backward, setup_context)."""
+    for impl, fake in (forward, backward):
+        lib.impl(impl.__name__, impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"spikefuse::{impl.__name__}", fake, lib=lib)
+    formula, setup_context = autograd
+    op = f"spikefuse::{forward[0].__name__}"
+    torch.library.register_autograd(op, formula, setup_context=setup_context, lib=lib)
+
+
+register_op_pair(
+    _LIB,
+    (neuron_fptt, _neuron_fptt_fake),
+    (neuron_bptt, _neuron_bptt_fake),
+    (_op_backward, _setup_op_context),
 )
 
 

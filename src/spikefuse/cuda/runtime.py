@@ -81,8 +81,8 @@ def precompile(kernels: list[NeuronKernel], threads: int = 8) -> None:
         list(pool.map(lambda k: _module(k.full_codes).compile(), kernels))
 
 
-# (kernel, forward, device index) or (source, name, device index) -> (RawKernel, CUfunction)
-_functions: dict[tuple[Any, Any, int], tuple[Any, int]] = {}
+# (source, kernel name, device index) -> (RawKernel, CUfunction handle)
+_functions: dict[tuple[str, str, int], tuple[Any, int]] = {}
 _raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _OnePointer = ctypes.c_void_p * 1
 
@@ -98,51 +98,12 @@ def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def _load(key: tuple[Any, Any, int], source: str, name: str) -> tuple[Any, int]:
-    """Compile (cached) and load kernel ``name`` on device ``key[2]``; refused during capture."""
-    index = key[2]
-    if torch.cuda.is_current_stream_capturing():  # loading a module is not capturable
-        raise BackendUnavailableError(
-            f"spikefuse: kernel {name} is not loaded on cuda:{index} yet and cannot be compiled "
-            "during CUDA graph capture; run the captured step once eagerly first (the usual "
-            "warm-up before torch.cuda.graph)"
-        )
-    entry = _functions[key] = compiled_function(source, name, index)
-    return entry
-
-
-def _launch_handle(
-    handle: int,
-    index: int,
-    current: int,
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    args: bytes,
-) -> None:
-    """cuLaunchKernel of ``handle`` on device ``index``'s current stream with one packed
-    argument struct (``current``: the current device, switched to ``index`` if it differs)."""
-    buffer = ctypes.create_string_buffer(args, len(args))
-    params = _OnePointer(ctypes.addressof(buffer))  # kernelParams: one pointer, to the struct
-    call = (handle, *grid, *block, 0, _current_stream(index), ctypes.addressof(params), 0)
-    if current == index:
-        _driver_launch()(*call)
-    else:  # the function belongs to that device's context
-        with torch.cuda.device(index):
-            _driver_launch()(*call)
-
-
 def launch(
     kernel: NeuronKernel, forward: bool, device: torch.device, blocks: int, args: bytes
 ) -> None:
     """Launch one direction's kernel with its packed ``Args`` struct on the current stream."""
-    current = torch.cuda.current_device()
-    index = device.index if device.index is not None else current
-    key = (kernel, forward, index)
-    entry = _functions.get(key)
-    if entry is None:
-        name = kernel.fptt_name if forward else kernel.bptt_name
-        entry = _load(key, kernel.full_codes, name)
-    _launch_handle(entry[1], index, current, (blocks, 1, 1), (BLOCK_THREADS, 1, 1), args)
+    name = kernel.fptt_name if forward else kernel.bptt_name
+    launch_named(kernel.full_codes, name, device, (blocks, 1, 1), (BLOCK_THREADS, 1, 1), args)
 
 
 def launch_named(
@@ -154,14 +115,28 @@ def launch_named(
     args: bytes,
 ) -> None:
     """Launch kernel ``name`` of ``source`` (compiled and loaded once per device) with its packed
-    argument struct on the current stream, for hand-written kernels (:mod:`.channel_stats`)."""
+    argument struct on the current stream. The source string is the cache key: its hash is
+    computed once (kernels cache their ``full_codes``), so a lookup costs no re-hashing."""
     current = torch.cuda.current_device()
     index = device.index if device.index is not None else current
     key = (source, name, index)
     entry = _functions.get(key)
     if entry is None:
-        entry = _load(key, source, name)
-    _launch_handle(entry[1], index, current, grid, block, args)
+        if torch.cuda.is_current_stream_capturing():  # loading a module is not capturable
+            raise BackendUnavailableError(
+                f"spikefuse: kernel {name} is not loaded on cuda:{index} yet and cannot be "
+                "compiled during CUDA graph capture; run the captured step once eagerly first "
+                "(the usual warm-up before torch.cuda.graph)"
+            )
+        entry = _functions[key] = compiled_function(source, name, index)
+    buffer = ctypes.create_string_buffer(args, len(args))
+    params = _OnePointer(ctypes.addressof(buffer))  # kernelParams: one pointer, to the struct
+    call = (entry[1], *grid, *block, 0, _current_stream(index), ctypes.addressof(params), 0)
+    if current == index:
+        _driver_launch()(*call)
+    else:  # the function belongs to that device's context
+        with torch.cuda.device(index):
+            _driver_launch()(*call)
 
 
 def check_input(x: torch.Tensor) -> None:

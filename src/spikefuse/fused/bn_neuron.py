@@ -68,12 +68,13 @@ def kernels_pool(y: Tensor, stats: BNStats | None, neuron: NeuronCall, pool: int
     return stats is not None and affine is not None and affine.can_pool(y, pool)
 
 
-def _check_pool(y: Tensor, stats: BNStats | None, neuron: NeuronCall, pool: int) -> None:
-    if pool > 1 and not kernels_pool(y, stats, neuron, pool):
+def _check_pool(stats: BNStats | None, neuron: NeuronCall, pool: int) -> None:
+    """A pooled call needs the BN-folded kernels (the map itself is checked by the backend's
+    launcher, which raises for a map it cannot pool)."""
+    if pool > 1 and (stats is None or neuron.affine is None):
         raise ValueError(
-            f"spikefuse: the {neuron.backend} kernels cannot pool this block's spikes over "
-            f"{pool} x {pool} windows (BatchNorm: {stats is not None}, map {tuple(y.shape)}); "
-            "pool the full spikes instead"
+            f"spikefuse: only BN-folded kernels pool a block's spikes ({pool} x {pool} windows); "
+            f"backend {neuron.backend}, BatchNorm: {stats is not None}; pool the full spikes"
         )
 
 
@@ -89,7 +90,7 @@ def bn_neuron_forward(
     output y (no BN when stats is None), and the neuron state backward may reuse (see
     :meth:`NeuronCall.forward`). ``pool`` = k > 1 (where :func:`kernels_pool`): the spikes
     averaged over k x k windows [T, B, C, H/k, W/k] instead."""
-    _check_pool(y, stats, neuron, pool)
+    _check_pool(stats, neuron, pool)
     affine = neuron.affine
     if stats is not None and affine is not None:
         spikes, checkpoints = affine.affine_fptt(
@@ -127,7 +128,7 @@ def bn_neuron_backward(
     backend returns g = None (pass 2 recomputes it: no [T, N] buffer is written); without BN
     g is always given. ``pool``: the forward's (grad_spikes is then the pooled map's gradient).
     """
-    _check_pool(y, stats, neuron, pool)
+    _check_pool(stats, neuron, pool)
     affine = neuron.affine
     if stats is not None and affine is not None:
         _, sums, grad_learnable = _affine_backward(

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..backends import affine_kernels, compute_dtype
-from ..ops import forbid_double_backward
+from ..ops import forbid_double_backward, register_op_pair
 from ..program import lookup
 from .bn_neuron import bn_neuron_forward, bn_neuron_grads
 from .neuron_call import Kept, NeuronCall
@@ -96,11 +96,10 @@ def _bn_neuron_fptt_fake(
     learnable: Tensor | None,
     program: str,
     backend: str,
-    constants: list[float],
-    v_init: float,
-    count: int,
-    save: bool,
+    *config: Any,
 ) -> tuple[Tensor, Tensor]:
+    """Shapes of :func:`bn_neuron_fptt` (``config``: constants, v_init, count, save)."""
+    save = config[-1]
     affine = affine_kernels(backend)
     checkpoints = None
     if affine is not None:
@@ -155,14 +154,9 @@ def _bn_neuron_bptt_fake(
     weight: Tensor | None,
     bias: Tensor | None,
     learnable: Tensor | None,
-    program: str,
-    backend: str,
-    constants: list[float],
-    v_init: float,
-    count: int,
-    grad_spikes: Tensor,
-    checkpoints: Tensor,
+    *config_and_grads: Any,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Shapes of :func:`bn_neuron_bptt`: like its inputs."""
     return (
         torch.empty_like(y),
         _empty(y) if weight is None else torch.empty_like(weight),
@@ -196,14 +190,11 @@ def _backward(ctx: Any, grad_spikes: Tensor, _grad_checkpoints: Tensor) -> tuple
     )
 
 
-for _name, _impl, _fake in (
-    ("bn_neuron_fptt", bn_neuron_fptt, _bn_neuron_fptt_fake),
-    ("bn_neuron_bptt", bn_neuron_bptt, _bn_neuron_bptt_fake),
-):
-    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"spikefuse::{_name}", _fake, lib=_LIB)
-torch.library.register_autograd(
-    "spikefuse::bn_neuron_fptt", _backward, setup_context=_setup_context, lib=_LIB
+register_op_pair(
+    _LIB,
+    (bn_neuron_fptt, _bn_neuron_fptt_fake),
+    (bn_neuron_bptt, _bn_neuron_bptt_fake),
+    (_backward, _setup_context),
 )
 
 
