@@ -62,6 +62,7 @@ def host_profile(step, rows: int) -> None:
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(rows)
     print(text.getvalue())
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()

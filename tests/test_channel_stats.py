@@ -65,7 +65,7 @@ def routes(monkeypatch):
     view, torch.batch_norm_stats the [T*B, C, *] one (the cuda backend counted as available)."""
     calls = []
 
-    def kernel(rows, eps):
+    def kernel(rows, eps, running=None):
         calls.append(("kernel", rows, eps))
         return rows.new_zeros(rows.shape[1]), rows.new_ones(rows.shape[1])
 
@@ -193,13 +193,18 @@ def test_args_struct_matches_the_source():
         "partial",
         "mean",
         "invstd",
+        "running_mean",
+        "running_var",
+        "batches_tracked",
         "rows",
         "rows_per_chunk",
         "channels",
         "chunks",
         "eps",
+        "momentum",
+        "cumulative",
     ]
-    assert cs.ARGS.size == 64  # 4 pointers, 2 long long, 2 int, float, padding to 8 bytes
+    assert cs.ARGS.size == 96  # 7 pointers, 2 long long, 2 int, 2 float, int, padding to 8
 
 
 def test_source_names_its_kernels_and_storage():
@@ -318,7 +323,7 @@ static void run_grid(void (*kernel)(const Args), const Args& a, Dim3 grid, Dim3 
         }
 }
 
-static_assert(sizeof(Args) == 64, "channel_stats.py packs 64 bytes");
+static_assert(sizeof(Args) == 96, "channel_stats.py packs 96 bytes");
 
 // One launch with the argument struct as channel_stats.py packs it (the x86-64 and CUDA layouts
 // of Args are the same: naturally aligned fields).
@@ -333,8 +338,8 @@ extern "C" void channel_stats(const void* y, float* partial, float* mean, float*
     long long rows, long long rows_per_chunk, int channels, int chunks, float eps, int tiles,
     int tx, int ty)
 {
-    const Args a{(const scalar_t*)y, partial, mean, invstd, rows, rows_per_chunk, channels,
-                 chunks, eps};
+    const Args a{(const scalar_t*)y, partial, mean, invstd, nullptr, nullptr, nullptr, rows,
+                 rows_per_chunk, channels, chunks, eps, 0.0f, 0};
     run_grid(partial_kernel, a, {tiles, chunks, 1}, {tx, ty, 1});
     run_grid(merge_kernel, a, {(channels + MERGE_CHANNELS - 1) / MERGE_CHANNELS, 1, 1},
              {MERGE_CHANNELS, MERGE_LANES, 1});
@@ -447,6 +452,52 @@ def test_channel_stats_launches_the_emulated_kernels(emulated, monkeypatch, dtyp
     want_mean, want_invstd = reference(rows, 1e-3)
     assert mean_error(mean, want_mean, want_invstd) < 1e-6
     assert relative_error(invstd, want_invstd) < 1e-6
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_emulated_kernels_update_running_statistics_as_torch_batchnorm(
+    emulated, monkeypatch, momentum
+):
+    """With running statistics, the same two launches count the batch and update them as torch's
+    BatchNorm does (the unbiased variance; momentum None: the cumulative average), twice over."""
+
+    def launch_named(source, name, device, grid, block, args):
+        library = emulated.library(False, int(name.rsplit("_v", 1)[1]))
+        library.launch_packed.argtypes = [ctypes.c_int, ctypes.c_char_p] + [ctypes.c_int] * 4
+        library.launch_packed("merge" in name, args, *grid[:2], *block[:2])
+
+    monkeypatch.setattr(cs, "check_input", lambda y: None)
+    monkeypatch.setattr(cs, "launch_named", launch_named)
+    monkeypatch.setattr(cs, "_sm_count", lambda index: 3)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    bn = torch.nn.BatchNorm2d(34, momentum=momentum).train()
+    running = (torch.randn(34), torch.rand(34) + 0.5, torch.tensor(3))
+    bn.running_mean.copy_(running[0]), bn.running_var.copy_(running[1])
+    bn.num_batches_tracked.fill_(3)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        y = (torch.randn(6, 34, 5, 7, generator=g) * 1.5 + 0.4).contiguous(
+            memory_format=torch.channels_last
+        )
+        bn(y)
+        rows = y.permute(0, 2, 3, 1).reshape(-1, 34)  # a view: channels innermost
+        cs.channel_stats(rows, bn.eps, (*running, momentum))
+    assert running[2].item() == bn.num_batches_tracked.item() == 5
+    torch.testing.assert_close(running[0], bn.running_mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(running[1], bn.running_var, rtol=1e-6, atol=1e-6)
+
+
+def test_channel_stats_refuses_running_statistics_it_cannot_update(monkeypatch):
+    monkeypatch.setattr(cs, "check_input", lambda y: None)
+    y = torch.randn(4, 3)
+    counter = torch.tensor(0)
+    with pytest.raises(SpikefuseError, match="float32 \\[C\\] vectors"):
+        cs.channel_stats(y, 1e-5, (torch.zeros(3).half(), torch.ones(3), counter, 0.1))
+    with pytest.raises(SpikefuseError, match="float32 \\[C\\] vectors"):
+        cs.channel_stats(y, 1e-5, (torch.zeros(4), torch.ones(3), counter, 0.1))
+    with pytest.raises(SpikefuseError, match="at least 2 rows"):
+        cs.channel_stats(y[:1], 1e-5, (torch.zeros(3), torch.ones(3), counter, 0.1))
+    assert counter.item() == 0
 
 
 def test_emulated_kernel_keeps_a_small_variance_under_a_large_mean(emulated):

@@ -159,6 +159,25 @@ def test_batchnorm_options(bn_options):
         assert_same_training_step(ref, fused, x, FP64_TOL)
 
 
+def test_block_reuses_its_neuron_call_until_the_node_changes():
+    """The per-call neuron setup (program, backend, constants) is made once per block, not per
+    call (host time), and made again once the node changes, so that a new threshold applies."""
+    torch.manual_seed(0)
+    block = FusedBlock(nn.Linear(5, 6), nn.BatchNorm1d(6), lif()).eval()
+    x = torch.randn(T, B, 5)
+    block(x)
+    first = block._neuron_call
+    block(x)
+    assert block._neuron_call is first
+    block.node.v_threshold = 0.05
+    out = block(x)
+    assert block._neuron_call is not first and block._neuron_call.constants[0] == 0.05
+    again = copy.deepcopy(block)  # after a forward: the kept call copies, and still works
+    assert torch.equal(again(x), out)
+    fresh = FusedBlock(block.synapse, block.bn, lif(v_threshold=0.05)).eval()
+    assert torch.equal(fresh(x), out)
+
+
 @pytest.mark.parametrize(
     "make_node",
     [

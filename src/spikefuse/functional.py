@@ -88,9 +88,10 @@ def reset_net(net: nn.Module) -> None:
     """Call ``reset()`` on every module of ``net`` that has one (spikefuse's, SpikingJelly's or
     your own stateful modules): call between independent sequences."""
     for module in net.modules():
-        reset = getattr(module, "reset", None)
-        if callable(reset):
-            reset()
+        # the class first: for a module without the attribute, getattr(module, ...) would go
+        # through nn.Module.__getattr__ and raise (slow, and it runs on every training step)
+        if callable(getattr(type(module), "reset", None)) or callable(module.__dict__.get("reset")):
+            cast("Callable[[], object]", module.reset)()
 
 
 def detach_net(net: nn.Module) -> None:

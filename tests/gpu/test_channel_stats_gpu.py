@@ -182,9 +182,9 @@ def kernel_calls(monkeypatch):
     """The [rows, C] shapes the fused blocks' statistics pass to the kernel."""
     calls = []
 
-    def counted(rows, eps):
+    def counted(rows, eps, running=None):
         calls.append(tuple(rows.shape))
-        return cs.channel_stats(rows, eps)
+        return cs.channel_stats(rows, eps, running)
 
     monkeypatch.setattr(statistics, "_channel_stats", lambda: counted)
     monkeypatch.setattr(statistics, "_KERNEL_MIN_ELEMENTS", 0)  # these nets' maps are small
@@ -253,28 +253,33 @@ def test_fused_conv1d_keeps_torch_statistics(kernel_calls):
     assert kernel_calls == []
 
 
+@pytest.mark.parametrize("route", ["kernel", "torch"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_bn_statistics_running_update_matches_torch(dtype):
-    """bn_statistics on channels-last bf16/fp16/fp32 y (the kernel) and its running-statistics
-    update (torch's batch_norm_gather_stats_with_counts) against torch.batch_norm_stats + the
-    same update."""
+def test_bn_statistics_running_update_matches_torch(dtype, momentum, route, monkeypatch):
+    """bn_statistics on channels-last bf16/fp16/fp32 y, by the kernel (which also counts the
+    batch and updates the running statistics in its two launches) or by torch's ops, against
+    torch.batch_norm_stats and BatchNorm's update, over two training calls."""
+    if route == "kernel":
+        monkeypatch.setattr(statistics, "_KERNEL_MIN_ELEMENTS", 0)
     g = gen(seed_of("running", dtype), device="cuda")
-    y = (torch.randn(40, 32, 6, 6, generator=g, device="cuda") + 0.5).to(dtype)
-    y = y.contiguous(memory_format=torch.channels_last).unflatten(0, (5, 8))
     running = [torch.zeros(32, device="cuda"), torch.ones(32, device="cuda")]
-    spec = BNSpec(None, None, running[0], running[1], True, 0.1, 1e-5)
-    stats = bn_statistics(y, spec)
-    flat = y.flatten(0, 1)
-    want_mean, want_invstd = torch.batch_norm_stats(flat, 1e-5)
-    want_running = [torch.zeros(32, device="cuda"), torch.ones(32, device="cuda")]
-    count = torch.full((1,), float(flat.numel() // 32), device="cuda")
-    torch.batch_norm_gather_stats_with_counts(
-        flat, want_mean[None], want_invstd[None], *want_running, 0.1, 1e-5, count
-    )
-    assert mean_error(stats.mean, want_mean, want_invstd) <= TORCH
-    assert reldiff(stats.invstd, want_invstd) <= TORCH
-    for got, want in zip(running, want_running, strict=True):
-        assert reldiff(got, want) <= TORCH
+    tracked = torch.tensor(2, device="cuda")
+    spec = BNSpec(None, None, *running, True, momentum, 1e-5, num_batches_tracked=tracked)
+    bn = nn.BatchNorm2d(32, momentum=momentum).cuda().train()
+    bn.num_batches_tracked.fill_(2)
+    for _ in range(2):
+        y = (torch.randn(40, 32, 6, 6, generator=g, device="cuda") + 0.5).to(dtype)
+        y = y.contiguous(memory_format=torch.channels_last).unflatten(0, (5, 8))
+        stats = bn_statistics(y, spec)
+        flat = y.flatten(0, 1)
+        want_mean, want_invstd = torch.batch_norm_stats(flat, 1e-5)
+        bn(flat.float())
+        assert mean_error(stats.mean, want_mean, want_invstd) <= TORCH
+        assert reldiff(stats.invstd, want_invstd) <= TORCH
+    assert tracked.item() == bn.num_batches_tracked.item() == 4
+    assert reldiff(running[0], bn.running_mean) <= TORCH
+    assert reldiff(running[1], bn.running_var) <= TORCH
 
 
 def test_distributed_local_statistics_use_the_kernel(kernel_calls):

@@ -29,6 +29,20 @@ from .runtime import (
 )
 
 
+def channels_innermost(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a [T, B, C, *S] tensor of this geometry is dense with channels innermost in
+    memory (the [T, B, C, H, W] view of a channels-last convolution output), i.e. its
+    permutation [T, B, *S, C] is contiguous. Read from the geometry alone: no tensor op on the
+    launch path."""
+    order = (0, 1, *range(3, len(shape)), 2)
+    expected = 1
+    for dim in reversed(order):
+        if shape[dim] != 1 and stride[dim] != expected:
+            return False
+        expected *= shape[dim]
+    return True
+
+
 def channel_layout(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     """y [T, B, C, *S] as dense memory with T outermost, and (channels, inner) such that the
     channel of element n of a step is (n // inner) % channels.
@@ -37,10 +51,11 @@ def channel_layout(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     channels-last convolution output) has inner = 1 and is used as it is; anything else is
     made contiguous.
     """
-    channels, spatial = y.shape[2], math.prod(y.shape[3:])
+    shape = y.shape
+    channels, spatial = shape[2], math.prod(shape[3:])
     if y.is_contiguous():
         return y, (channels, spatial)
-    if y.permute(0, 1, *range(3, y.dim()), 2).is_contiguous():
+    if channels_innermost(shape, y.stride()):
         return y, (channels, 1)
     return y.contiguous(), (channels, spatial)
 
@@ -49,12 +64,13 @@ def can_pool(y: torch.Tensor, pool: int) -> bool:
     """Whether the pooled kernels take y [T, B, C, H, W] with ``pool`` x ``pool`` windows (one
     of :data:`~.codegen.POOLS`): channels innermost in memory (a channels-last convolution's
     output), H and W multiples of ``pool``."""
+    shape = y.shape
     return (
         pool in POOLS[1:]
-        and y.dim() == 5
-        and y.shape[3] % pool == 0
-        and y.shape[4] % pool == 0
-        and y.permute(0, 1, 3, 4, 2).is_contiguous()
+        and len(shape) == 5
+        and shape[3] % pool == 0
+        and shape[4] % pool == 0
+        and channels_innermost(shape, y.stride())
     )
 
 
@@ -78,12 +94,11 @@ def _pooled_empty(y: torch.Tensor, pool: int) -> torch.Tensor:
     return torch.empty_strided((T, B, C, h, w), strides, dtype=y.dtype, device=y.device)
 
 
-def _channels_innermost(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _as_channels_innermost(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t [T, B, C, H, W] in ``dtype`` with channels innermost in memory, copied only if needed."""
-    last = t.permute(0, 1, 3, 4, 2)
-    if t.dtype == dtype and last.is_contiguous():
+    if t.dtype == dtype and channels_innermost(t.shape, t.stride()):
         return t
-    return last.to(dtype).contiguous().permute(0, 1, 4, 2, 3)
+    return t.permute(0, 1, 3, 4, 2).to(dtype).contiguous().permute(0, 1, 4, 2, 3)
 
 
 def _laid_out_like(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -116,6 +131,15 @@ def _pass1_grid(n: int, channels: tuple[int, int], vec: int, pool: int = 1) -> t
         return 0, blocks_for(n, vec), n
     row_groups = -(-(n // c) // TILE_ROWS)
     return c // 32, max(1, c // 32 * row_groups), row_groups * c
+
+
+def _rows(names: tuple[str, str], pair: torch.Tensor | None) -> dict[str, int]:
+    """The addresses of the two rows of a float32 [2, K] tensor (null without it), from its
+    base address: indexing would cost two tensor ops per launch."""
+    if pair is None:
+        return dict.fromkeys(names, 0)
+    first = pair.data_ptr()
+    return {names[0]: first, names[1]: first + pair.stride(0) * pair.element_size()}
 
 
 def _bn_pointers(
@@ -221,7 +245,7 @@ def affine_bptt(
     check_input(y)
     if pool > 1:
         channels, pool_width = pooled_geometry(y, pool)
-        layout, grad_spikes = (channels, 1), _channels_innermost(grad_spikes, y.dtype)
+        layout, grad_spikes = (channels, 1), _as_channels_innermost(grad_spikes, y.dtype)
     else:
         y, layout = channel_layout(y)
         pool_width, grad_spikes = 0, _laid_out_like(grad_spikes, y)
@@ -247,10 +271,8 @@ def affine_bptt(
             "grad_spike_seq": grad_spikes.data_ptr(),
             "grad_x_seq": pointer(out),
             "grad_learnable_partial": pointer(partial),
-            "grad_sum": 0 if sums is None else sums[0].data_ptr(),
-            "grad_dot": 0 if sums is None else sums[1].data_ptr(),
-            "bn_total_g": 0 if totals is None else totals[0].data_ptr(),
-            "bn_total_gy": 0 if totals is None else totals[1].data_ptr(),
+            **_rows(("grad_sum", "grad_dot"), sums),
+            **_rows(("bn_total_g", "bn_total_gy"), totals),
             **_bn_pointers(mean, invstd, weight, bias),
         }
         kernel = kernel_for(program, y.dtype, vec, affine=True, pool=pool)

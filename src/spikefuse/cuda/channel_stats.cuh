@@ -15,7 +15,7 @@
 //      enough for one full wave of MIN_BLOCKS blocks per SM; UNROLL loads in flight per thread.
 //   2. MERGE_KERNEL, grid (channel tiles of MERGE_CHANNELS), block (MERGE_CHANNELS, MERGE_LANES):
 //      each lane merges every MERGE_LANES-th chunk in order, the block merges its lanes, and
-//      writes mean[c] and invstd[c].
+//      writes mean[c] and invstd[c] (and in training updates BatchNorm's running statistics).
 //
 // Numerics (float32 throughout, robust where a naive sum of squares is not):
 //   - Every value is shifted by its channel's pivot, the channel's value in row 0 (a sample of
@@ -46,11 +46,20 @@ struct Args {
     float* partial;       // [2, chunks, channels]: per chunk, mean of y - pivot, then M2
     float* mean;          // [channels]
     float* invstd;        // [channels]
+    // BatchNorm's running statistics, updated in training as torch's BatchNorm does (null: no
+    // update): running = (1 - m) running + m batch, with the unbiased variance; and its batch
+    // counter, which PARTIAL_KERNEL increments (so MERGE_KERNEL, launched after it, reads the new
+    // count for the cumulative average m = 1 / count).
+    float* running_mean;  // [channels]
+    float* running_var;   // [channels]
+    long long* batches_tracked;  // one counter
     long long rows;
     long long rows_per_chunk;  // a multiple of TY; the last chunk may be shorter
     int channels;
     int chunks;
     float eps;
+    float momentum;  // m, unless cumulative
+    int cumulative;  // m = 1 / *batches_tracked (torch's momentum=None)
 };
 
 // VEC neighbouring channels of one row: one vector load.
@@ -149,6 +158,8 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) PARTIAL_KE
     const bool active = c0 < a.channels;  // the last channel tile may be partly idle
     const long long begin = (long long)blockIdx.y * a.rows_per_chunk;
     const long long end = min(begin + a.rows_per_chunk, a.rows);
+    if (a.batches_tracked != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && tx == 0 && ty == 0)
+        *a.batches_tracked += 1;  // one thread of the launch counts the batch
 
     // Statistics of the shifted values y - pivot of this thread's rows: begin + ty + i * TY.
     float n = 0.0f, mean[VEC], m2[VEC], pivot[VEC];
@@ -210,7 +221,14 @@ extern "C" __global__ void __launch_bounds__(MERGE_CHANNELS * MERGE_LANES) MERGE
     if (lane == 0 && active) {
         float var = m2[0] / (float)a.rows;  // biased, as BatchNorm normalises with
         var = var < 0.0f ? 0.0f : var;  // rounding may leave a tiny negative M2; NaN stays NaN
-        a.mean[c] = to_float(a.y[c]) + mean[0];  // undo the shift by the pivot (row 0)
+        const float batch_mean = to_float(a.y[c]) + mean[0];  // undo the shift by the pivot
+        a.mean[c] = batch_mean;
         a.invstd[c] = var == 0.0f && a.eps == 0.0f ? 0.0f : rsqrtf(var + a.eps);
+        if (a.running_mean != nullptr) {  // the formula of torch's batch_norm_gather_stats
+            const float m = a.cumulative ? 1.0f / (float)*a.batches_tracked : a.momentum;
+            const float unbiased = var * ((float)a.rows / (float)(a.rows - 1));  // rows > 1
+            a.running_mean[c] = (1.0f - m) * a.running_mean[c] + m * batch_mean;
+            a.running_var[c] = (1.0f - m) * a.running_var[c] + m * unbiased;
+        }
     }
 }

@@ -44,9 +44,18 @@ BLOCKS_PER_SM = 3
 MIN_ROWS_PER_THREAD = 2 * UNROLL
 _VECTOR_BYTES = 16  # the widest load: 16 bytes per thread and row
 
-#: The kernels' one argument, ``Args`` in channel_stats.cuh: y, partial, mean, invstd, rows,
-#: rows_per_chunk, channels, chunks, eps (and the struct's tail padding to 8 bytes).
-ARGS = struct.Struct("=4Q2q2if4x")
+#: The kernels' one argument, ``Args`` in channel_stats.cuh: y, partial, mean, invstd,
+#: running_mean, running_var, batches_tracked, rows, rows_per_chunk, channels, chunks, eps,
+#: momentum, cumulative (and the struct's tail padding to 8 bytes).
+ARGS = struct.Struct("=7Q2q2i2fi4x")
+
+
+#: BatchNorm's running statistics that a training call updates, as torch's BatchNorm does:
+#: (running_mean, running_var, num_batches_tracked, momentum): num_batches_tracked += 1, then
+#: running = (1 - m) running + m batch (the unbiased batch variance for running_var) with
+#: m = momentum, or 1 / num_batches_tracked when momentum is None (the cumulative average).
+#: running_mean/var float32 [C], num_batches_tracked int64 [].
+RunningStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "float | None"]
 
 
 @dataclass(frozen=True)
@@ -146,11 +155,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def channel_stats(y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def channel_stats(
+    y: torch.Tensor, eps: float, running: RunningStats | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel (mean, invstd) of ``y`` [rows, C] (CUDA, contiguous, float32/float16/
     bfloat16), both [C] float32: mean_c = sum_r y[r, c] / rows and invstd_c = 1 / sqrt(var_c +
     eps) with the biased var_c = sum_r (y[r, c] - mean_c)^2 / rows (0 where var_c = eps = 0),
     as ``torch.batch_norm_stats`` returns them for the [N, C, *] tensor whose memory y is.
+    With ``running`` (rows > 1), the same launches also update BatchNorm's running statistics
+    as ``torch.batch_norm_gather_stats_with_counts`` does (see :class:`RunningStats`).
 
     Accumulates in float32 with Welford's update around a per-channel pivot; deterministic (the
     same bits on every run). NaN or Inf in a channel gives a NaN or Inf mean and a NaN invstd.
@@ -165,9 +178,13 @@ def channel_stats(y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tens
     rows, channels = y.shape
     if rows == 0:
         raise SpikefuseError("channel_stats: statistics of 0 rows are undefined")
+    if running is not None:
+        _check_running(running, channels, rows)
     mean = y.new_empty(channels, dtype=torch.float32)
     invstd = torch.empty_like(mean)
     if channels == 0:
+        if running is not None:
+            running[2].add_(1)
         return mean, invstd
     index = y.device.index if y.device.index is not None else torch.cuda.current_device()
     address = y.data_ptr()
@@ -178,11 +195,14 @@ def channel_stats(y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tens
         partial.data_ptr(),
         mean.data_ptr(),
         invstd.data_ptr(),
+        *((0, 0, 0) if running is None else (t.data_ptr() for t in running[:3])),
         rows,
         geometry.rows_per_chunk,
         channels,
         geometry.chunks,
         eps,
+        0.0 if running is None or running[3] is None else running[3],
+        running is not None and running[3] is None,
     )
     kernels = kernels_for(y.dtype, geometry.vec)
     launch_named(
@@ -192,6 +212,23 @@ def channel_stats(y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tens
     merge_block = (MERGE_CHANNELS, MERGE_LANES, 1)
     launch_named(kernels.source, kernels.merge_name, y.device, merge_grid, merge_block, args)
     return mean, invstd
+
+
+def _check_running(running: RunningStats, channels: int, rows: int) -> None:
+    """Raise unless the kernels can update ``running`` in place for [rows, channels] input."""
+    mean, var, tracked, _ = running
+    vectors_ok = all(
+        t.dtype == torch.float32 and t.shape == (channels,) and t.is_contiguous()
+        for t in (mean, var)
+    )
+    if not vectors_ok or tracked.dtype != torch.int64 or tracked.numel() != 1:
+        raise SpikefuseError(
+            "channel_stats: running statistics must be float32 [C] vectors and an int64 counter; "
+            f"got {mean.dtype} {tuple(mean.shape)}, {var.dtype} {tuple(var.shape)}, "
+            f"{tracked.dtype} {tuple(tracked.shape)} for C = {channels}"
+        )
+    if rows < 2:
+        raise SpikefuseError("channel_stats: the unbiased variance needs at least 2 rows")
 
 
 # ---- timing: python -m spikefuse.cuda.channel_stats ---------------------------------------------

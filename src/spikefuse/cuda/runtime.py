@@ -92,6 +92,10 @@ def _driver_launch() -> Callable[..., None]:
     return _cupy().cuda.driver.launchKernel  # cuLaunchKernel
 
 
+# torch.cuda.current_device() without its lazy-init check (a CUDA tensor exists by now)
+_current_device: Callable[[], int] = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+
 def _current_stream(index: int) -> int:
     if _raw_stream is not None:
         return _raw_stream(index)
@@ -117,7 +121,7 @@ def launch_named(
     """Launch kernel ``name`` of ``source`` (compiled and loaded once per device) with its packed
     argument struct on the current stream. The source string is the cache key: its hash is
     computed once (kernels cache their ``full_codes``), so a lookup costs no re-hashing."""
-    current = torch.cuda.current_device()
+    current = _current_device()
     index = device.index if device.index is not None else current
     key = (source, name, index)
     entry = _functions.get(key)

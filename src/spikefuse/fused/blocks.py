@@ -113,6 +113,8 @@ class FusedBlock(nn.Module):
     # The neuron starts from its reset state on every call (read by
     # functional.chunk_multi_step_forward, which must not split such a module's sequence).
     restarts_every_call = True
+    # The last call's neuron call, reused while the node is unchanged (see NeuronCall.from_node).
+    _neuron_call: NeuronCall | None = None
 
     def __init__(
         self,
@@ -218,10 +220,13 @@ class FusedBlock(nn.Module):
 
     def _synapse_forward(self, x: Tensor) -> Tensor:
         """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe."""
-        recipe = recipe_of(x.flatten(0, 1))
-        if recipe is not None and self._runs_channels_last(x):  # recompute in the conv's layout
+        merged = x.flatten(0, 1)
+        recipe = recipe_of(merged)
+        if recipe is None:  # nothing to recompute (e.g. the network's input)
+            return self._kind.forward(self.synapse, self._merged(x)).unflatten(0, x.shape[:2])
+        if self._runs_channels_last(merged):  # recompute in the conv's layout
             recipe = _channels_last(recipe)
-        merged = self._merged(x)
+            merged = merged.contiguous(memory_format=torch.channels_last)
         with saving_recomputed(merged, recipe):  # the very tensor the synapse saves
             return self._kind.forward(self.synapse, merged).unflatten(0, x.shape[:2])
 
@@ -230,7 +235,10 @@ class FusedBlock(nn.Module):
     ) -> tuple[NeuronCall, Tensor | None, BNSpec | None, BNStats | None]:
         """(neuron call, learnable values, BN spec, statistics) for this call's synapse output:
         everything is checked before BatchNorm counts the batch and updates its statistics."""
-        neuron = NeuronCall.from_node(self.node, y)  # may raise
+        if torch.compiler.is_compiling():  # no module state written while tracing
+            neuron = NeuronCall.from_node(self.node, y)
+        else:
+            neuron = self._neuron_call = NeuronCall.from_node(self.node, y, self._neuron_call)
         if self.bn is not None and is_distributed(self.process_group):
             refuse_join()
         # the node's NaN check (a host sync: eager anomaly mode only)
@@ -261,28 +269,22 @@ class FusedBlock(nn.Module):
         return self._tagged(self._pooled(spikes, 1))
 
     def _bn_spec(self) -> BNSpec | None:
-        """This call's BatchNorm side; counts the batch (call it only once the call can run)."""
+        """This call's BatchNorm side (bn_statistics counts the batch and updates the running
+        statistics, once the call is known to run)."""
         bn = self.bn
         if bn is None:
             return None
-        batch_stats = bn.training or not bn.track_running_stats
-        momentum: float | Tensor | None = None
-        if bn.training and bn.track_running_stats:
-            tracked = bn.num_batches_tracked
-            assert tracked is not None  # torch registers it with track_running_stats
-            tracked.add_(1)
-            momentum = bn.momentum
-            if momentum is None:  # cumulative moving average, as in torch's BatchNorm, but
-                momentum = 1.0 / tracked  # on the device: no host sync
+        update = bn.training and bn.track_running_stats
         return BNSpec(
             weight=bn.weight,
             bias=bn.bias,
             running_mean=bn.running_mean,
             running_var=bn.running_var,
-            batch_stats=batch_stats,
-            momentum=momentum,
+            batch_stats=bn.training or not bn.track_running_stats,
+            momentum=bn.momentum,
             eps=bn.eps,
             group=self.process_group,
+            num_batches_tracked=bn.num_batches_tracked if update else None,
         )
 
     def forward(self, x: Tensor) -> Tensor:

@@ -259,7 +259,9 @@ def bn_neuron_grads(
 
 
 def _as_dtype(grad: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
-    return None if grad is None or dtype is None else grad.to(dtype)
+    if grad is None or dtype is None:
+        return None
+    return grad if grad.dtype == dtype else grad.to(dtype)
 
 
 def param_dtypes(*params: Tensor | None) -> tuple[torch.dtype | None, ...]:

@@ -43,8 +43,27 @@ class NeuronCall:
         backend), or None (BatchNorm then runs as torch ops before the plain neuron)."""
         return affine_kernels(self.backend)
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickles and deep-copies without the looked-up backends (modules; looked up again)."""
+        state = self.__dict__.copy()
+        state.pop("kernels", None)
+        state.pop("affine", None)
+        return state
+
     @classmethod
-    def from_node(cls, node: BaseNode, x: Tensor) -> NeuronCall:
+    def from_node(cls, node: BaseNode, x: Tensor, previous: NeuronCall | None = None) -> NeuronCall:
+        """The call for ``node`` on input ``x``; ``previous`` (the block's last call) is reused
+        while the node's program, resolved backend, constants and reset value are unchanged:
+        a block's call then costs no new object and no repeated backend lookups."""
+        backend = node.resolve_backend(x)
+        if (
+            previous is not None
+            and previous.program is node.program
+            and previous.backend == backend
+            and previous.constants == node._constants
+            and previous.v_init == (0.0 if node.v_reset is None else node.v_reset)
+        ):
+            return previous
         program = node.program
         if not isinstance(program, NeuronProgram):  # e.g. a torch-code surrogate set since
             raise SpikefuseError(
@@ -56,7 +75,6 @@ class NeuronCall:
                 f"fused blocks support one-state neurons only; {type(node).__name__} has two states"
             )
         v_init = 0.0 if node.v_reset is None else float(node.v_reset)
-        backend = node.resolve_backend(x)
         # the node validates its constants on assignment and caches them
         constants = list(node._constants or node.constants())
         return cls(program, backend, constants, v_init)

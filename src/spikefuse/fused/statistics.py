@@ -21,6 +21,10 @@ from ..backends import compute_dtype, unavailable_reason
 from ..errors import SpikefuseError
 from .device_constants import device_constant
 
+# BatchNorm's running statistics a training call updates: (running_mean, running_var,
+# num_batches_tracked, momentum), see spikefuse.cuda.channel_stats.channel_stats
+RunningStats = tuple[Tensor, Tensor, Tensor, "float | None"]
+
 
 @dataclass(frozen=True)
 class BNStats:
@@ -57,9 +61,10 @@ class BNSpec:
     """The BatchNorm side of a fused call (None weight/bias: affine=False).
 
     ``batch_stats`` says whether statistics come from the batch (training, or no running
-    statistics) or from ``running_mean``/``running_var``; ``momentum`` is the running-average
-    factor of this call: a float, a 0-dim tensor (torch's cumulative average, 1 /
-    num_batches_tracked, kept on the device) or None (do not update the running statistics).
+    statistics) or from ``running_mean``/``running_var``. ``num_batches_tracked`` is given when
+    this call updates the running statistics (training with tracked statistics): the call adds
+    1 to it, then averages with factor ``momentum``, or 1 / num_batches_tracked when
+    ``momentum`` is None (torch's cumulative average; on the device, no host sync).
     """
 
     weight: Tensor | None
@@ -67,9 +72,10 @@ class BNSpec:
     running_mean: Tensor | None
     running_var: Tensor | None
     batch_stats: bool
-    momentum: float | Tensor | None
+    momentum: float | None
     eps: float
     group: dist.ProcessGroup | None = None
+    num_batches_tracked: Tensor | None = None
 
 
 def reduce_dims(ndim: int) -> list[int]:
@@ -92,7 +98,7 @@ def rows_by_channel(y: Tensor) -> Tensor | None:
 
 
 @functools.cache
-def _channel_stats() -> Callable[[Tensor, float], tuple[Tensor, Tensor]]:
+def _channel_stats() -> Callable[[Tensor, float, RunningStats | None], tuple[Tensor, Tensor]]:
     """The cuda backend's per-channel statistics kernel (imported on first use)."""
     from ..cuda.channel_stats import channel_stats
 
@@ -104,9 +110,13 @@ def _channel_stats() -> Callable[[Tensor, float], tuple[Tensor, Tensor]]:
 _KERNEL_MIN_ELEMENTS = 1 << 21
 
 
-def batch_mean_invstd(y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def batch_mean_invstd(
+    y: Tensor, eps: float, running: RunningStats | None = None
+) -> tuple[Tensor, Tensor] | None:
     """Per-channel (mean, 1/sqrt(biased var + eps)) [C] float32 of CUDA y [T, B, C, *] with at
-    least one value per channel, as ``torch.batch_norm_stats`` computes them.
+    least one value per channel, as ``torch.batch_norm_stats`` computes them; with ``running``,
+    BatchNorm's running statistics are updated in the same launches, or None is returned and
+    nothing is computed where that is not possible (the caller then updates them itself).
 
     Where channels are innermost (:func:`rows_by_channel`), y is large (``_KERNEL_MIN_ELEMENTS``)
     and the cuda backend can run y, the backend's kernel (:mod:`spikefuse.cuda.channel_stats`)
@@ -120,7 +130,10 @@ def batch_mean_invstd(y: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     # torch.compile traces torch's op: the kernel's launch (CuPy) is opaque to the compiler
     traced = torch.compiler.is_compiling()
     if large and not traced and rows is not None and unavailable_reason("cuda", y) is None:
-        return _channel_stats()(rows, eps)
+        if running is None or running[0].dtype == running[1].dtype == torch.float32:
+            return _channel_stats()(rows, eps, running)
+    if running is not None:
+        return None
     return torch.batch_norm_stats(y.flatten(0, 1), eps)
 
 
@@ -129,7 +142,9 @@ def _local_mean_var(y: Tensor) -> tuple[Tensor, Tensor]:
     if y.is_cuda:
         # float32 statistics of any storage dtype and layout without a float32 copy of y. They
         # come as 1/sqrt(var) (0 where var is 0).
-        mean, invstd = batch_mean_invstd(y, 0.0)
+        stats = batch_mean_invstd(y, 0.0)
+        assert stats is not None  # computed whenever no running statistics are passed
+        mean, invstd = stats
         return mean, torch.where(invstd > 0, invstd.reciprocal().square(), 0.0)
     var, mean = torch.var_mean(y.to(compute_dtype(y.dtype)), dim=reduce_dims(y.dim()), correction=0)
     return mean, var
@@ -211,6 +226,13 @@ def _check_count(count: int, y: Tensor) -> None:
         )
 
 
+def _detached_as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """t detached, in ``dtype`` (no cast op when it has it already)."""
+    if t is None:
+        return None
+    return t.detach() if t.dtype == dtype else t.detach().to(dtype)
+
+
 @torch.no_grad()
 def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
     """The per-channel vectors to normalise y with; updates the running statistics in training.
@@ -222,34 +244,62 @@ def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
     ``batch_norm_gather_stats_with_counts`` (unbiased variance, torch's BatchNorm formula).
     """
     cd = compute_dtype(y.dtype)
-    weight = None if bn.weight is None else bn.weight.detach().to(cd)
-    bias = None if bn.bias is None else bn.bias.detach().to(cd)
+    weight, bias = _detached_as(bn.weight, cd), _detached_as(bn.bias, cd)
     running_mean, running_var, momentum = bn.running_mean, bn.running_var, bn.momentum
     if not bn.batch_stats:
         assert running_mean is not None and running_var is not None  # batch_stats=False: tracked
         mean, var = running_mean.to(cd), running_var.to(cd)
         return BNStats(mean, torch.rsqrt(var + bn.eps), weight, bias, 0)
-    if y.is_cuda and not isinstance(momentum, Tensor) and not is_distributed(bn.group):
+    tracked = bn.num_batches_tracked
+    update = tracked is not None and running_mean is not None and running_var is not None
+    if y.is_cuda and not is_distributed(bn.group):
         local_count = y.numel() // y.shape[2]
         _check_count(local_count, y)
-        mean, invstd = batch_mean_invstd(y, bn.eps)
-        if momentum is not None and running_mean is not None and running_var is not None:
-            torch.batch_norm_gather_stats_with_counts(
-                y.flatten(0, 1),
-                mean[None],
-                invstd[None],
-                running_mean,
-                running_var,
-                momentum,
-                bn.eps,
-                _count_tensor(local_count, mean),
-            )
-        return BNStats(mean, invstd, weight, bias, local_count)
+        if update:  # the statistics kernel updates them too, where it runs
+            assert tracked is not None and running_mean is not None and running_var is not None
+            stats = batch_mean_invstd(y, bn.eps, (running_mean, running_var, tracked, momentum))
+            if stats is not None:
+                return BNStats(*stats, weight, bias, local_count)
+        # torch's update op takes a float factor: the cumulative average (1 / count, a device
+        # value) updates on the generic path below
+        if not update or momentum is not None:
+            stats = batch_mean_invstd(y, bn.eps)
+            assert stats is not None  # computed whenever no running statistics are passed
+            mean, invstd = stats
+            if update and momentum is not None:
+                assert tracked is not None and running_mean is not None and running_var is not None
+                tracked.add_(1)
+                torch.batch_norm_gather_stats_with_counts(
+                    y.flatten(0, 1),
+                    mean[None],
+                    invstd[None],
+                    running_mean,
+                    running_var,
+                    momentum,
+                    bn.eps,
+                    _count_tensor(local_count, mean),
+                )
+            return BNStats(mean, invstd, weight, bias, local_count)
     mean, var, count = batch_stats(y, bn.group)
     if isinstance(count, int):
         _check_count(count, y)
-    if momentum is not None and running_mean is not None and running_var is not None:
-        unbiased = var * (count / (count - 1))
-        running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-        running_var.lerp_(unbiased.to(running_var.dtype), momentum)
+    if update:
+        assert tracked is not None and running_mean is not None and running_var is not None
+        tracked.add_(1)
+        factor = 1.0 / tracked if momentum is None else momentum
+        _lerp_running(running_mean, running_var, mean, var, count, factor)
     return BNStats(mean, torch.rsqrt(var + bn.eps), weight, bias, count)
+
+
+def _lerp_running(
+    running_mean: Tensor,
+    running_var: Tensor,
+    mean: Tensor,
+    var: Tensor,
+    count: int | Tensor,
+    factor: float | Tensor,
+) -> None:
+    """running += factor (batch - running), with the unbiased batch variance."""
+    unbiased = var * (count / (count - 1))
+    running_mean.lerp_(mean.to(running_mean.dtype), factor)
+    running_var.lerp_(unbiased.to(running_var.dtype), factor)
