@@ -10,8 +10,9 @@ divided by the back-to-back time, next to the device's measured copy bandwidth. 
 the peak allocation above the inputs during the step. "cuda kernels only" calls the backend's
 fptt and bptt directly (no module, no autograd): the difference to "cuda" is host-side overhead
 that the GPU waits for; "cuda graphed" replays the module's step captured in a CUDA graph,
-"cuda compiled" runs ``torch.compile(node)``. A second table compares every one-state neuron and
-Izhikevich with LIF on the cuda backend.
+"cuda compiled" runs ``torch.compile(node)``; "autograd floor" is one custom autograd op that
+launches nothing (PyTorch's host floor for any eager module's forward + backward). A second
+table compares every one-state neuron and Izhikevich with LIF on the cuda backend.
 """
 
 from __future__ import annotations
@@ -81,6 +82,21 @@ def _step(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: tor
             out.backward(g)
 
     return step
+
+
+class _AutogradFloor(torch.autograd.Function):
+    """One custom autograd op that launches nothing: forward and backward each only allocate
+    their output. Its step time is PyTorch's own host floor for a module's forward + backward
+    (the Function's Python, the autograd engine and its device thread); no neuron module can
+    be faster eagerly."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(grad)
 
 
 class _KernelsOnly:
@@ -208,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("cuda", cuda_lif, False),
                 ("cuda graphed", graphed_lif, True),
                 ("cuda kernels only", _KernelsOnly(node, g), False),
+                ("autograd floor", _AutogradFloor.apply, False),
             ]
             if not args.no_compile:
                 variants.insert(1, ("torch.compile loop", compiled, False))

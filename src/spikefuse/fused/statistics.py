@@ -106,7 +106,10 @@ def _channel_stats() -> Callable[[Tensor, float, RunningStats | None], tuple[Ten
 
 
 # Below this many elements the kernel's two launches cost more than torch's one (H100: a
-# [640, 1024] Linear output took 24 us against batch_norm_stats' 9-13 us; 2^21 took 42 vs 55).
+# [640, 1024] Linear output took 24 us against batch_norm_stats' 9-13 us; 2^21 took 42 vs 55)
+# when only the statistics are wanted. A training call that updates the running statistics
+# takes the kernel at any size: torch needs three launches then (statistics, the batch count,
+# the running update), and small maps are where the host, not the GPU, paces the step.
 _KERNEL_MIN_ELEMENTS = 1 << 21
 
 
@@ -119,14 +122,14 @@ def batch_mean_invstd(
     nothing is computed where that is not possible (the caller then updates them itself).
 
     Where channels are innermost (:func:`rows_by_channel`), y is large (``_KERNEL_MIN_ELEMENTS``)
-    and the cuda backend can run y, the backend's kernel (:mod:`spikefuse.cuda.channel_stats`)
+    or the running statistics are updated, and the cuda backend can run y, the backend's kernel (:mod:`spikefuse.cuda.channel_stats`)
     streams y at memory bandwidth, where torch's Welford kernel reaches a fraction of it (0.56
     TB/s in bfloat16 on an H100). Every other layout, dtype, a missing CuPy, or ``torch.compile``
     tracing keeps ``torch.batch_norm_stats`` (Welford in float32, any layout) on the [T*B, C, *]
     view.
     """
     rows = rows_by_channel(y)
-    large = y.numel() >= _KERNEL_MIN_ELEMENTS
+    large = running is not None or y.numel() >= _KERNEL_MIN_ELEMENTS
     # torch.compile traces torch's op: the kernel's launch (CuPy) is opaque to the compiler
     traced = torch.compiler.is_compiling()
     if large and not traced and rows is not None and unavailable_reason("cuda", y) is None:
