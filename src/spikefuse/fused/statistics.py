@@ -124,15 +124,14 @@ def batch_mean_invstd(
     Where channels are innermost (:func:`rows_by_channel`), y is large (``_KERNEL_MIN_ELEMENTS``)
     or the running statistics are updated, and the cuda backend can run y, the backend's kernel (:mod:`spikefuse.cuda.channel_stats`)
     streams y at memory bandwidth, where torch's Welford kernel reaches a fraction of it (0.56
-    TB/s in bfloat16 on an H100). Every other layout, dtype, a missing CuPy, or ``torch.compile``
-    tracing keeps ``torch.batch_norm_stats`` (Welford in float32, any layout) on the [T*B, C, *]
-    view.
+    TB/s in bfloat16 on an H100). Every other layout, dtype, or a missing CuPy keeps
+    ``torch.batch_norm_stats`` (Welford in float32, any layout) on the [T*B, C, *] view. Eager
+    only: under ``torch.compile`` neither op traces (CuPy launches are opaque, and
+    ``batch_norm_stats`` has no fake-tensor kernel), so the callers use ``torch.var_mean`` there.
     """
     rows = rows_by_channel(y)
     large = running is not None or y.numel() >= _KERNEL_MIN_ELEMENTS
-    # torch.compile traces torch's op: the kernel's launch (CuPy) is opaque to the compiler
-    traced = torch.compiler.is_compiling()
-    if large and not traced and rows is not None and unavailable_reason("cuda", y) is None:
+    if large and rows is not None and unavailable_reason("cuda", y) is None:
         if running is None or running[0].dtype == running[1].dtype == torch.float32:
             return _channel_stats()(rows, eps, running)
     if running is not None:
@@ -140,9 +139,16 @@ def batch_mean_invstd(
     return torch.batch_norm_stats(y.flatten(0, 1), eps)
 
 
+def _eager_cuda(y: Tensor) -> bool:
+    """Whether y's statistics can use the CUDA-only ops (:func:`batch_mean_invstd`, torch's
+    running update): a CUDA tensor, outside ``torch.compile`` tracing (there ``var_mean`` and
+    ``lerp_`` trace, and inductor fuses the float32 cast into the reduction)."""
+    return y.is_cuda and not torch.compiler.is_compiling()
+
+
 def _local_mean_var(y: Tensor) -> tuple[Tensor, Tensor]:
     """Per-channel mean and biased variance of y [T, B, C, *] in the compute dtype, one pass."""
-    if y.is_cuda:
+    if _eager_cuda(y):
         # float32 statistics of any storage dtype and layout without a float32 copy of y. They
         # come as 1/sqrt(var) (0 where var is 0).
         stats = batch_mean_invstd(y, 0.0)
@@ -255,7 +261,7 @@ def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
         return BNStats(mean, torch.rsqrt(var + bn.eps), weight, bias, 0)
     tracked = bn.num_batches_tracked
     update = tracked is not None and running_mean is not None and running_var is not None
-    if y.is_cuda and not is_distributed(bn.group):
+    if _eager_cuda(y) and not is_distributed(bn.group):
         local_count = y.numel() // y.shape[2]
         _check_count(local_count, y)
         if update:  # the statistics kernel updates them too, where it runs
