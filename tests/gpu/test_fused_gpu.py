@@ -169,7 +169,9 @@ def training_step(net: nn.Module, x: torch.Tensor, autocast: bool) -> dict:
 
 @pytest.mark.quick
 @pytest.mark.parametrize("memory", MEMORY_MODES)
-@pytest.mark.parametrize("T", [CHUNK // 2, max(AFFINE_CHUNK.values()) + 3])  # > 16: checkpoints
+@pytest.mark.parametrize(
+    "T", [CHUNK // 2, max(AFFINE_CHUNK.values()) + 3]
+)  # > every chunk: checkpoints
 def test_fused_model_matches_unfused(T, memory, no_tf32, record_property):
     """fp32 within 1e-4 over the output, x's gradient, the parameter gradients and the running
     statistics; bf16 autocast against the fp32 unfused model is recorded, not checked (bf16

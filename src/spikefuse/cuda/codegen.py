@@ -58,10 +58,12 @@ from .printer import EXACT_DIV, cuda_body
 BLOCK_THREADS = 256
 CHUNK = 8  # steps whose H stays in registers while backward walks them
 # Chunk of the channel-affine kernels (one neuron per thread in backward). With 16-bit storage a
-# float32 checkpoint costs 2/CHUNK of Y's bytes, so they take 16 steps (no checkpoint at all for
-# T <= 16; their backward is issue-bound and barely slows); float32 keeps 8, where the longer
-# chunk's registers cost a quarter of the backward's occupancy and 25% of its time (H200).
-AFFINE_CHUNK = {torch.float32: 8, torch.float16: 16, torch.bfloat16: 16}
+# float32 checkpoint costs 2/CHUNK of Y's bytes, so they take 12 steps (no checkpoint at all for
+# T <= 12): with 16 the chunk's registers held backward to 2 resident blocks per SM, and both
+# passes took 3.0-3.2 ms per medium-net bf16 step against 2.1 with 12 steps and 4 blocks (H100).
+# float32 keeps 8, where a longer chunk's registers cost a quarter of the backward's occupancy
+# and 25% of its time (H200).
+AFFINE_CHUNK = {torch.float32: 8, torch.float16: 12, torch.bfloat16: 12}
 LOAD_STEPS = 8  # forward: steps of input loaded ahead at once (a CHUNK's worth at most)
 VEC = 4  # neurons per thread when N and the pointers allow (16-byte fp32 / 8-byte 16-bit access)
 # Backward with 16-bit storage is bound by instruction issue, not memory: one neuron per thread
@@ -433,7 +435,7 @@ class NeuronKernel:
         more latency; float32 forward is at memory bandwidth either way."""
         if self.dtype in (torch.float16, torch.bfloat16) and not self.adaptive:
             return 4
-        return 2 if self.vec * self.chunk > 8 else 4
+        return 2 if self.vec * self.chunk > 12 else 4
 
     def prelude(self) -> str:
         """What the template needs defined before it (see the template's header)."""
@@ -448,10 +450,10 @@ class NeuronKernel:
             *storage.declarations(),
             f"constexpr int VEC = {self.vec};  // neurons per thread",
             f"constexpr int BLOCK_THREADS = {BLOCK_THREADS};",
-            "// Resident blocks per SM the register budget must allow (measured on an H200):",
-            "// backward 2 where registers hold more than 8 values of H per thread (CHUNK x VEC),",
-            "// else 4; forward 4 with 16-bit storage (H100, BN-folded bf16: 25% faster than 3).",
-            f"constexpr int MIN_BLOCKS = {2 if self.vec * self.chunk > 8 else 4};",
+            "// Resident blocks per SM the register budget must allow (measured on an H200 and an",
+            "// H100): backward 2 where registers hold more than 12 values of H per thread (CHUNK",
+            "// x VEC), else 4; forward 4 with 16-bit storage (BN-folded bf16: 25% faster than 3).",
+            f"constexpr int MIN_BLOCKS = {2 if self.vec * self.chunk > 12 else 4};",
             f"constexpr int FPTT_MIN_BLOCKS = {self._fptt_min_blocks()};",
             f"constexpr int CHUNK = {self.chunk};  // steps recomputed into registers by backward",
             f"constexpr int LOAD_STEPS = {LOAD_STEPS};  // steps forward loads ahead at once",

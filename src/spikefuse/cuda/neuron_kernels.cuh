@@ -152,16 +152,17 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
         w[k] = initial_w(a, n + k);
     }
     for (int t0 = 0; t0 < T; t0 += CHUNK) {
-        for (int g = t0; g < t0 + CHUNK && g < T; g += LOAD_STEPS) {
+        const int end = min(t0 + CHUNK, T);  // CHUNK need not be a multiple of LOAD_STEPS
+        for (int g = t0; g < end; g += LOAD_STEPS) {
             const long long base = g * N + n;  // element (g, n); step j is base + j*N
             pack_t xp[LOAD_STEPS];  // the group's loads first: independent, so they overlap
 #pragma unroll
             for (int j = 0; j < LOAD_STEPS; ++j)
-                if (g + j < T)
+                if (g + j < end)
                     xp[j] = load_pack(a.x_seq, base + j * N);
 #pragma unroll
             for (int j = 0; j < LOAD_STEPS; ++j) {
-                if (g + j >= T)
+                if (g + j >= end)
                     break;
                 pack_t sp, vp;
 #pragma unroll
@@ -264,18 +265,19 @@ __device__ __forceinline__ void neuron_fptt_pooled(const Args& a)
         w[k] = 0.0f;  // one-state neurons (affine kernels): unused
     }
     for (int t0 = 0; t0 < T; t0 += CHUNK) {
-        for (int g = t0; g < t0 + CHUNK && g < T; g += LOAD_STEPS) {
+        const int end = min(t0 + CHUNK, T);  // CHUNK need not be a multiple of LOAD_STEPS
+        for (int g = t0; g < end; g += LOAD_STEPS) {
             // the group's loads first: independent, so they overlap
             scalar_t yp[LOAD_STEPS][WINDOW];
 #pragma unroll
             for (int j = 0; j < LOAD_STEPS; ++j)
-                if (g + j < T)
+                if (g + j < end)
 #pragma unroll
                     for (int k = 0; k < WINDOW; ++k)
                         yp[j][k] = a.x_seq[(g + j) * N + first + window_offset(a, k)];
 #pragma unroll
             for (int j = 0; j < LOAD_STEPS; ++j) {
-                if (g + j >= T)
+                if (g + j >= end)
                     break;
                 float total = 0.0f;  // of the window's spikes
 #pragma unroll

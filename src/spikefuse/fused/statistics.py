@@ -106,10 +106,7 @@ def _channel_stats() -> Callable[[Tensor, float, RunningStats | None], tuple[Ten
 
 
 # Below this many elements the kernel's two launches cost more than torch's one (H100: a
-# [640, 1024] Linear output took 24 us against batch_norm_stats' 9-13 us; 2^21 took 42 vs 55)
-# when only the statistics are wanted. A training call that updates the running statistics
-# takes the kernel at any size: torch needs three launches then (statistics, the batch count,
-# the running update), and small maps are where the host, not the GPU, paces the step.
+# [640, 1024] Linear output took 24 us against batch_norm_stats' 9-13 us; 2^21 took 42 vs 55).
 _KERNEL_MIN_ELEMENTS = 1 << 21
 
 
@@ -122,7 +119,7 @@ def batch_mean_invstd(
     nothing is computed where that is not possible (the caller then updates them itself).
 
     Where channels are innermost (:func:`rows_by_channel`), y is large (``_KERNEL_MIN_ELEMENTS``)
-    or the running statistics are updated, and the cuda backend can run y, the backend's kernel (:mod:`spikefuse.cuda.channel_stats`)
+    and the cuda backend can run y, the backend's kernel (:mod:`spikefuse.cuda.channel_stats`)
     streams y at memory bandwidth, where torch's Welford kernel reaches a fraction of it (0.56
     TB/s in bfloat16 on an H100). Every other layout, dtype, or a missing CuPy keeps
     ``torch.batch_norm_stats`` (Welford in float32, any layout) on the [T*B, C, *] view. Eager
@@ -130,7 +127,7 @@ def batch_mean_invstd(
     ``batch_norm_stats`` has no fake-tensor kernel), so the callers use ``torch.var_mean`` there.
     """
     rows = rows_by_channel(y)
-    large = running is not None or y.numel() >= _KERNEL_MIN_ELEMENTS
+    large = y.numel() >= _KERNEL_MIN_ELEMENTS
     if large and rows is not None and unavailable_reason("cuda", y) is None:
         if running is None or running[0].dtype == running[1].dtype == torch.float32:
             return _channel_stats()(rows, eps, running)
