@@ -244,10 +244,11 @@ def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
     """The per-channel vectors to normalise y with; updates the running statistics in training.
 
     No autograd here: BNNeuronFunction's backward carries the gradient through the statistics.
-    On one CUDA process this is :func:`batch_mean_invstd` (two launches of the cuda backend's
-    statistics kernel where channels are innermost, else ``batch_norm_stats``) and, when the
-    running statistics are updated, the running-average update of
-    ``batch_norm_gather_stats_with_counts`` (unbiased variance, torch's BatchNorm formula).
+    On one CUDA process (eager) this is :func:`batch_mean_invstd`: two launches of the cuda
+    backend's statistics kernel where channels are innermost and the map is large, which also
+    count the batch and update the running statistics; else ``batch_norm_stats``, the counter's
+    ``add_`` and ``batch_norm_gather_stats_with_counts`` (unbiased variance, torch's BatchNorm
+    formula). Elsewhere (CPU, several processes, ``torch.compile``) ``var_mean`` and ``lerp_``.
     """
     cd = compute_dtype(y.dtype)
     weight, bias = _detached_as(bn.weight, cd), _detached_as(bn.bias, cd)
@@ -256,31 +257,30 @@ def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
         assert running_mean is not None and running_var is not None  # batch_stats=False: tracked
         mean, var = running_mean.to(cd), running_var.to(cd)
         return BNStats(mean, torch.rsqrt(var + bn.eps), weight, bias, 0)
-    tracked = bn.num_batches_tracked
-    update = tracked is not None and running_mean is not None and running_var is not None
+    running: RunningStats | None = None  # what this call updates (training, tracked statistics)
+    if bn.num_batches_tracked is not None and running_mean is not None and running_var is not None:
+        running = (running_mean, running_var, bn.num_batches_tracked, momentum)
     if _eager_cuda(y) and not is_distributed(bn.group):
         local_count = y.numel() // y.shape[2]
         _check_count(local_count, y)
-        if update:  # the statistics kernel updates them too, where it runs
-            assert tracked is not None and running_mean is not None and running_var is not None
-            stats = batch_mean_invstd(y, bn.eps, (running_mean, running_var, tracked, momentum))
+        if running is not None:  # the statistics kernel updates them too, where it runs
+            stats = batch_mean_invstd(y, bn.eps, running)
             if stats is not None:
                 return BNStats(*stats, weight, bias, local_count)
         # torch's update op takes a float factor: the cumulative average (1 / count, a device
         # value) updates on the generic path below
-        if not update or momentum is not None:
+        if running is None or momentum is not None:
             stats = batch_mean_invstd(y, bn.eps)
             assert stats is not None  # computed whenever no running statistics are passed
             mean, invstd = stats
-            if update and momentum is not None:
-                assert tracked is not None and running_mean is not None and running_var is not None
-                tracked.add_(1)
+            if running is not None and momentum is not None:
+                running[2].add_(1)
                 torch.batch_norm_gather_stats_with_counts(
                     y.flatten(0, 1),
                     mean[None],
                     invstd[None],
-                    running_mean,
-                    running_var,
+                    running[0],
+                    running[1],
                     momentum,
                     bn.eps,
                     _count_tensor(local_count, mean),
@@ -289,23 +289,11 @@ def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
     mean, var, count = batch_stats(y, bn.group)
     if isinstance(count, int):
         _check_count(count, y)
-    if update:
-        assert tracked is not None and running_mean is not None and running_var is not None
+    if running is not None:
+        running_mean, running_var, tracked, _ = running
         tracked.add_(1)
         factor = 1.0 / tracked if momentum is None else momentum
-        _lerp_running(running_mean, running_var, mean, var, count, factor)
+        unbiased = var * (count / (count - 1))
+        running_mean.lerp_(mean.to(running_mean.dtype), factor)
+        running_var.lerp_(unbiased.to(running_var.dtype), factor)
     return BNStats(mean, torch.rsqrt(var + bn.eps), weight, bias, count)
-
-
-def _lerp_running(
-    running_mean: Tensor,
-    running_var: Tensor,
-    mean: Tensor,
-    var: Tensor,
-    count: int | Tensor,
-    factor: float | Tensor,
-) -> None:
-    """running += factor (batch - running), with the unbiased batch variance."""
-    unbiased = var * (count / (count - 1))
-    running_mean.lerp_(mean.to(running_mean.dtype), factor)
-    running_var.lerp_(unbiased.to(running_var.dtype), factor)
