@@ -61,3 +61,23 @@ def test_affine_kernels_capability():
     assert backends.affine_kernels("torch") is None
     kernels = backends.affine_kernels("cuda")
     assert kernels is not None and callable(kernels.affine_fptt) and callable(kernels.affine_bptt)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(2, 3, 4, 5, 6),  # contiguous: channels outside the map
+        lambda: torch.zeros(6, 4, 5, 6).contiguous(memory_format=torch.channels_last),
+        lambda: torch.zeros(2, 3, 4),  # [T, B, C]: channels innermost
+        lambda: torch.zeros(2, 3, 1, 5, 6),  # one channel: both layouts at once
+        lambda: torch.zeros(2, 3, 8, 5, 6).permute(0, 1, 2, 4, 3),  # transposed map
+        lambda: torch.zeros(2, 3, 0, 5, 6),  # empty
+        lambda: torch.zeros(2, 3, 5, 6, 8)[..., :4].permute(0, 1, 4, 2, 3),  # not dense
+    ],
+)
+def test_channels_innermost_reads_the_geometry_as_is_contiguous_does(make):
+    y = make()
+    if y.dim() == 4:  # the [T*B, C, H, W] channels-last map as [T, B, C, H, W]
+        y = y.unflatten(0, (2, 3))
+    want = y.permute(0, 1, *range(3, y.dim()), 2).is_contiguous()
+    assert backends.channels_innermost(y.shape, y.stride()) == want

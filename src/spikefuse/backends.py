@@ -32,6 +32,21 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def channels_innermost(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a [T, B, C, *S] tensor of this geometry is dense with channels innermost in
+    memory (the [T, B, C, H, W] view of a channels-last convolution output; a contiguous [T, B,
+    C]), i.e. whether its permutation [T, B, *S, C] is contiguous, as ``is_contiguous`` decides
+    it. Read from the geometry alone: no tensor op on the launch paths that ask."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for dim in reversed((0, 1, *range(3, len(shape)), 2)):
+        if shape[dim] != 1 and stride[dim] != expected:
+            return False
+        expected *= shape[dim]
+    return True
+
+
 class FPTTOut(NamedTuple):
     spikes: torch.Tensor  # [T, *], x dtype
     v_seq: torch.Tensor | None  # [T, *], x dtype; None unless store_v_seq

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ..backends import channels_innermost
 from ..program import NeuronProgram
 from .codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, BLOCK_THREADS, POOLS, VEC
 from .runtime import (
@@ -27,20 +28,6 @@ from .runtime import (
     pointer,
     vector_width,
 )
-
-
-def channels_innermost(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """Whether a [T, B, C, *S] tensor of this geometry is dense with channels innermost in
-    memory (the [T, B, C, H, W] view of a channels-last convolution output), i.e. its
-    permutation [T, B, *S, C] is contiguous. Read from the geometry alone: no tensor op on the
-    launch path."""
-    order = (0, 1, *range(3, len(shape)), 2)
-    expected = 1
-    for dim in reversed(order):
-        if shape[dim] != 1 and stride[dim] != expected:
-            return False
-        expected *= shape[dim]
-    return True
 
 
 def channel_layout(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:

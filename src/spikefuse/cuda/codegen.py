@@ -429,13 +429,18 @@ class NeuronKernel:
             out.append(_device_function(_ADD_LEARNABLE_GRADS, adds, returns="void"))
         return out
 
+    def _bptt_min_blocks(self) -> int:
+        """Backward's launch bound: 2 resident blocks where registers hold more than 12 values
+        of H per thread (CHUNK x VEC), else 4."""
+        return 2 if self.vec * self.chunk > 12 else 4
+
     def _fptt_min_blocks(self) -> int:
         """Forward's launch bound: it keeps no chunk of H, so with 16-bit storage 64 registers
         hold a one-state neuron's forward without spilling, and the fourth resident block hides
-        more latency; float32 forward is at memory bandwidth either way."""
+        more latency; float32 forward is at memory bandwidth either way (backward's bound)."""
         if self.dtype in (torch.float16, torch.bfloat16) and not self.adaptive:
             return 4
-        return 2 if self.vec * self.chunk > 12 else 4
+        return self._bptt_min_blocks()
 
     def prelude(self) -> str:
         """What the template needs defined before it (see the template's header)."""
@@ -453,7 +458,7 @@ class NeuronKernel:
             "// Resident blocks per SM the register budget must allow (measured on an H200 and an",
             "// H100): backward 2 where registers hold more than 12 values of H per thread (CHUNK",
             "// x VEC), else 4; forward 4 with 16-bit storage (BN-folded bf16: 25% faster than 3).",
-            f"constexpr int MIN_BLOCKS = {2 if self.vec * self.chunk > 12 else 4};",
+            f"constexpr int MIN_BLOCKS = {self._bptt_min_blocks()};",
             f"constexpr int FPTT_MIN_BLOCKS = {self._fptt_min_blocks()};",
             f"constexpr int CHUNK = {self.chunk};  // steps recomputed into registers by backward",
             f"constexpr int LOAD_STEPS = {LOAD_STEPS};  // steps forward loads ahead at once",

@@ -223,7 +223,7 @@ class FusedBlock(nn.Module):
         merged = x.flatten(0, 1)
         recipe = recipe_of(merged)
         if recipe is None:  # nothing to recompute (e.g. the network's input)
-            return self._kind.forward(self.synapse, self._merged(x)).unflatten(0, x.shape[:2])
+            return self._synapse_call(x)
         if self._runs_channels_last(merged):  # recompute in the conv's layout
             recipe = _channels_last(recipe)
             merged = merged.contiguous(memory_format=torch.channels_last)

@@ -56,12 +56,13 @@ class NeuronCall:
         while the node's program, resolved backend, constants and reset value are unchanged:
         a block's call then costs no new object and no repeated backend lookups."""
         backend = node.resolve_backend(x)
+        v_init = 0.0 if node.v_reset is None else float(node.v_reset)
         if (
             previous is not None
             and previous.program is node.program
             and previous.backend == backend
             and previous.constants == node._constants
-            and previous.v_init == (0.0 if node.v_reset is None else node.v_reset)
+            and previous.v_init == v_init
         ):
             return previous
         program = node.program
@@ -74,7 +75,6 @@ class NeuronCall:
             raise SpikefuseError(
                 f"fused blocks support one-state neurons only; {type(node).__name__} has two states"
             )
-        v_init = 0.0 if node.v_reset is None else float(node.v_reset)
         # the node validates its constants on assignment and caches them
         constants = list(node._constants or node.constants())
         return cls(program, backend, constants, v_init)

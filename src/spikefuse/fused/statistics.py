@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends import compute_dtype, unavailable_reason
+from ..backends import channels_innermost, compute_dtype, unavailable_reason
 from ..errors import SpikefuseError
 from .device_constants import device_constant
 
@@ -91,10 +91,10 @@ def rows_by_channel(y: Tensor) -> Tensor | None:
     """y [T, B, C, *S] as the [rows, C] matrix its memory is, when channels are innermost and
     the rows dense (a channels-last Conv2d output; a contiguous Linear output [T, B, C]); else
     None (e.g. a contiguous Conv1d output, whose channels are not innermost). A view: no copy."""
-    channels_last = y.movedim(2, -1)
-    if not channels_last.is_contiguous():
+    if not channels_innermost(y.shape, y.stride()):
         return None
-    return channels_last.view(math.prod(channels_last.shape[:-1]), y.shape[2])
+    rows = math.prod((*y.shape[:2], *y.shape[3:]))
+    return y.movedim(2, -1).view(rows, y.shape[2])
 
 
 @functools.cache
