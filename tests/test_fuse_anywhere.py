@@ -114,10 +114,15 @@ def test_custom_forward_blocks_are_fused_in_place():
         ("blocks.0.conv1", "blocks.0.bn1", "blocks.0.sn1"),
         ("blocks.1.conv1", "blocks.1.bn1", "blocks.1.sn1"),
         ("blocks.1.downsample.0", "blocks.1.downsample.1", "blocks.1.downsample_sn"),
+        # BN -> residual addition -> neuron: fused by rewriting the block's forward
+        ("blocks.0.conv2", "blocks.0.bn2", "blocks.0.sn2"),
+        ("blocks.1.conv2", "blocks.1.bn2", "blocks.1.sn2"),
     ]
-    assert report.fused_fraction == 1.0 and report.chains == 4
+    assert [c.residual for c in report.fused] == [False] * 4 + [True] * 2
+    assert report.rewritten == ["blocks.0", "blocks.1"]
+    assert report.fused_fraction == 1.0 and report.chains == 6
+    assert "blocks.0.conv2 -> blocks.0.bn2 -> (+ shortcut) -> blocks.0.sn2" in str(report)
     reasons = {s.modules[0]: s.reason for s in report.skipped}
-    assert reasons["blocks.0.conv2"] == "the output of 'blocks.0.bn2' goes to add()"
     assert reasons["head"] == "the output of 'head' goes to the forward's return value"
     assert report.pools == ["stem.3"]
     # The user's classes stay; the BN and neuron attributes are Identity.
@@ -125,7 +130,8 @@ def test_custom_forward_blocks_are_fused_in_place():
     block = fused.blocks[1]
     assert isinstance(block.conv1, FusedBlock) and block.conv1.synapse is not model.blocks[1].conv1
     assert isinstance(block.bn1, nn.Identity) and isinstance(block.sn1, nn.Identity)
-    assert isinstance(block.conv2, layer.Conv2d) and isinstance(block.bn2, layer.BatchNorm2d)
+    assert isinstance(block.conv2, FusedBlock) and block.conv2.residual
+    assert isinstance(block.bn2, nn.Identity) and isinstance(block.sn2, nn.Identity)
     assert isinstance(block.downsample[0], FusedBlock) and isinstance(
         block.downsample_sn, nn.Identity
     )
@@ -249,10 +255,10 @@ def test_untraceable_forward_falls_back_to_the_module_tree():
     assert list(report.untraced) == ["<model>"]
     assert "TraceError" in report.untraced["<model>"] or "Proxy" in report.untraced["<model>"]
     assert report.traced == ["features", "extra"]
-    assert {c.modules[0] for c in report.fused} == {"features.0", "extra.conv1"}
+    assert {c.modules[0] for c in report.fused} == {"features.0", "extra.conv1", "extra.conv2"}
     unknown = next(s for s in report.skipped if s.modules == ("conv",))
     assert unknown.is_chain is None and "could not be traced" in unknown.reason
-    assert report.fused_fraction == pytest.approx(2 / 3)
+    assert report.fused_fraction == pytest.approx(3 / 4)
     assert isinstance(fused.conv, layer.Conv2d)
     x = torch.rand(T, B, 3, 6, 6, dtype=torch.float64) * 2
     assert_equivalent(model, fused, x)
@@ -455,3 +461,127 @@ def test_reading_a_fused_modules_attribute_names_the_block():
     ):
         _ = fused.body[1].running_mean
     assert not hasattr(fused.body[2], "v")
+
+
+# ---- residual chains: Conv -> BN -> (+ shortcut) -> neuron ------------------------------------
+class ResidualBlock(nn.Module):
+    """conv -> [bn] -> (+ shortcut) -> neuron, the addition written as ``form``."""
+
+    def __init__(self, form: str = "out + x", with_bn: bool = True) -> None:
+        super().__init__()
+        self.conv1, self.bn1, self.sn1 = conv(), bn(), lif()
+        self.conv2, self.bn2, self.sn2 = conv(), bn() if with_bn else None, lif()
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.conv2(self.sn1(self.bn1(self.conv1(x))))
+        if self.bn2 is not None:
+            out = self.bn2(out)
+        if self.form == "out + x":
+            out = out + x
+        elif self.form == "x + out":
+            out = x + out
+        elif self.form == "+=":
+            out += x
+        elif self.form == "torch.add":
+            out = torch.add(out, x)
+        else:
+            out = out.add(x)
+        return self.sn2(out)
+
+
+class ResidualNet(nn.Module):
+    def __init__(self, form: str = "out + x", with_bn: bool = True) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(conv(3, C), bn(), lif())
+        self.blocks = nn.Sequential(ResidualBlock(form, with_bn), ResidualBlock(form, with_bn))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.stem(x)).mean((3, 4))
+
+
+@pytest.mark.parametrize("form", ["out + x", "x + out", "+=", "torch.add", ".add"])
+def test_residual_chains_fuse_by_rewriting_the_forward(form):
+    """Both blocks' conv2 -> bn2 -> (+ x) -> sn2 become one FusedBlock called with the shortcut
+    (the second block's shortcut is the first's fused spikes: kept 1-bit packed); the class
+    stays, and so do the state_dict keys and every result."""
+    torch.manual_seed(0)
+    model = randomized(ResidualNet(form))
+    fused, report = fuse(model, return_report=True)
+    residual = [c.modules for c in report.fused if c.residual]
+    assert residual == [(f"blocks.{i}.conv2", f"blocks.{i}.bn2", f"blocks.{i}.sn2") for i in (0, 1)]
+    assert report.fused_fraction == 1.0 and report.rewritten == ["blocks.0", "blocks.1"]
+    block = fused.blocks[1]
+    assert type(block) is ResidualBlock and block.conv2.residual
+    assert isinstance(block.bn2, nn.Identity) and isinstance(block.sn2, nn.Identity)
+    assert list(fused.state_dict()) == list(model.state_dict())
+    x = torch.randn(T, B, 3, 8, 8, dtype=torch.float64) * 2
+    assert_equivalent(model, fused, x)
+    fused.train()
+    want = fused(x)
+    functional.reset_net(fused)
+    for twin in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        torch.testing.assert_close(twin(x), want, **FP64_TOL)
+
+
+def test_residual_chain_without_batchnorm_and_in_the_model_own_forward():
+    """conv -> (+ x) -> neuron in the forward of the model passed to fuse (inplace too)."""
+    torch.manual_seed(0)
+    model = randomized(ResidualBlock(with_bn=False))
+    reference = copy.deepcopy(model)
+    fused, report = fuse(model, inplace=True, return_report=True)
+    assert fused is model and type(fused) is ResidualBlock
+    assert [c.modules for c in report.fused if c.residual] == [("conv2", "sn2")]
+    assert report.rewritten == ["<model>"]
+    assert_equivalent(reference, fused, torch.randn(T, B, C, 8, 8, dtype=torch.float64) * 2)
+
+
+def test_residual_chain_of_a_forward_that_differs_by_mode_stays_unfused():
+    class ByMode(ResidualBlock):
+        def forward(self, x):
+            out = self.bn2(self.conv2(self.sn1(self.bn1(self.conv1(x)))))
+            return self.sn2(out + (x if self.training else 0.5 * x))
+
+    torch.manual_seed(0)
+    model = randomized(ByMode())
+    fused, report = fuse(model, return_report=True)
+    skipped = {s.modules: s.reason for s in report.skipped}
+    assert "differs between training and eval mode" in skipped[("conv2", "bn2", "sn2")]
+    assert isinstance(fused.conv2, layer.Conv2d) and not report.rewritten
+    assert_equivalent(model, fused, torch.randn(T, B, C, 8, 8, dtype=torch.float64) * 2)
+
+
+def test_residual_blocks_check_their_call_before_any_state_changes():
+    block = FusedBlock(conv(), bn(), lif(), residual=True).double()
+    x = torch.rand(T, B, C, 6, 6, dtype=torch.float64)
+    with pytest.raises(SpikefuseError, match=r"call it as block\(x, shortcut\)"):
+        block(x)
+    with pytest.raises(SpikefuseError, match="residual=True"):
+        FusedBlock(conv(), bn(), lif()).double()(x, x)
+    running = block.bn.running_mean.clone()
+    with pytest.raises(SpikefuseError, match="shaped like the synapse output"):
+        block(x, x[:, :, :, :3])
+    with pytest.raises(SpikefuseError, match="floating point"):
+        block(x, torch.ones(x.shape, dtype=torch.int64))
+    assert torch.equal(block.bn.running_mean, running) and block.bn.num_batches_tracked == 0
+
+
+def test_compiled_residual_network_is_one_graph_with_the_eager_results():
+    torch.manual_seed(0)
+    fused = fuse(randomized(ResidualNet()).float())
+    eager = copy.deepcopy(fused)
+    x = torch.randn(T, B, 3, 8, 8) * 2
+
+    def step(net: nn.Module) -> list[torch.Tensor]:
+        out = net(x)
+        out.square().sum().backward()
+        return [out.detach(), *(p.grad for p in net.parameters())]
+
+    torch.compiler.reset()
+    explanation = torch._dynamo.explain(copy.deepcopy(fused))(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    got, want = step(compiled), step(eager)
+    torch.compiler.reset()
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

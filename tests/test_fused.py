@@ -27,6 +27,7 @@ from spikefuse.fused import (
     paper_lif,
     recompute,
 )
+from spikefuse.fused.neuron_call import NeuronCall
 
 T, B = 3, 4
 # fp32: outputs are spikes and must match exactly; gradients differ only by summation order.
@@ -176,6 +177,26 @@ def test_block_reuses_its_neuron_call_until_the_node_changes():
     assert torch.equal(again(x), out)
     fresh = FusedBlock(block.synapse, block.bn, lif(v_threshold=0.05)).eval()
     assert torch.equal(fresh(x), out)
+
+
+def test_neuron_call_runs_any_time_major_layout_in_place():
+    """Channels-last maps (the fused Conv2d's layout on CUDA) go through the plain neuron
+    kernels in their memory order: spikes and dL/dx keep x's strides, own their memory (not
+    views) and equal the contiguous call's."""
+    torch.manual_seed(0)
+    node = neuron.ParametricLIFNode(init_tau=3.0, step_mode="m", backend="torch").double()
+    call = NeuronCall.from_node(node, torch.zeros(1))
+    merged = torch.randn(T * B, 4, 5, 6, dtype=torch.float64)
+    x = merged.contiguous(memory_format=torch.channels_last).unflatten(0, (T, B))
+    learnable = node.learnable_values(x.device, x.dtype)
+    grad = torch.randn(x.shape, dtype=x.dtype)
+    spikes, kept = call.forward(x, learnable, True)
+    want, _ = call.forward(x.contiguous(), learnable, True)
+    g, g_learnable = call.input_grad(x, learnable, grad, kept)
+    g_want, g_learnable_want = call.input_grad(x.contiguous(), learnable, grad, None)
+    assert spikes.stride() == x.stride() == g.stride() and spikes._base is None
+    assert torch.equal(spikes, want) and torch.equal(g, g_want)
+    assert torch.equal(g_learnable, g_learnable_want)
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,8 @@ from torch import nn
 from conftest import gen
 from spikefuse import fuse, layer
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, low_memory
-from spikefuse.fused.low_memory import mark_spikes, memory_order, pack_bits, unpack_bits
+from spikefuse.fused import FusedBlock, spike_bits
+from spikefuse.fused.spike_bits import mark_spikes, memory_order, pack_bits, unpack_bits
 from test_fused import (
     FP64_TOL,
     assert_same_training_step,
@@ -28,7 +28,7 @@ from test_fused import (
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_pack_bits_round_trip(n, dtype, step, monkeypatch):
-    monkeypatch.setattr(low_memory, "_PACK_STEP", step)  # several steps and a partial last one
+    monkeypatch.setattr(spike_bits, "_PACK_STEP", step)  # several steps and a partial last one
     spikes = (torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5).to(dtype)
     packed = pack_bits(spikes, (0,))
     assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
@@ -79,7 +79,7 @@ def test_only_tagged_spikes_are_packed():
 
 
 def _packs(x: torch.Tensor) -> bool:
-    from spikefuse.fused.low_memory import is_spikes
+    from spikefuse.fused.spike_bits import is_spikes
 
     return is_spikes(x)
 

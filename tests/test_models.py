@@ -27,8 +27,8 @@ CASES = {
     "spiking_vgg11": (models.spiking_vgg11, neuron.LIFNode, 32, 8 + 2),
     "spiking_vgg11_bn": (models.spiking_vgg11_bn, neuron.ParametricLIFNode, 32, 8 + 2),
     "spiking_vgg16_bn": (models.spiking_vgg16_bn, neuron.LIFNode, 32, 13 + 2),
-    "spiking_resnet18": (models.spiking_resnet18, neuron.LIFNode, 32, 1 + 8),
-    "spiking_resnet34": (models.spiking_resnet34, _if, 32, 1 + 16),
+    "spiking_resnet18": (models.spiking_resnet18, neuron.LIFNode, 32, 1 + 8 + 8),
+    "spiking_resnet34": (models.spiking_resnet34, _if, 32, 1 + 16 + 16),
     "sew_resnet18_ADD": (lambda **kw: models.sew_resnet18(cnf="ADD", **kw), _if, 32, 1 + 16 + 3),
     "sew_resnet18_IAND": (
         lambda **kw: models.sew_resnet18(cnf="IAND", **kw),
@@ -60,7 +60,7 @@ CASES = {
         32,
         1 + 32 + 3,
     ),
-    "spiking_resnet19": (models.spiking_resnet19, neuron.LIFNode, 8, 1 + 8 + 1),
+    "spiking_resnet19": (models.spiking_resnet19, neuron.LIFNode, 8, 1 + 8 + 8 + 1),
 }
 
 

@@ -87,7 +87,7 @@ def test_resnet19_trains_fused_on_the_digits(
     lines = capsys.readouterr().out.splitlines()
     # The grey digits are repeated to the RGB input the zoo's networks take.
     assert lines[0].startswith("device: cpu") and "model: spiking_resnet19" in lines[0]
-    assert lines[1] == "fuse: fused 10 of 10 Conv/Linear -> BatchNorm -> neuron chains (100%)"
+    assert lines[1] == "fuse: fused 18 of 18 Conv/Linear -> BatchNorm -> neuron chains (100%)"
     assert torch.load(path, weights_only=True)["config"]["architecture"] == "spiking_resnet19"
 
 

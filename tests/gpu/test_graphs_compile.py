@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from conftest import reldiff
-from spikefuse import functional, fuse, layer, neuron, surrogate
+from spikefuse import functional, fuse, layer, models, neuron, surrogate
 from spikefuse.graphs import capture_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.quick]
@@ -56,6 +56,34 @@ def sj_small() -> nn.Module:
     ).cuda()
 
 
+def sj_residual() -> nn.Module:
+    """Stem, two Spiking ResNet basic blocks (the second with a Conv1x1 -> BN downsample),
+    average pooling, classifier: fused, the blocks' forwards are rewritten (residual chains)."""
+    lif = dict(surrogate_function=surrogate.Sigmoid(), backend="cuda")
+
+    def block(cin: int, cout: int, stride: int) -> models.BasicBlock:
+        downsample = None
+        if stride != 1 or cin != cout:
+            downsample = nn.Sequential(
+                layer.Conv2d(cin, cout, 1, stride, bias=False, step_mode="m"),
+                layer.BatchNorm2d(cout, step_mode="m"),
+            )
+        return models.BasicBlock(
+            cin, cout, stride, downsample, spiking_neuron=neuron.LIFNode, step_mode="m", **lif
+        )
+
+    return nn.Sequential(
+        layer.Conv2d(3, 16, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(16, step_mode="m"),
+        neuron.LIFNode(step_mode="m", **lif),
+        block(16, 16, 1),
+        block(16, 32, 2),
+        layer.AdaptiveAvgPool2d(1, step_mode="m"),
+        layer.Flatten(step_mode="m"),
+        layer.Linear(32, 10, step_mode="m"),
+    ).cuda()
+
+
 def loss_and_grads(net: nn.Module, x, labels, amp: bool) -> torch.Tensor:
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp, cache_enabled=False):
         loss = torch.nn.functional.cross_entropy(net(x).mean(0).float(), labels)
@@ -68,13 +96,13 @@ def results(net: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"loss": loss.detach(), **{n: p.grad for n, p in net.named_parameters()}}
 
 
-@pytest.fixture
-def case(no_tf32):
+@pytest.fixture(params=["sj_small", "sj_residual"])
+def case(request, no_tf32):
     """(model before any step, its input, labels)."""
     torch.manual_seed(0)
     x = torch.rand(6, 8, 3, 16, 16, device="cuda")
     labels = torch.randint(0, 10, (8,), device="cuda")
-    return sj_small(), x, labels
+    return {"sj_small": sj_small, "sj_residual": sj_residual}[request.param](), x, labels
 
 
 def eager(base: nn.Module, x, labels, amp: bool) -> dict[str, torch.Tensor]:

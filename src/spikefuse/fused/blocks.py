@@ -16,9 +16,10 @@ from ..errors import SpikefuseError
 from ..neuron import BaseNode, LIFNode
 from ..ops import forbid_double_backward, run_neuron
 from .bn_neuron import BNNeuronFunction, bn_neuron_forward, kernels_pool
-from .low_memory import SynapseRecomputeFunction, mark_spikes
+from .low_memory import SynapseRecomputeFunction
 from .neuron_call import NeuronCall
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
+from .spike_bits import compact, expand, mark_spikes
 from .statistics import BNSpec, BNStats, bn_statistics, is_distributed, refuse_join
 from .traced import traced_bn_neuron
 
@@ -108,6 +109,14 @@ class FusedBlock(nn.Module):
             block; the same gradients; see :mod:`spikefuse.fused.low_memory`).
         pool: an ``nn.AvgPool2d`` (or ``layer.AvgPool2d``) averaging 2 x 2 windows with kernel =
             stride, no padding, ceil_mode or divisor_override, applied to the spikes; or None.
+        residual: the block adds a residual to the BatchNorm output before the neuron (Spiking
+            ResNet's ``sn2(bn2(conv2(x)) + shortcut)``): it is called as ``block(x, shortcut)``,
+            with ``shortcut`` shaped like the synapse output ``[T, B, C_out, *]``.
+
+    A residual block keeps the shortcut for backward at 1 bit per element when it is the spike
+    output of a fused block, else as it is; it runs BatchNorm as torch ops before the plain
+    neuron kernels (the BN-folded kernels add no residual), and keeps its synapse output y
+    also with ``memory="min"``.
     """
 
     # The neuron starts from its reset state on every call (read by
@@ -124,6 +133,7 @@ class FusedBlock(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         memory: str = "default",
         pool: nn.Module | None = None,
+        residual: bool = False,
     ) -> None:
         super().__init__()
         if memory not in MEMORY_MODES:
@@ -185,6 +195,7 @@ class FusedBlock(nn.Module):
         self._kind = kind
         self.process_group = process_group
         self.memory = memory
+        self.residual = residual
 
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
@@ -200,6 +211,22 @@ class FusedBlock(nn.Module):
             raise SpikefuseError("FusedBlock: the input has T = 0 time steps")
         if not x.dtype.is_floating_point:
             raise SpikefuseError(f"FusedBlock: input dtype must be floating point, got {x.dtype}")
+
+    def _check_residual(self, residual: Tensor | None, y: Tensor) -> None:
+        """A residual is a floating-point tensor shaped like the synapse output y."""
+        if residual is None:
+            return
+        if not isinstance(residual, Tensor) or residual.shape != y.shape:
+            shape = tuple(residual.shape) if isinstance(residual, Tensor) else type(residual)
+            raise SpikefuseError(
+                f"FusedBlock: the residual must be shaped like the synapse output "
+                f"{tuple(y.shape)}, got {shape}"
+            )
+        if not residual.dtype.is_floating_point or residual.device != y.device:
+            raise SpikefuseError(
+                f"FusedBlock: the residual must be floating point on {y.device}, got "
+                f"{residual.dtype} on {residual.device}"
+            )
 
     def _runs_channels_last(self, merged: Tensor) -> bool:
         """Whether the synapse runs channels-last: a Conv2d on CUDA (cuDNN's native layout, no
@@ -287,27 +314,43 @@ class FusedBlock(nn.Module):
             num_batches_tracked=bn.num_batches_tracked if update else None,
         )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         self._check_input(x)
+        if (residual is None) == self.residual:
+            raise SpikefuseError(
+                "FusedBlock: this block adds a residual: call it as block(x, shortcut) (its "
+                "module's forward was rewritten by fuse())"
+                if self.residual
+                else "FusedBlock: a residual needs a block made with residual=True"
+            )
         if torch.compiler.is_compiling():
-            return self._traced_forward(x)
-        if self.memory == "min" and torch.is_grad_enabled():
+            return self._traced_forward(x, residual)
+        if self.memory == "min" and torch.is_grad_enabled() and residual is None:
             return self._forward_min_memory(x)
         y = self._synapse_forward(x)
+        self._check_residual(residual, y)
         neuron, learnable, bn, stats = self._prepare(y)
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
-        grads = (y, weight, bias, learnable)
+        grads = (y, weight, bias, learnable, residual)
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
         # the kernels' pooling window: the block's, where they can pool themselves
-        folds = self.pool is not None and kernels_pool(y, stats, neuron, self._window)
+        folds = (
+            self.pool is not None
+            and residual is None
+            and kernels_pool(y, stats, neuron, self._window)
+        )
         pool = self._window if folds else 1
-        out = BNNeuronFunction.apply(y, weight, bias, learnable, stats, bn, neuron, save, pool)
+        kept = None if residual is None or not save else compact(residual)
+        out = BNNeuronFunction.apply(
+            y, weight, bias, learnable, stats, bn, neuron, save, pool, residual, kept
+        )
         if not save:
             return self._tagged(self._pooled(out, pool))
         y, learnable = y.detach(), None if learnable is None else learnable.detach()
 
         def recipe() -> Tensor:  # the kernels' output, recomputed
-            return bn_neuron_forward(y, stats, neuron, learnable, False, pool)[0]
+            shortcut = None if kept is None else expand(kept)
+            return bn_neuron_forward(y, stats, neuron, learnable, False, pool, shortcut)[0]
 
         return self._tagged(self._pooled(mark_recomputable(out, recipe), pool, recipe))
 
@@ -334,7 +377,7 @@ class FusedBlock(nn.Module):
         next block's binary input at 1 bit per element)."""
         return mark_spikes(out) if self.pool is None else out
 
-    def _traced_forward(self, x: Tensor) -> Tensor:
+    def _traced_forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """What ``torch.compile`` traces: the synapse, the eager block's statistics (and
         running-statistics update), then BatchNorm → neuron as the ``bn_neuron_fptt`` op of
         :mod:`spikefuse.fused.traced` (the BN-folded kernels with the cuda backend; opaque to
@@ -350,15 +393,32 @@ class FusedBlock(nn.Module):
             )
         y = self._kind.forward(self.synapse, self._merged(x))  # as in eager: the same layout
         y = y.unflatten(0, x.shape[:2])
+        self._check_residual(residual, y)
+        if residual is not None:  # torch's BatchNorm (it updates the running statistics)
+            normed = y
+            if self.bn is not None:
+                normed = (
+                    _BN_FOR[self._kind].forward(self.bn, y.flatten(0, 1)).unflatten(0, x.shape[:2])
+                )
+            return self._traced_neuron(normed + residual).to(y.dtype)  # as eager: y's dtype
         neuron, learnable, bn, stats = self._prepare(y)
         if bn is not None and stats is not None:  # the eager block's functions, as ops
             # (a pooling block pools the full spikes with torch ops: whether the kernels could
             # pool depends on the backend registry, which the compiler cannot trace)
             return self._pooled(traced_bn_neuron(y, stats, bn, neuron, learnable), 1)
+        return self._traced_neuron(y, neuron, learnable)
+
+    def _traced_neuron(
+        self, x: Tensor, neuron: NeuronCall | None = None, learnable: Tensor | None = None
+    ) -> Tensor:
+        """The neuron's own op on x (no BatchNorm left), pooled where the block pools."""
+        if neuron is None:
+            neuron = NeuronCall.from_node(self.node, x)
+            learnable = self.node.learnable_values(x.device, compute_dtype(x.dtype))
         spikes, _, _, _ = run_neuron(
             program=neuron.program,
             backend=neuron.backend,
-            x_seq=y,
+            x_seq=x,
             v0=None,
             w0=None,
             learnable=learnable,

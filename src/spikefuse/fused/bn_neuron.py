@@ -43,6 +43,7 @@ from torch import Tensor
 from ..backends import AffineKernels, compute_dtype
 from ..ops import forbid_double_backward
 from .neuron_call import Kept, NeuronCall
+from .spike_bits import Compact, expand
 from .statistics import BNSpec, BNStats, all_reduce_sums, is_distributed, reduce_dims
 
 
@@ -51,13 +52,21 @@ def _per_channel(v: Tensor, ndim: int) -> Tensor:
     return v.view(1, 1, -1, *([1] * (ndim - 3)))
 
 
-def _neuron_input(y: Tensor, stats: BNStats | None) -> Tensor:
-    """x = y * scale + shift in float32 (float64 stays); y itself when there is no BN."""
-    if stats is None:
-        return y
+def _neuron_input(y: Tensor, stats: BNStats | None, residual: Tensor | None = None) -> Tensor:
+    """x = y * scale + shift (+ residual) in float32 (float64 stays); y itself when there is
+    neither BN nor a residual."""
     cd = compute_dtype(y.dtype)
+    if stats is None:
+        return y if residual is None else y.to(cd) + residual
     nd, scale = y.dim(), stats.scale
-    return torch.addcmul(_per_channel(stats.shift(scale), nd), y.to(cd), _per_channel(scale, nd))
+    x = torch.addcmul(_per_channel(stats.shift(scale), nd), y.to(cd), _per_channel(scale, nd))
+    return x if residual is None else x.add_(residual)
+
+
+def _affine(neuron: NeuronCall, residual: Tensor | None) -> AffineKernels | None:
+    """The BN-folded kernels for this call, or None: they add no residual, so a residual
+    block's BatchNorm runs as torch ops before the plain neuron kernels."""
+    return neuron.affine if residual is None else None
 
 
 def kernels_pool(y: Tensor, stats: BNStats | None, neuron: NeuronCall, pool: int) -> bool:
@@ -85,13 +94,15 @@ def bn_neuron_forward(
     learnable: Tensor | None,
     save: bool,
     pool: int = 1,
+    residual: Tensor | None = None,
 ) -> tuple[Tensor, Kept]:
     """Spikes [T, B, C, *] in y's dtype (and layout, with the cuda backend) from the synapse
     output y (no BN when stats is None), and the neuron state backward may reuse (see
     :meth:`NeuronCall.forward`). ``pool`` = k > 1 (where :func:`kernels_pool`): the spikes
-    averaged over k x k windows [T, B, C, H/k, W/k] instead."""
+    averaged over k x k windows [T, B, C, H/k, W/k] instead. ``residual``: a tensor like y
+    added to the BN output (a residual block's shortcut; such a call never pools)."""
     _check_pool(stats, neuron, pool)
-    affine = neuron.affine
+    affine = _affine(neuron, residual)
     if stats is not None and affine is not None:
         spikes, checkpoints = affine.affine_fptt(
             program=neuron.program,
@@ -107,7 +118,7 @@ def bn_neuron_forward(
             pool=pool,
         )
         return spikes, ((checkpoints,) if save else None)
-    spikes, saved = neuron.forward(_neuron_input(y, stats), learnable, save)
+    spikes, saved = neuron.forward(_neuron_input(y, stats, residual), learnable, save)
     return spikes.to(y.dtype), saved
 
 
@@ -119,6 +130,7 @@ def bn_neuron_backward(
     grad_spikes: Tensor,
     saved: Kept,
     pool: int = 1,
+    residual: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward pass 1 (the paper's Alg. 2): recompute the neuron from y, BPTT, per-channel sums.
 
@@ -126,17 +138,19 @@ def bn_neuron_backward(
     g (y - mean) (None without BN), the gradient of the neuron's learnable parameters [P] and,
     optionally, g = dL/dx [T, B, C, *] in the compute dtype for pass 2 to reuse. The cuda
     backend returns g = None (pass 2 recomputes it: no [T, N] buffer is written); without BN
-    g is always given. ``pool``: the forward's (grad_spikes is then the pooled map's gradient).
+    g is always given, and so it is with a ``residual``. ``pool``, ``residual``: the forward's
+    (grad_spikes is then the pooled map's gradient).
     """
     _check_pool(stats, neuron, pool)
-    affine = neuron.affine
+    affine = _affine(neuron, residual)
     if stats is not None and affine is not None:
         _, sums, grad_learnable = _affine_backward(
             affine, neuron, y, grad_spikes, saved, learnable, stats, grad_y=False, pool=pool
         )
         return None, sums, grad_learnable
-    x = _neuron_input(y, stats)
+    x = _neuron_input(y, stats, residual)
     g, grad_learnable = neuron.input_grad(x, learnable, grad_spikes, saved)
+    del x  # before the sums allocate
     if stats is None:
         return g, None, grad_learnable
     dims = reduce_dims(y.dim())
@@ -190,15 +204,17 @@ def bn_input_grad(
     grad_spikes: Tensor,
     saved: Kept,
     pool: int = 1,
+    residual: Tensor | None = None,
 ) -> Tensor:
     """Backward pass 2 (the paper's Alg. 3): dL/dy in y's dtype.
 
     dL/dy = g * scale[c], plus with batch statistics (``totals``: pass 1's sums over all
     processes, times ``inv_count`` their means) the terms coef_y[c] y + coef_0[c] of the
     module docstring. Uses pass 1's g when given, overwriting it (so float32 needs no new
-    buffer), else recomputes g from y. ``pool``: the forward's.
+    buffer) unless there is a residual, else recomputes g from y. ``pool``, ``residual``: the
+    forward's.
     """
-    affine = neuron.affine
+    affine = _affine(neuron, residual)
     if affine is not None:
         grad_y, _, _ = _affine_backward(
             affine, neuron, y, grad_spikes, saved, learnable, stats, True, totals, inv_count, pool
@@ -206,9 +222,12 @@ def bn_input_grad(
         assert grad_y is not None  # pass 2 writes dL/dy
         return grad_y
     if g is None:
-        g, _ = neuron.input_grad(_neuron_input(y, stats), learnable, grad_spikes, saved)
+        g, _ = neuron.input_grad(_neuron_input(y, stats, residual), learnable, grad_spikes, saved)
     ndim, scale = y.dim(), stats.scale
-    grad_y = g.mul_(_per_channel(scale, ndim))
+    # g is dL/dresidual too: with a residual, dL/dy is a new tensor (else g is reused)
+    grad_y = (
+        g.mul_(_per_channel(scale, ndim)) if residual is None else g * _per_channel(scale, ndim)
+    )
     if totals is not None:  # the kernels' formula (codegen's channel loads), per channel
         mean_g = totals[0] * inv_count
         mean_gxhat = totals[1] * stats.invstd * inv_count
@@ -228,20 +247,26 @@ def bn_neuron_grads(
     saved: Kept,
     needs: tuple[bool, bool, bool],
     pool: int = 1,
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """The whole backward of spikes = neuron(BN(y)): ``(dL/dy, dL/dgamma, dL/dbeta,
-    dL/dlearnable)``, the last three None unless ``needs`` (gamma, beta, learnable) asks.
+    residual: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """The whole backward of spikes = neuron(BN(y) [+ residual]): ``(dL/dy, dL/dgamma,
+    dL/dbeta, dL/dlearnable, dL/dresidual)``; gamma's, beta's and learnable's None unless
+    ``needs`` (gamma, beta, learnable) asks, the residual's None without one (it is g).
 
     Pass 1 (:func:`bn_neuron_backward`), the per-channel sums (all-reduced when distributed),
     pass 2 (:func:`bn_input_grad`); ``saved`` is what the forward kept (see
-    :meth:`NeuronCall.forward`); ``pool``: the forward's (grad_spikes then of the pooled map)."""
+    :meth:`NeuronCall.forward`); ``pool``, ``residual``: the forward's (grad_spikes then of
+    the pooled map)."""
     g, sums, grad_learnable = bn_neuron_backward(
-        y, stats, neuron, learnable, grad_spikes, saved, pool
+        y, stats, neuron, learnable, grad_spikes, saved, pool, residual
     )
     grad_learnable = grad_learnable if needs[2] else None
+    # dL/dresidual = g (pass 2 leaves g as it is when there is a residual)
+    grad_residual = None if residual is None or g is None else g.to(residual.dtype)
     if stats is None or bn is None or sums is None:  # no BN: pass 1 always gives g
         assert g is not None
-        return g.to(y.dtype), None, None, grad_learnable
+        grad_y = g.to(y.dtype, copy=residual is not None)  # never the residual's tensor too
+        return grad_y, None, None, grad_learnable, grad_residual
     grad_weight = sums[1] * stats.invstd if needs[0] else None
     grad_bias = sums[0] if needs[1] else None
     totals, inv_count = None, 0.0
@@ -253,9 +278,9 @@ def bn_neuron_grads(
             totals, count = totals / count, 1
         inv_count = 1.0 / count
     grad_y = bn_input_grad(
-        g, y, stats, totals, inv_count, neuron, learnable, grad_spikes, saved, pool
+        g, y, stats, totals, inv_count, neuron, learnable, grad_spikes, saved, pool, residual
     )
-    return grad_y, grad_weight, grad_bias, grad_learnable
+    return grad_y, grad_weight, grad_bias, grad_learnable, grad_residual
 
 
 def _as_dtype(grad: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
@@ -311,13 +336,17 @@ def bn_param_grads(
 
 
 class BNNeuronFunction(torch.autograd.Function):
-    """spikes = neuron(BN(y)); saves y and per-channel vectors only (see the module docstring).
+    """spikes = neuron(BN(y) [+ residual]); saves y and per-channel vectors only (see the module
+    docstring), and a residual as ``kept_residual``.
 
-    ``apply(y, weight, bias, learnable, stats, bn, neuron, save, pool)``: ``stats`` from
-    :func:`~spikefuse.fused.statistics.bn_statistics` (None: no BN); ``weight``/``bias`` are
-    BN's gamma/beta (or None), inputs so that autograd tracks them (``stats`` already holds
-    their values); ``save`` whether a backward will follow (keep the neuron's checkpoints);
-    ``pool`` = k > 1 (where :func:`kernels_pool`): return the spikes averaged over k x k windows.
+    ``apply(y, weight, bias, learnable, stats, bn, neuron, save, pool, residual,
+    kept_residual)``: ``stats`` from :func:`~spikefuse.fused.statistics.bn_statistics` (None: no
+    BN); ``weight``/``bias`` are BN's gamma/beta (or None), inputs so that autograd tracks them
+    (``stats`` already holds their values); ``save`` whether a backward will follow (keep the
+    neuron's checkpoints); ``pool`` = k > 1 (where :func:`kernels_pool`): return the spikes
+    averaged over k x k windows; ``residual``: a tensor like y added to the BN output (None:
+    none), kept for backward as ``kept_residual`` (itself, or its 1-bit packing when it is
+    spikes: :func:`~spikefuse.fused.spike_bits.compact`).
     """
 
     @staticmethod
@@ -332,8 +361,10 @@ class BNNeuronFunction(torch.autograd.Function):
         neuron: NeuronCall,
         save: bool = True,
         pool: int = 1,
+        residual: Tensor | None = None,
+        kept_residual: Compact | None = None,
     ) -> Tensor:
-        spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, save, pool)
+        spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, save, pool, residual)
         save_bn_context(
             ctx,
             y,
@@ -345,7 +376,7 @@ class BNNeuronFunction(torch.autograd.Function):
             neuron=neuron,
             bn=bn,
         )
-        ctx.pool = pool
+        ctx.pool, ctx.kept_residual = pool, kept_residual
         return spikes
 
     @staticmethod
@@ -353,8 +384,10 @@ class BNNeuronFunction(torch.autograd.Function):
         forbid_double_backward("a fused block (BNNeuronFunction)")
         y, learnable, stats, saved = load_bn_context(ctx)
         needs = ctx.needs_input_grad[1:4]
-        grad_y, grad_weight, grad_bias, grad_learnable = bn_neuron_grads(
-            y, stats, ctx.bn, ctx.neuron, learnable, grad_spikes, saved, needs, ctx.pool
+        residual = None if ctx.kept_residual is None else expand(ctx.kept_residual)
+        grad_y, grad_weight, grad_bias, grad_learnable, grad_residual = bn_neuron_grads(
+            y, stats, ctx.bn, ctx.neuron, learnable, grad_spikes, saved, needs, ctx.pool, residual
         )
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
-        return grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None, None
+        grads = (grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None, None)
+        return *grads, grad_residual, None

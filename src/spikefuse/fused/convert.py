@@ -7,7 +7,9 @@ the containers or custom ``forward`` methods, and replaces each by a :class:`Fus
    layers, :class:`FusedBlock` and :class:`SpikePool` are leaves), in training and in eval
    mode, and if the forward has optional arguments, also with them at their defaults; only
    chains that every variant agrees on are fused. A chain is a call of a synapse whose output is used only by a BatchNorm call
-   whose output is used only by a neuron call (or the synapse directly followed by the neuron).
+   whose output is used only by a neuron call (or the synapse directly followed by the neuron),
+   or, a *residual chain*, only by an addition ``+ shortcut`` whose result is used only by a
+   neuron call (Spiking ResNet's ``sn2(bn2(conv2(out)) + identity)``).
 2. The traced graph is only evidence: the model is patched in place, keeping the user's
    classes. The synapse's attribute becomes the FusedBlock (which holds the original synapse,
    BatchNorm and neuron), the BatchNorm's and neuron's attributes become :class:`FusedAway`
@@ -15,6 +17,11 @@ the containers or custom ``forward`` methods, and replaces each by a :class:`Fus
    chain did. A 2 x 2 average pooling that is the sole user of a Conv2d chain's spikes is folded
    into the block too (its attribute becomes :class:`FusedAway`; the report says which pools
    were folded and why others were not).
+   A residual chain's addition cannot be patched that way: the lowest module whose own
+   forward holds the chain gets, as its ``forward`` attribute, the code of its traced graph in
+   which synapse, BatchNorm, addition and neuron are one call ``block(x, shortcut)`` (an
+   ``fx.GraphModule`` sharing the module's children, parameters and buffers; its class and
+   the class's ``forward`` stay). That needs the same graph in every traced variant.
 3. Where tracing fails (data-dependent control flow, ...), each child is tried on its own and
    an ``nn.Sequential``'s children are searched in order (its forward is known).
 4. State dict hooks on the module holding each chain save the chain's parameters and buffers
@@ -27,11 +34,13 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import operator
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeGuard, overload
 
+import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -62,11 +71,14 @@ class FusedChain:
 
     ``modules``: the original modules' names (synapse, [BatchNorm], neuron); ``block``: where
     the FusedBlock is (the synapse's name; the others are now :class:`FusedAway`); ``pool``:
-    the average pooling folded into the block (also a :class:`FusedAway` now), or None."""
+    the average pooling folded into the block (also a :class:`FusedAway` now), or None;
+    ``residual``: whether a residual addition sits before the neuron (``neuron(BN(synapse(x))
+    + shortcut)``; the forward holding it now runs a rewritten graph, see :func:`fuse`)."""
 
     block: str
     modules: tuple[str, ...]
     pool: str | None = None
+    residual: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,7 +104,8 @@ class FuseReport:
     ``pools``: pooling layers now :class:`SpikePool`; ``unfolded_pools``: pooling layers right
     after a fused chain that were not folded into its block (name → why); ``traced``: modules
     whose forward was traced with torch.fx; ``untraced``: modules whose forward could not be
-    traced (name → error), searched as a module tree instead. The folded pools:
+    traced (name → error), searched as a module tree instead; ``rewritten``: modules whose
+    forward now runs a rewritten graph (they hold residual chains). The folded pools:
     :attr:`folded_pools`."""
 
     fused: list[FusedChain] = field(default_factory=list)
@@ -101,6 +114,7 @@ class FuseReport:
     unfolded_pools: dict[str, str] = field(default_factory=dict)
     traced: list[str] = field(default_factory=list)
     untraced: dict[str, str] = field(default_factory=dict)
+    rewritten: list[str] = field(default_factory=list)
 
     @property
     def chains(self) -> int:
@@ -123,7 +137,9 @@ class FuseReport:
             f"chains ({100 * self.fused_fraction:.0f}%)"
         ]
         lines += [
-            f"  fused: {' -> '.join(c.modules)}"
+            f"  fused: {' -> '.join(c.modules[:-1])}"
+            + (" -> (+ shortcut)" if c.residual else "")
+            + f" -> {c.modules[-1]}"
             + (f", pooling {c.pool} folded in" if c.pool is not None else "")
             for c in self.fused
         ]
@@ -133,6 +149,8 @@ class FuseReport:
         lines += [f"  pooling not folded: {n}: {why}" for n, why in self.unfolded_pools.items()]
         if self.traced:
             lines.append(f"  traced with torch.fx: {', '.join(self.traced)}")
+        if self.rewritten:
+            lines.append(f"  forward rewritten (residual chains): {', '.join(self.rewritten)}")
         lines += [
             f"  not traceable, searched as a module tree: {name}: {error}"
             for name, error in self.untraced.items()
@@ -254,6 +272,28 @@ def _sole_user(node: fx.Node) -> fx.Node | None:
     return user if plain else None
 
 
+_ADDITIONS = {operator.add, operator.iadd, torch.add}
+
+
+def _residual_addition(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(the addition, the shortcut) if ``node``'s output is used only by an addition of two
+    tensors, ``node + shortcut`` (or ``shortcut + node``, ``torch.add``, ``+=``, ``.add``)."""
+    users = list(node.users)
+    if len(users) != 1:
+        return None
+    add = users[0]
+    is_add = (add.op == "call_function" and add.target in _ADDITIONS) or (
+        add.op == "call_method" and add.target in ("add", "add_")
+    )
+    if not is_add or add.kwargs or len(add.args) != 2:
+        return None
+    first, second = add.args
+    shortcut = second if first is node else first
+    if shortcut is node or node not in add.args or not isinstance(shortcut, fx.Node):
+        return None
+    return add, shortcut
+
+
 # ---- examining one traced graph -------------------------------------------------------------
 @dataclass(frozen=True)
 class _Chain:
@@ -261,6 +301,7 @@ class _Chain:
     bn: str | None  # a separate BatchNorm call (None: none, or inside the synapse's container)
     node: str
     pool: str | None = None  # an average pooling folded in
+    addition: str | None = None  # the graph node adding a shortcut before the neuron
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -327,6 +368,9 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
             chain_nodes.append(nxt)
             nxt = _sole_user(last)
         names = tuple(full(n.target) for n in chain_nodes)
+        residual = _residual_addition(last) if nxt is None else None
+        if residual is not None:
+            nxt = _sole_user(residual[0])
         if nxt is None or not isinstance(modules[nxt.target], BaseNode):
             users = list(last.users)
             where = ", ".join(describe(u) for u in users) or "nothing"
@@ -338,6 +382,11 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
             continue
         chain_nodes.append(nxt)
         names = tuple(full(n.target) for n in chain_nodes)
+        joined = next((c for c in found.chains.values() if c.node == nxt.target), None)
+        if joined is not None:  # the addition's other operand is fused with the neuron
+            shortcut = f"the shortcut of the residual chain at '{full(joined.synapse)}'"
+            found.skipped[call.target] = SkippedCandidate(names[:-1], shortcut, False)
+            continue
         reason: str | None
         synapse_bn = _as_synapse_bn(module)
         if synapse_bn is None:
@@ -348,12 +397,15 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
             reason = _node_problem(modules[nxt.target])
         targets = [n.target for n in chain_nodes]
         reason = reason or next(filter(None, map(shared, targets)), None)
+        if reason is None and (len(call.args) != 1 or call.kwargs):
+            reason = f"'{full(call.target)}' is called with more than one input"
         if reason is not None:
             found.skipped[call.target] = SkippedCandidate(names, reason, True)
             continue
         bn_name = None if bn_call is None else str(bn_call.target)
         pool = _folded_pool(nxt, synapse_bn, modules, shared, found, full)
-        found.chains[call.target] = _Chain(call.target, bn_name, str(nxt.target), pool)
+        addition = None if residual is None else residual[0].name
+        found.chains[call.target] = _Chain(call.target, bn_name, str(nxt.target), pool, addition)
     return found
 
 
@@ -526,8 +578,66 @@ def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent), leaf, module)
 
 
-def _parent(name: str) -> list[str]:
-    return name.split(".")[:-1]
+def _common_parent(names: tuple[str, ...]) -> list[str]:
+    """The path (as parts) of the lowest module holding all the modules ``names``."""
+    common = []
+    for parts in zip(*(name.split(".")[:-1] for name in names), strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return common
+
+
+def _rewrite_forward(module: nn.Module, path: str, synapses: set[str]) -> tuple[str, list[_Chain]]:
+    """Make ``module``'s forward call each residual chain's FusedBlock with the shortcut.
+
+    ``synapses``: the chains' synapse names, relative to ``module``. The forward is traced
+    (training and eval mode, and its optional arguments at their defaults: all must give the
+    same graph); in the graph, each chain's synapse, BatchNorm, addition and neuron calls become
+    one call ``synapse(x, shortcut)``, and the module's ``forward`` becomes that graph's code
+    (an ``fx.GraphModule`` running on the module's own children, parameters and buffers; the
+    class's forward stays). Returns ("", the chains) once rewritten, or (why not, [])."""
+    if _Tracer().is_leaf_module(module, path):
+        return f"'{_display(path)}' is called as one module", []
+    try:
+        graphs = _trace(module)
+    except Exception as error:  # any failure: no rewrite here
+        return f"the forward of {_display(path)} could not be traced ({type(error).__name__})", []
+    if len({graph.python_code("self").src for _, graph in graphs}) > 1:
+        return (
+            f"the forward of {_display(path)} differs between training and eval mode or with its "
+            "optional arguments; residual chains fuse where it does not",
+            [],
+        )
+    findings = _merge([(label, _examine(graph, module, path)) for label, graph in graphs], path)
+    chains = [c for c in findings.chains.values() if c.addition is not None]
+    chains = [c for c in chains if c.synapse in synapses]
+    if len(chains) != len(synapses):
+        return f"the forward of {_display(path)} does not hold the whole chain", []
+    graph = graphs[0][1]
+    nodes = {node.name: node for node in graph.nodes}
+    for chain in chains:
+        addition = nodes[chain.addition]
+        (neuron,) = addition.users
+        synapse = next(
+            n for n in graph.nodes if n.op == "call_module" and n.target == chain.synapse
+        )
+        last = synapse if chain.bn is None else next(iter(synapse.users))
+        residual = _residual_addition(last)
+        assert residual is not None and residual[0] is addition  # _examine found it
+        with graph.inserting_before(neuron):
+            call = graph.call_module(chain.synapse, (synapse.args[0], residual[1]))
+        neuron.replace_all_uses_with(call)
+        for dead in dict.fromkeys((neuron, addition, last, synapse)):
+            graph.erase_node(dead)
+    for node in graph.nodes:  # string annotations (postponed evaluation) would not pickle
+        node.type = None
+    graph.lint()
+    rewritten = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    for attribute in ("_modules", "_parameters", "_buffers"):  # the module's own, shared
+        rewritten.__dict__[attribute] = module.__dict__[attribute]
+    module.forward = rewritten.forward
+    return "", chains
 
 
 class FusedAttributeError(SpikefuseError, AttributeError):
@@ -592,19 +702,14 @@ def _replace(
     assert isinstance(node, BaseNode)  # _examine found it
     originals["node"] = chain.node
     pool = None if chain.pool is None else _as_pool(root.get_submodule(chain.pool))
-    fused = FusedBlock(synapse, bn, node, process_group, memory, pool)
+    residual = chain.addition is not None
+    fused = FusedBlock(synapse, bn, node, process_group, memory, pool, residual)
     _set_submodule(root, chain.synapse, fused)
     block = _join(path, chain.synapse)
     roles = {chain.node: "node", chain.pool: "pool"}
     for name in (*chain.names[1:], *([chain.pool] if chain.pool is not None else [])):
         _set_submodule(root, name, FusedAway(_join(path, name), block, roles.get(name, "bn")))
-    parents = [_parent(name) for name in chain.names]
-    common = []
-    for parts in zip(*parents, strict=False):
-        if len(set(parts)) != 1:
-            break
-        common.append(parts[0])
-    holder = ".".join(common)
+    holder = ".".join(_common_parent(chain.names))
     skip = len(holder) + 1 if holder else 0
     renames = tuple(
         (f"{chain.synapse}.{attribute}."[skip:], f"{original}."[skip:])
@@ -670,13 +775,44 @@ class _Fuser:
             assert pool is not None  # _examine found it
             _set_submodule(root, name, SpikePool(pool))
             self.report.pools.append(_join(path, name))
+        owners: dict[str, list[_Chain]] = defaultdict(list)
         for chain in findings.chains.values():
-            _replace(root, path, chain, self.process_group, self.memory)
-            names = tuple(_join(path, n) for n in chain.names)
-            folded_pool = None if chain.pool is None else _join(path, chain.pool)
-            self.report.fused.append(FusedChain(names[0], names, folded_pool))
+            if chain.addition is not None:  # fused by rewriting the forward that adds
+                owners[".".join(_common_parent(chain.names))].append(chain)
+                continue
+            self._fuse(root, path, chain)
         self.report.skipped.extend(findings.skipped.values())
         self.report.unfolded_pools.update(findings.unfolded_pools)
+        for owner, chains in owners.items():
+            self._rewrite(root, path, owner, chains)
+
+    def _fuse(self, root: nn.Module, path: str, chain: _Chain) -> None:
+        _replace(root, path, chain, self.process_group, self.memory)
+        names = tuple(_join(path, n) for n in chain.names)
+        folded_pool = None if chain.pool is None else _join(path, chain.pool)
+        residual = chain.addition is not None
+        self.report.fused.append(FusedChain(names[0], names, folded_pool, residual))
+
+    def _rewrite(self, root: nn.Module, path: str, owner: str, chains: list[_Chain]) -> None:
+        """Fuse residual chains (relative to ``root``) by rewriting the forward that adds: the
+        lowest module holding a chain's modules whose own forward holds the whole chain
+        (``owner`` first, then its ancestors up to ``root``)."""
+        parts = owner.split(".") if owner else []
+        problem = ""
+        for depth in range(len(parts), -1, -1):
+            name = ".".join(parts[:depth])
+            module, module_path = root.get_submodule(name), _join(path, name) if name else path
+            synapses = {c.synapse[len(name) + 1 :] if name else c.synapse for c in chains}
+            problem, found = _rewrite_forward(module, module_path, synapses)
+            if problem:
+                continue
+            for chain in found:
+                self._fuse(module, module_path, chain)
+            self.report.rewritten.append(_display(module_path))
+            return
+        for chain in chains:
+            names = tuple(_join(path, n) for n in chain.names)
+            self.report.skipped.append(SkippedCandidate(names, problem, True))
 
 
 @overload
@@ -722,14 +858,19 @@ def fuse(
     * whose output is used only by a matching ``layer.BatchNorm*d(step_mode='m')`` (or
       ``SeqToANNContainer(batchnorm)``), whose output is used only by
     * a one-state spikefuse neuron with ``step_mode='m'`` and ``store_v_seq=False``
-      (the BatchNorm may be absent).
+      (the BatchNorm may be absent);
+    * or, a residual chain, whose output is used only by an addition of a shortcut (``out +
+      identity``, ``+=``, ``torch.add``) whose result is used only by such a neuron (Spiking
+      ResNet's second half-block). The forward that adds is rewritten: it calls the FusedBlock
+      as ``block(x, shortcut)`` (see :class:`FusedBlock`'s ``residual``); its traced graph must
+      be the same in every variant below. Of two chains into one addition (a Conv → BN
+      downsample branch), the first called is fused and the other is its shortcut.
 
     Each module of a chain must be called once per forward, the same way in training and eval
     mode and with the forward's optional arguments given or left at their defaults, be
     registered under one name, not be read as an attribute by the forward
-    (``self.conv1.weight``) and have no forward hooks. Everything else (residual additions,
-    SEW connect functions, Conv → BN downsample branches, Dropout between layers, ...) stays as
-    it is. A multi-step 2 x 2 ``AvgPool2d`` (kernel = stride, no padding, ceil_mode or
+    (``self.conv1.weight``) and have no forward hooks. Everything else (SEW connect functions,
+    Conv → BN downsample branches, Dropout between layers, ...) stays as it is. A multi-step 2 x 2 ``AvgPool2d`` (kernel = stride, no padding, ceil_mode or
     divisor_override) called once, right after a Conv2d chain's neuron as the sole user of its
     spikes, is folded into the block (``fold_pools``; the block's output is then the pooled map,
     which the cuda kernels compute without writing the full spikes); the report names the
@@ -744,7 +885,9 @@ def fuse(
     not copied), and the BatchNorm's and neuron's attributes become :class:`FusedAway`: an
     ``nn.Identity`` that raises :class:`FusedAttributeError` naming the block when the forward
     reads an attribute of the module that was there (fused blocks keep no per-step state, such
-    as a neuron's ``.v``). The state_dict keys stay those of the unfused model
+    as a neuron's ``.v``); a module whose forward adds a residual chain's shortcut gets the
+    rewritten forward described above (the report's ``rewritten``). The state_dict keys stay
+    those of the unfused model
     (``named_parameters`` shows the blocks' names, e.g. ``conv1.synapse.weight``), so state
     dicts of fused and unfused models load into each other with ``strict=True``; the fused
     naming loads too.

@@ -29,84 +29,12 @@ from .bn_neuron import (
     load_bn_context,
     save_bn_context,
 )
-from .device_constants import device_constant
 from .neuron_call import NeuronCall
+from .spike_bits import PackedSpikes, is_spikes
 from .statistics import BNSpec, BNStats
 
 if TYPE_CHECKING:
     from .blocks import FusedBlock
-
-_SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
-
-
-def mark_spikes(t: Tensor) -> Tensor:
-    """Tag ``t`` as binary spikes (until it is modified in place); returns t."""
-    setattr(t, _SPIKES, t._version)
-    return t
-
-
-def is_spikes(t: Tensor) -> bool:
-    """Whether ``t`` (or the tensor it is a view of) is tagged as unmodified spikes."""
-    for candidate in (t, t._base):
-        if candidate is not None and getattr(candidate, _SPIKES, None) == candidate._version:
-            return True
-    return False
-
-
-def _bit_weights(device: torch.device) -> Tensor:
-    return device_constant(
-        ("bit weights", device),
-        lambda: torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device),
-    )
-
-
-def memory_order(t: Tensor) -> tuple[int, ...]:
-    """The dimension order in which ``t``'s elements lie in memory (outermost first), when
-    that order is dense (e.g. a channels-last map), else the logical order."""
-    strides = t.stride()
-    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
-    return order if t.permute(order).is_contiguous() else tuple(range(t.dim()))
-
-
-# Elements packed or unpacked per step (a multiple of 8): the temporaries stay this size
-# (16 MiB of bool) instead of growing with the block, at a handful of launches per step.
-_PACK_STEP = 1 << 24
-
-
-def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
-    """0/1 values → uint8 [ceil(n / 8)] (bit k of byte i: element 8 i + k), read in ``order``
-    (:func:`memory_order`: no copy)."""
-    flat = spikes.permute(order).reshape(-1)
-    n = flat.numel()
-    packed = torch.empty(-(-n // 8), dtype=torch.uint8, device=flat.device)
-    weights = _bit_weights(flat.device)
-    for start in range(0, n, _PACK_STEP):
-        part = flat[start : start + _PACK_STEP] != 0
-        pad = -part.numel() % 8  # only in the last, partial byte
-        if pad:
-            part = torch.cat([part, part.new_zeros(pad)])
-        bits = part.view(-1, 8).to(torch.uint8) * weights
-        packed[start // 8 : start // 8 + bits.shape[0]] = bits.sum(dim=1, dtype=torch.uint8)
-    return packed
-
-
-def unpack_bits(
-    packed: Tensor, shape: torch.Size, dtype: torch.dtype, order: tuple[int, ...]
-) -> Tensor:
-    """The inverse of :func:`pack_bits`: a tensor of ``shape`` with the packed tensor's memory
-    layout (a dense ``order``)."""
-    n = shape.numel()
-    flat = torch.empty(n, dtype=dtype, device=packed.device)
-    weights = _bit_weights(packed.device)
-    for start in range(0, n, _PACK_STEP):
-        part = flat[start : start + _PACK_STEP]
-        byte = packed[start // 8 : start // 8 + -(-part.numel() // 8)]
-        bits = (byte[:, None] & weights) != 0
-        part.copy_(bits.view(-1)[: part.numel()])
-    dense = flat.view([shape[d] for d in order])
-    inverse = sorted(range(len(order)), key=lambda d: order[d])
-    return dense.permute(inverse)
-
 
 Synapse = nn.Linear | _ConvNd
 
@@ -210,9 +138,8 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         *synapse_params,
     ):
         spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, True)
-        packed = is_spikes(x)
-        order = memory_order(x) if packed else ()  # read only to unpack
-        kept = pack_bits(x, order) if packed else x
+        packed = PackedSpikes.of(x) if is_spikes(x) else None
+        kept = x if packed is None else packed.bits
         save_bn_context(
             ctx,
             kept,
@@ -224,7 +151,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             neuron=neuron,
             bn=bn,
         )
-        ctx.geometry = (x.shape, x.dtype, packed, order)
+        ctx.geometry, ctx.packed = (x.shape, x.dtype), packed
         # backward runs outside the forward's autocast context: recompute y under the same one
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
@@ -236,12 +163,12 @@ class SynapseRecomputeFunction(torch.autograd.Function):
     def backward(ctx, grad_spikes):
         forbid_double_backward("a fused block (memory='min')")
         kept, learnable, stats, saved = load_bn_context(ctx)
-        shape, x_dtype, packed, order = ctx.geometry
+        (shape, x_dtype), packed = ctx.geometry, ctx.packed
         block = ctx.block
         needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[9:]
 
         def restored() -> Tensor:
-            return unpack_bits(kept, shape, x_dtype, order) if packed else kept
+            return kept if packed is None else packed.unpack()
 
         device, dtype, enabled = ctx.autocast
         autocast = torch.autocast(device, dtype, enabled=enabled, cache_enabled=False)
@@ -253,7 +180,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             with torch.enable_grad(), autocast:
                 x = restored().detach().requires_grad_(needs_x)
                 y = block._synapse_call(x)
-        grad_y, grad_weight, grad_bias, grad_learnable = bn_neuron_grads(
+        grad_y, grad_weight, grad_bias, grad_learnable, _ = bn_neuron_grads(
             y=y.detach(),
             stats=stats,
             bn=ctx.bn,

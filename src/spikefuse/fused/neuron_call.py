@@ -12,6 +12,7 @@ from ..errors import SpikefuseError
 from ..neuron import BaseNode
 from ..ops import _bptt
 from ..program import NeuronProgram
+from .spike_bits import memory_order
 
 #: What :meth:`NeuronCall.forward` keeps for backward: ``(checkpoints,)`` (the tensor may be
 #: None: for T <= CHUNK the cuda backend needs nothing), or None when nothing was kept.
@@ -80,15 +81,17 @@ class NeuronCall:
         return cls(program, backend, constants, v_init)
 
     def forward(self, x: Tensor, learnable: Tensor | None, save: bool) -> tuple[Tensor, Kept]:
-        """Spikes [T, *] in x's dtype, and what backward can reuse (None: nothing was kept).
+        """Spikes [T, *] in x's dtype and memory layout, and what backward can reuse (None:
+        nothing was kept).
 
         With ``save``, what the backend's forward saves is kept if it is small (the cuda
         backend's chunk checkpoints: 1/CHUNK of x's elements); a saved [T, N] sequence (the
         reference backend's H) would be as large as x, so it is recomputed in backward instead.
         """
         keep = save and not self.kernels.SAVES_SEQUENCE
-        out = self._fptt(x, learnable, keep)
-        return out.spikes, ((out.saved_v,) if keep else None)
+        order = _kernel_order(x)
+        out = self._fptt(x.permute(order), learnable, keep)
+        return _unpermuted(out.spikes, order), ((out.saved_v,) if keep else None)
 
     def input_grad(
         self, x: Tensor, learnable: Tensor | None, grad_spikes: Tensor, saved: Kept
@@ -96,14 +99,16 @@ class NeuronCall:
         """BPTT from x: dL/dx [T, *] and dL/d(learnable) [P] (None without learnable params).
 
         ``saved`` is what :meth:`forward` kept; when None, the neuron's forward is recomputed
-        first to get what the backend's BPTT needs.
+        first to get what the backend's BPTT needs. dL/dx has x's memory layout.
         """
+        order = _kernel_order(x)
+        x = x.permute(order)
         if saved is None:
             saved = (self._fptt(x, learnable, True).saved_v,)
         grad_x, _, _, grad_learnable = _bptt(
             program=self.program,
             backend=self.backend,
-            grad_spikes=grad_spikes.to(x.dtype),
+            grad_spikes=grad_spikes.permute(order).to(x.dtype),
             grad_v_seq=None,
             grad_v_last=None,
             grad_w_last=None,
@@ -116,7 +121,7 @@ class NeuronCall:
             constants=self.constants,
             init=[self.v_init, 0.0],
         )
-        return grad_x, grad_learnable
+        return _unpermuted(grad_x, order), grad_learnable
 
     def _fptt(self, x: Tensor, learnable: Tensor | None, save: bool) -> FPTTOut:
         """The backend's forward from the reset state, without V's sequence."""
@@ -131,3 +136,21 @@ class NeuronCall:
             save_for_backward=save,
             store_v_seq=False,
         )
+
+
+def _kernel_order(x: Tensor) -> tuple[int, ...]:
+    """The dimension order the kernels read ``x`` [T, *] in: its memory order when that keeps
+    T outermost (e.g. channels-last maps: the kernels treat neurons alike, so any order of
+    them serves and no copy is made), else the logical order."""
+    order = memory_order(x)
+    return order if order[0] == 0 else tuple(range(x.dim()))
+
+
+def _unpermuted(t: Tensor, order: tuple[int, ...]) -> Tensor:
+    """``t``, computed on ``x.permute(order)``, in x's dimension order (and so x's layout); a
+    tensor of its own on t's memory, not a view (fused blocks tag their spikes for
+    recomputation, which views of an untagged base would not find)."""
+    if order == tuple(range(t.dim())):
+        return t
+    view = t.permute(sorted(range(len(order)), key=order.__getitem__))
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), view.shape, view.stride())

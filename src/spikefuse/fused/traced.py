@@ -138,7 +138,7 @@ def bn_neuron_bptt(
     )
     needs = (weight is not None, bias is not None, learnable is not None)
     grads = bn_neuron_grads(y, stats, bn, neuron, learnable, grad_spikes, saved, needs)
-    grad_y, grad_weight, grad_bias, grad_learnable = grads
+    grad_y, grad_weight, grad_bias, grad_learnable, _ = grads
     return (
         grad_y,
         _empty(y) if grad_weight is None or weight is None else grad_weight.to(weight.dtype),

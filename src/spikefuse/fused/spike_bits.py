@@ -1,0 +1,120 @@
+"""Binary spikes: the tag fused blocks put on their output, and 1-bit packing of tagged spikes.
+
+A fused block's output holds only 0 and 1; what keeps such a tensor for backward (the
+minimal-memory mode's block input, a residual block's shortcut) keeps it at 1 bit per element
+(8 per byte: 1/32 of float32) as a :class:`PackedSpikes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .device_constants import device_constant
+
+_SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
+
+
+def mark_spikes(t: Tensor) -> Tensor:
+    """Tag ``t`` as binary spikes (until it is modified in place); returns t."""
+    setattr(t, _SPIKES, t._version)
+    return t
+
+
+def is_spikes(t: Tensor) -> bool:
+    """Whether ``t`` (or the tensor it is a view of) is tagged as unmodified spikes."""
+    for candidate in (t, t._base):
+        if candidate is not None and getattr(candidate, _SPIKES, None) == candidate._version:
+            return True
+    return False
+
+
+def _bit_weights(device: torch.device) -> Tensor:
+    return device_constant(
+        ("bit weights", device),
+        lambda: torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device),
+    )
+
+
+def memory_order(t: Tensor) -> tuple[int, ...]:
+    """The dimension order in which ``t``'s elements lie in memory (outermost first), when
+    that order is dense (e.g. a channels-last map), else the logical order."""
+    strides = t.stride()
+    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
+    return order if t.permute(order).is_contiguous() else tuple(range(t.dim()))
+
+
+# Elements packed or unpacked per step (a multiple of 8): the temporaries stay this size
+# (16 MiB of bool) instead of growing with the block, at a handful of launches per step.
+_PACK_STEP = 1 << 24
+
+
+def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
+    """0/1 values → uint8 [ceil(n / 8)] (bit k of byte i: element 8 i + k), read in ``order``
+    (:func:`memory_order`: no copy)."""
+    flat = spikes.permute(order).reshape(-1)
+    n = flat.numel()
+    packed = torch.empty(-(-n // 8), dtype=torch.uint8, device=flat.device)
+    weights = _bit_weights(flat.device)
+    for start in range(0, n, _PACK_STEP):
+        part = flat[start : start + _PACK_STEP] != 0
+        pad = -part.numel() % 8  # only in the last, partial byte
+        if pad:
+            part = torch.cat([part, part.new_zeros(pad)])
+        bits = part.view(-1, 8).to(torch.uint8) * weights
+        packed[start // 8 : start // 8 + bits.shape[0]] = bits.sum(dim=1, dtype=torch.uint8)
+    return packed
+
+
+def unpack_bits(
+    packed: Tensor, shape: torch.Size, dtype: torch.dtype, order: tuple[int, ...]
+) -> Tensor:
+    """The inverse of :func:`pack_bits`: a tensor of ``shape`` with the packed tensor's memory
+    layout (a dense ``order``)."""
+    n = shape.numel()
+    flat = torch.empty(n, dtype=dtype, device=packed.device)
+    weights = _bit_weights(packed.device)
+    for start in range(0, n, _PACK_STEP):
+        part = flat[start : start + _PACK_STEP]
+        byte = packed[start // 8 : start // 8 + -(-part.numel() // 8)]
+        bits = (byte[:, None] & weights) != 0
+        part.copy_(bits.view(-1)[: part.numel()])
+    dense = flat.view([shape[d] for d in order])
+    inverse = sorted(range(len(order)), key=lambda d: order[d])
+    return dense.permute(inverse)
+
+
+@dataclass(frozen=True)
+class PackedSpikes:
+    """A binary tensor kept at 1 bit per element: :meth:`unpack` gives it back (same values,
+    shape, dtype and memory layout)."""
+
+    bits: Tensor  # uint8 [ceil(n / 8)]
+    shape: torch.Size
+    dtype: torch.dtype
+    order: tuple[int, ...]  # the dimension order of the tensor's memory (memory_order)
+
+    @classmethod
+    def of(cls, spikes: Tensor) -> PackedSpikes:
+        order = memory_order(spikes)
+        return cls(pack_bits(spikes, order), spikes.shape, spikes.dtype, order)
+
+    def unpack(self) -> Tensor:
+        return unpack_bits(self.bits, self.shape, self.dtype, self.order)
+
+
+#: A tensor kept for backward: itself, or its packing when it is spikes (:func:`compact`).
+Compact = Tensor | PackedSpikes
+
+
+def compact(t: Tensor) -> Compact:
+    """``t`` packed at 1 bit per element when it is tagged spikes (:func:`is_spikes`), else
+    ``t`` itself; :func:`expand` gives it back."""
+    return PackedSpikes.of(t) if is_spikes(t) else t
+
+
+def expand(kept: Compact) -> Tensor:
+    """The tensor :func:`compact` kept."""
+    return kept.unpack() if isinstance(kept, PackedSpikes) else kept
