@@ -46,7 +46,8 @@ NODES = (
 def all_variants() -> list[NeuronKernel]:
     """Every neuron, surrogate, dtype and reset at both vector widths; and the channel-affine
     (BatchNorm-folded) kernels of every one-state neuron, dtype and reset, unpooled at both
-    widths and with 2 x 2 average pooling folded in (vec 1)."""
+    widths and with 2 x 2 average pooling folded in (vec 1); and the residual affine kernels
+    (their own lines of the template do not depend on the neuron) of LIF and PLIF."""
     kernels = []
     for make, sur, dtype, hard, detach in itertools.product(
         NODES, surrogate.ALL, DTYPES, (True, False), (True, False)
@@ -56,6 +57,11 @@ def all_variants() -> list[NeuronKernel]:
         if sur is surrogate.Rect and not node.definition.adaptive:
             kernels += [DefinitionKernel(node.program, dtype, vec, affine=True) for vec in (1, VEC)]
             kernels.append(DefinitionKernel(node.program, dtype, 1, affine=True, pool=2))
+            if make in (neuron.LIFNode, neuron.ParametricLIFNode):
+                kernels += [
+                    DefinitionKernel(node.program, dtype, vec, affine=True, residual=True)
+                    for vec in (1, VEC)
+                ]
     return kernels
 
 
@@ -77,8 +83,9 @@ def translation_unit(kernels: list[NeuronKernel]) -> str:
 def test_every_variant_compiles_with_nvcc(tmp_path):
     kernels = all_variants()
     # 8 neurons x every surrogate x 3 dtypes x 2 resets x 2 detach, scalar and vector width;
-    # affine: 7 one-state neurons x 3 dtypes x 2 resets x 2 detach x (2 widths + pooled)
-    assert len(kernels) == 8 * len(surrogate.ALL) * 3 * 2 * 2 * 2 + 7 * 3 * 2 * 2 * 3
+    # affine: 7 one-state neurons x 3 dtypes x 2 resets x 2 detach x (2 widths + pooled);
+    # residual: 2 neurons x 3 dtypes x 2 resets x 2 detach x 2 widths
+    assert len(kernels) == 8 * len(surrogate.ALL) * 3 * 2 * 2 * 2 + 7 * 3 * 2 * 2 * 3 + 48
     source = tmp_path / "variants.cu"
     source.write_text(translation_unit(kernels))
 
@@ -128,13 +135,19 @@ _FORMAT = {"long long": "q", "float": "f"}  # any pointer: "Q"
 
 
 @pytest.mark.parametrize(
-    "make, affine",
-    [(neuron.IzhikevichNode, False), (neuron.LIFNode, False), (neuron.ParametricLIFNode, True)],
+    "make, affine, residual",
+    [
+        (neuron.IzhikevichNode, False, False),
+        (neuron.LIFNode, False, False),
+        (neuron.ParametricLIFNode, True, False),
+        (neuron.ParametricLIFNode, True, True),
+    ],
 )
-def test_argument_struct_matches_the_packed_bytes(make, affine):
+def test_argument_struct_matches_the_packed_bytes(make, affine, residual):
     """The Python packing and the generated struct agree on every field's order and size, for
-    plain kernels of two-state and one-state neurons and for the channel-affine kernels."""
-    kernel = DefinitionKernel(make().program, torch.float32, VEC, affine=affine)
+    plain kernels of two-state and one-state neurons and for the channel-affine kernels (also
+    the residual ones)."""
+    kernel = DefinitionKernel(make().program, torch.float32, VEC, affine=affine, residual=residual)
     fields = _struct_fields(kernel.full_codes)
     codes = "".join("Q" if ctype.endswith("*") else _FORMAT[ctype] for ctype, _ in fields)
     layout = struct.Struct("<" + codes + "4x" * (codes.count("f") % 2))  # padded to 8 bytes
@@ -193,6 +206,12 @@ def test_plain_and_affine_kernels_have_their_own_arguments():
 
     plain, two_state = field_names(neuron.LIFNode()), field_names(neuron.IzhikevichNode())
     with_bn = field_names(neuron.LIFNode(), affine=True)
+    residual = DefinitionKernel(neuron.LIFNode().program, torch.float16, 1, True, residual=True)
+    residual_fields = {name for _, name in _struct_fields(residual.full_codes)}
+    assert residual_fields - with_bn == {"residual_seq", "grad_residual_seq"}
+    assert not {"residual_seq", "grad_residual_seq"} & (plain | two_state | with_bn)
+    with pytest.raises(ValueError, match="unpooled affine"):
+        DefinitionKernel(neuron.LIFNode().program, torch.float16, 1, True, 2, residual=True)
     assert not {n for n in plain | two_state if n.startswith("bn_")} and "inv_count" not in plain
     w_fields = {"w0", "w_init", "w_last", "w_ckpt", "grad_w_last", "grad_w0"}
     assert w_fields <= two_state and not w_fields & plain

@@ -585,19 +585,3 @@ def test_compiled_residual_network_is_one_graph_with_the_eager_results():
     torch.compiler.reset()
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
-
-
-def test_residual_false_leaves_residual_chains_unfused():
-    torch.manual_seed(0)
-    model = randomized(ResidualNet())
-    fused, report = fuse(model, return_report=True, residual=False)
-    assert not report.rewritten and not any(c.residual for c in report.fused)
-    skipped = {s.modules: s.reason for s in report.skipped}
-    assert "residual=False" in skipped[("blocks.0.conv2", "blocks.0.bn2", "blocks.0.sn2")]
-    assert report.fused_fraction == pytest.approx(3 / 5)
-    assert isinstance(fused.blocks[0].conv2, layer.Conv2d) and "forward" not in vars(
-        fused.blocks[0]
-    )
-    assert_equivalent(model, fused, torch.randn(T, B, 3, 8, 8, dtype=torch.float64) * 2)
-    with pytest.raises(TypeError, match="residual must be a bool"):
-        fuse(model, residual=1)

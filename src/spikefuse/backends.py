@@ -134,9 +134,11 @@ class AffineKernels(Protocol):
         v_init: float,
         save_for_backward: bool,
         pool: int = 1,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(spikes, chunk checkpoints or None) of neuron(y * scale[c] + shift[c]); ``pool`` = k
-        > 1: the spikes averaged over k x k windows instead (channels-last maps)."""
+        """(spikes, chunk checkpoints or None) of neuron(y * scale[c] + shift[c] [+ residual]);
+        ``pool`` = k > 1: the spikes averaged over k x k windows instead (channels-last maps);
+        ``residual``: y's shape and dtype, unpooled."""
         ...
 
     def can_pool(self, y: torch.Tensor, pool: int) -> bool:
@@ -169,9 +171,11 @@ class AffineKernels(Protocol):
         *,
         grad_y: bool,
         pool: int = 1,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Pass 1 (``grad_y=False``): (None, per-channel sums [2, C], dL/dlearnable or None);
-        pass 2: (dL/dy, None, None). ``pool``: as the forward's (grad_spikes then pooled)."""
+        pass 2: (dL/dy, dL/dresidual or None, None). ``pool``, ``residual``: as the forward's
+        (grad_spikes then pooled)."""
         ...
 
 

@@ -66,10 +66,12 @@ def identity_block(
     return FusedBlock(synapse, bn, variant.make(step_mode="m", backend=backend).cuda())
 
 
-def run_affine(block: FusedBlock, y: torch.Tensor, upstream: torch.Tensor) -> dict:
+def run_affine(
+    block: FusedBlock, y: torch.Tensor, upstream: torch.Tensor, *residual: torch.Tensor
+) -> dict:
     """Spikes and the gradients of y, BatchNorm's weight and bias (and PLIF's tau)."""
     y = y.detach().clone().requires_grad_()
-    spikes = block(y)
+    spikes = block(y, *residual)
     (spikes.float() * upstream).sum().backward()
     res = {
         "spikes": spikes.detach(),
@@ -122,6 +124,57 @@ def test_affine_kernels_match_batchnorm_and_reference(
     else:
         assert spikes.is_contiguous()
     assert differ(spikes, ref["spikes"]).sum().item() == 0, "spikes differ"
+    for key, want in ref.items():
+        if key != "spikes":
+            assert_close(got[key], want, variant.dtype, grad=True, what=key)
+
+
+RESIDUAL_VARIANTS = [
+    Variant(name, surrogate.Rect, dtype, hard, affine=True)
+    for name, dtype, hard in itertools.product(("LIF", "PLIF", "IF"), DTYPES, (True, False))
+]
+
+
+@pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
+@pytest.mark.parametrize(
+    "shape_case",
+    [AFFINE_SHAPES[0], AFFINE_SHAPES[1], AFFINE_SHAPES[4]],
+    ids=lambda c: f"T{c[0]}-{'x'.join(map(str, c[1]))}-{c[2].__name__}",
+)
+@pytest.mark.parametrize("variant", params(RESIDUAL_VARIANTS))
+def test_residual_affine_kernels_match_batchnorm_and_reference(
+    variant, shape_case, batch_stats, monkeypatch, no_tf32
+):
+    """neuron(BN(y) + R) in the residual BN-folded kernels against BatchNorm + R + the reference
+    neuron: identical spikes; gradients of y, gamma, beta and R within the dtype's tolerance."""
+    T, shape, synapse_kind = shape_case
+    g = gen(seed_of(variant.id, T, shape, batch_stats, "residual"), device="cuda")
+    y = (torch.randn((T, *shape), generator=g, device="cuda") * 0.8 + 0.3).to(variant.dtype)
+    shortcut = (torch.rand((T, *shape), generator=g, device="cuda") < 0.3).to(variant.dtype)
+    c = shape[1]
+    gamma = torch.rand(c, generator=g, device="cuda") + 0.5
+    beta = torch.rand(c, generator=g, device="cuda") * 0.6 - 0.4
+    upstream = torch.randn((T, *shape), generator=g, device="cuda").to(variant.dtype).float()
+    affine = backends.affine_kernels("cuda")
+    residuals = []
+    real_fptt = affine.affine_fptt
+    monkeypatch.setattr(
+        affine,
+        "affine_fptt",
+        lambda *a, **k: residuals.append(k.get("residual")) or real_fptt(*a, **k),
+    )
+    results = {}
+    for backend in ("cuda", "torch"):
+        residuals.clear()
+        block = identity_block(variant, synapse_kind, backend, c, gamma, beta, batch_stats)
+        block.residual = True
+        r = shortcut.clone().requires_grad_()
+        results[backend] = run_affine(block, y, upstream, r)
+        results[backend]["grad_r"] = r.grad
+        launched = bool(residuals) and all(t is not None for t in residuals)
+        assert launched == (backend == "cuda"), f"{backend}: residual affine kernels launched"
+    got, ref = results["cuda"], results["torch"]
+    assert differ(got["spikes"], ref["spikes"]).sum().item() == 0, "spikes differ"
     for key, want in ref.items():
         if key != "spikes":
             assert_close(got[key], want, variant.dtype, grad=True, what=key)

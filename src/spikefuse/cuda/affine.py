@@ -6,7 +6,8 @@ spikes = neuron(BN(y)) in one launch, :func:`affine_bptt` BatchNorm's two backwa
 the neuron, recomputing it from y chunk by chunk. The kernels are the neuron kernels' template
 compiled with ``AFFINE`` (see :mod:`.codegen`); launches go through :mod:`.runtime`. With
 ``pool`` = k > 1 both also fold the k x k average pooling of the spikes in (``POOL``): forward
-returns the pooled spikes, backward takes their gradient.
+returns the pooled spikes, backward takes their gradient. With a ``residual`` R (``RESIDUAL``)
+the neuron's input is BN(y) + R, and backward pass 2 also returns dL/dR.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ def _laid_out_like(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(y).copy_(t)
 
 
+def _check_residual(residual: torch.Tensor | None, y: torch.Tensor, pool: int) -> None:
+    if residual is not None and (
+        residual.shape != y.shape or residual.dtype != y.dtype or pool > 1
+    ):
+        raise ValueError(
+            f"residual affine kernels add a tensor of y's shape {tuple(y.shape)} and dtype "
+            f"{y.dtype}, unpooled; got {tuple(residual.shape)}, {residual.dtype}, pool={pool}"
+        )
+
+
 # Rows of a channel-tiled pass-1 block (the template's TILE_ROWS: 32 channels x this many rows).
 TILE_ROWS = BLOCK_THREADS // 32
 
@@ -157,8 +168,9 @@ def affine_fptt(
     v_init: float,
     save_for_backward: bool,
     pool: int = 1,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """spikes = neuron(BN(y)) for y [T, B, C, *] in one launch.
+    """spikes = neuron(BN(y) [+ residual]) for y [T, B, C, *] in one launch.
 
     BN(y) = y * scale[c] + shift[c] with scale = invstd * weight, shift = bias - mean * scale
     (weight None: 1, bias None: 0); the vectors are float32 [C]. The neuron starts from the
@@ -169,14 +181,18 @@ def affine_fptt(
     ``pool`` = k > 1 (a map y as :func:`pooled_geometry` describes): returns instead the means
     of the spikes over k x k windows [T, B, C, H/k, W/k] (channels-last), the average pooling
     of the spikes with kernel = stride = k; the full spikes are never written.
+
+    ``residual``: a tensor shaped like y and of y's dtype, added to BN(y) (unpooled only).
     """
     check_input(y)
+    _check_residual(residual, y, pool)
     if pool > 1:
         channels, pool_width = pooled_geometry(y, pool)
         layout, spikes = (channels, 1), _pooled_empty(y, pool)
     else:
         y, layout = channel_layout(y)
         spikes, pool_width = torch.empty_like(y), 0
+    residual = None if residual is None else _laid_out_like(residual, y)
     T, N = y.shape[0], y.numel() // y.shape[0]
     v_ckpt = affine_saved_like(program, y, save_for_backward)
     if N:
@@ -186,9 +202,10 @@ def affine_fptt(
             "spike_seq": spikes.data_ptr(),
             "v_ckpt": pointer(v_ckpt),
             "learnable": pointer(learnable),
+            "residual_seq": pointer(residual),
             **_bn_pointers(mean, invstd, weight, bias),
         }
-        kernel = kernel_for(program, y.dtype, vec, affine=True, pool=pool)
+        kernel = kernel_for(program, y.dtype, vec, True, pool, residual is not None)
         args = kernel.pack_args(
             pointers, T, N, v_init, 0.0, constants, layout, pool_width=pool_width
         )
@@ -213,6 +230,7 @@ def affine_bptt(
     *,
     grad_y: bool,
     pool: int = 1,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """BPTT of :func:`affine_fptt` in one launch, recomputing the neuron from y chunk by chunk.
 
@@ -228,18 +246,23 @@ def affine_bptt(
 
     ``pool`` = k > 1: of :func:`affine_fptt` with that ``pool``; ``grad_spikes`` is the gradient
     of the pooled spikes, each neuron's dL/dS that of its window's mean divided by k².
+    ``residual``: the forward's; pass 2 then returns ``(dL/dy, dL/dresidual = g, None)``, both
+    in y's dtype and layout.
     """
     check_input(y)
+    _check_residual(residual, y, pool)
     if pool > 1:
         channels, pool_width = pooled_geometry(y, pool)
         layout, grad_spikes = (channels, 1), _as_channels_innermost(grad_spikes, y.dtype)
     else:
         y, layout = channel_layout(y)
         pool_width, grad_spikes = 0, _laid_out_like(grad_spikes, y)
+    residual = None if residual is None else _laid_out_like(residual, y)
     T, N = y.shape[0], y.numel() // y.shape[0]
     slots = N // pool**2  # what the threads own: neurons, or (pooled) windows
     check_checkpoints(T, saved_v, AFFINE_CHUNK[y.dtype])
     out = torch.empty_like(y) if grad_y else None
+    grad_residual = torch.empty_like(y) if grad_y and residual is not None else None
     vec = vector_width(N, y, grad_spikes, vec=AFFINE_BPTT_VEC) if pool == 1 else 1
     if grad_y:
         tiles, blocks, sums = 0, blocks_for(slots, vec), None
@@ -258,11 +281,13 @@ def affine_bptt(
             "grad_spike_seq": grad_spikes.data_ptr(),
             "grad_x_seq": pointer(out),
             "grad_learnable_partial": pointer(partial),
+            "residual_seq": pointer(residual),
+            "grad_residual_seq": pointer(grad_residual),
             **_rows(("grad_sum", "grad_dot"), sums),
             **_rows(("bn_total_g", "bn_total_gy"), totals),
             **_bn_pointers(mean, invstd, weight, bias),
         }
-        kernel = kernel_for(program, y.dtype, vec, affine=True, pool=pool)
+        kernel = kernel_for(program, y.dtype, vec, True, pool, residual is not None)
         args = kernel.pack_args(
             pointers,
             T,
@@ -277,5 +302,5 @@ def affine_bptt(
         )
         launch(kernel, False, y.device, blocks, args)
     if sums is None:  # pass 2
-        return out, None, None
+        return out, grad_residual, None
     return None, _per_channel_sum(sums, layout), None if partial is None else partial.sum(dim=1)

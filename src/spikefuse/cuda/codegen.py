@@ -130,7 +130,7 @@ class ArgPointer:
     ctype: str
     name: str
     doc: str
-    kernels: str
+    kernels: str  # or "residual": affine kernels that add a residual to X
 
 
 # In struct order. The affine kernels' x_seq holds Y; their neuron input is X = Y * scale[c] +
@@ -168,6 +168,12 @@ ARG_POINTERS = (
     ArgPointer("float*", "grad_dot", "sum of dL/dX (Y - bn_mean[c]) likewise, or null", "affine"),
     ArgPointer("const float*", "bn_total_g", "[C] channel total of grad_sum, or null", "affine"),
     ArgPointer("const float*", "bn_total_gy", "[C] channel total of grad_dot", "affine"),
+    ArgPointer(
+        "const scalar_t*", "residual_seq", "R [T, N]: X = Y * scale + shift + R", "residual"
+    ),
+    ArgPointer(
+        "scalar_t*", "grad_residual_seq", "dL/dR = dL/dX [T, N] (pass 2), or null", "residual"
+    ),
 )
 POINTER_NAMES = tuple(f.name for f in ARG_POINTERS)
 # Names a parameter may not take: they are Args fields of some kernel.
@@ -210,6 +216,9 @@ class NeuronKernel:
         pool: k of the k x k average pooling folded into affine kernels (one of :data:`POOLS`;
             1: none): forward writes the windows' means of the spikes [T, N / k²], backward
             reads their gradient; channels-last maps, one output element per thread (vec 1).
+        residual: unpooled affine kernels that add R (``residual_seq``, laid out like Y) to
+            the neuron's input, X = Y * scale[c] + shift[c] + R, and whose pass 2 also writes
+            dL/dR = dL/dX (``grad_residual_seq``): a residual block's shortcut.
     """
 
     def __init__(
@@ -225,6 +234,7 @@ class NeuronKernel:
         adaptive: bool = False,
         affine: bool = False,
         pool: int = 1,
+        residual: bool = False,
     ) -> None:
         if dtype not in _STORAGE:
             raise ValueError(f"unsupported storage dtype {dtype}")
@@ -235,17 +245,20 @@ class NeuronKernel:
                 f"{name}: pooled kernels take pool in {POOLS[1:]}, affine, vec 1; got "
                 f"pool={pool}, affine={affine}, vec={vec}"
             )
+        if residual and (not affine or pool > 1):
+            raise ValueError(f"{name}: residual kernels are unpooled affine kernels")
         clash = set(params) & _RESERVED
         if clash:
             raise ValueError(f"{name}: parameter names {sorted(clash)} are reserved by the kernels")
         self.name, self.params, self.learnable = name, params, learnable
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
         self.dtype, self.vec, self.adaptive, self.affine = dtype, vec, adaptive, affine
-        self.pool = pool
+        self.pool, self.residual = pool, residual
         self.chunk = AFFINE_CHUNK[dtype] if affine else CHUNK
         tag = f"{'hard' if hard_reset else 'soft'}{'_detach' if detach_reset else ''}"
         tag += "_affine" if affine else ""
         tag += f"_pool{pool}" if pool > 1 else ""
+        tag += "_residual" if residual else ""
         self.kernel_prefix = f"{name}_{tag}_{_STORAGE[dtype].ctype.strip('_')}_v{vec}"
         self.constant_names = tuple(
             n for n in ("v_threshold", "v_reset", *params) if n not in learnable
@@ -253,6 +266,8 @@ class NeuronKernel:
         kinds = {"both", "affine"} if affine else {"both", "plain"}
         if adaptive:
             kinds.add("two_state")
+        if residual:
+            kinds.add("residual")
         self.pointers = tuple(f for f in ARG_POINTERS if f.kernels in kinds)
         self._pointer_names = tuple(f.name for f in self.pointers)
         # Args as bytes: pointers, then 64-bit integers, then floats; padded to 8 bytes.
@@ -431,14 +446,18 @@ class NeuronKernel:
 
     def _bptt_min_blocks(self) -> int:
         """Backward's launch bound: 2 resident blocks where registers hold more than 12 values
-        of H per thread (CHUNK x VEC), else 4."""
-        return 2 if self.vec * self.chunk > 12 else 4
+        of H per thread (CHUNK x VEC), else 4; 3 for residual kernels at 12 (R's loads too:
+        at 64 registers their 16-bit backward spilled, nvcc for sm_90)."""
+        if self.vec * self.chunk > 12:
+            return 2
+        return 3 if self.residual and self.vec * self.chunk == 12 else 4
 
     def _fptt_min_blocks(self) -> int:
         """Forward's launch bound: it keeps no chunk of H, so with 16-bit storage 64 registers
-        hold a one-state neuron's forward without spilling, and the fourth resident block hides
-        more latency; float32 forward is at memory bandwidth either way (backward's bound)."""
-        if self.dtype in (torch.float16, torch.bfloat16) and not self.adaptive:
+        hold a one-state neuron's forward without spilling (not a residual one, which loads R
+        too), and the fourth resident block hides more latency; float32 forward is at memory
+        bandwidth either way (backward's bound)."""
+        if self.dtype in (torch.float16, torch.bfloat16) and not (self.adaptive or self.residual):
             return 4
         return self._bptt_min_blocks()
 
@@ -466,6 +485,7 @@ class NeuronKernel:
             f"constexpr bool AFFINE = {str(self.affine).lower()};  // BatchNorm folded in",
             f"constexpr int N_LEARNABLE = {len(self.learnable)};  // parameters with gradients",
             f"constexpr int POOL = {self.pool};  // k x k windows averaged (1: no pooling)",
+            f"constexpr bool RESIDUAL = {str(self.residual).lower()};  // X also adds R",
             f"#define FPTT_KERNEL {self.fptt_name}",
             f"#define BPTT_KERNEL {self.bptt_name}",
         ]
@@ -500,6 +520,7 @@ class DefinitionKernel(NeuronKernel):
         vec: int = 1,
         affine: bool = False,
         pool: int = 1,
+        residual: bool = False,
     ) -> None:
         d = program.definition
         super().__init__(
@@ -514,6 +535,7 @@ class DefinitionKernel(NeuronKernel):
             adaptive=d.adaptive,
             affine=affine,
             pool=pool,
+            residual=residual,
         )
         self.definition = d
         self._names = {d.symbols[n]: f"p.{n}" for n in d.all_params}

@@ -8,6 +8,7 @@
 //   CHUNK, LOAD_STEPS                 forward's loads in flight
 //   ADAPTIVE, AFFINE, N_LEARNABLE     two-state neuron; BatchNorm folded in; learnable parameters
 //   POOL                              pooled kernels: the k of the k x k windows averaged (1: none)
+//   RESIDUAL                          affine kernels adding R to X (a residual block's shortcut)
 //   Args                              the kernels' one argument (fields as in codegen.py)
 //   Params, load_params(a)            the neuron's parameters, read once per thread
 //   charge, reset, surrogate_grad,    the neuron's device functions, printed from its sympy
@@ -118,11 +119,23 @@ __device__ __forceinline__ void channel_affine(const Args& a, const long long c,
     shift = a.bn_bias ? -mean * scale + a.bn_bias[c] : -mean * scale;
 }
 
-// The neuron's input X from a loaded element y: y itself, or Y * scale + shift (affine kernels).
+// The neuron's input X from a loaded element y: y itself, or Y * scale + shift (affine kernels),
+// plus r (the loaded element of R) in the residual kernels.
 __device__ __forceinline__ float neuron_input(const float y, const float (&scale)[VEC],
-                                              const float (&shift)[VEC], const int k)
+                                              const float (&shift)[VEC], const int k,
+                                              const float r = 0.0f)
 {
+    if constexpr (RESIDUAL)
+        return __fadd_rn(__fmaf_rn(y, scale[k], shift[k]), r);
     return AFFINE ? __fmaf_rn(y, scale[k], shift[k]) : y;
+}
+
+// Element k of a pack of R, loaded where the kernels add a residual (0 elsewhere: unread).
+__device__ __forceinline__ float residual_at(const pack_t& rp, const int k)
+{
+    if constexpr (RESIDUAL)
+        return to_float(rp.e[k]);
+    return 0.0f;
 }
 
 // S[t] from H[t]; a NaN H gives a NaN spike, never a valid "no spike" (the NaN policy).
@@ -155,11 +168,14 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
         const int end = min(t0 + CHUNK, T);  // CHUNK need not be a multiple of LOAD_STEPS
         for (int g = t0; g < end; g += LOAD_STEPS) {
             const long long base = g * N + n;  // element (g, n); step j is base + j*N
-            pack_t xp[LOAD_STEPS];  // the group's loads first: independent, so they overlap
+            pack_t xp[LOAD_STEPS], rp[LOAD_STEPS];  // loads first: independent, they overlap
 #pragma unroll
             for (int j = 0; j < LOAD_STEPS; ++j)
-                if (g + j < end)
+                if (g + j < end) {
                     xp[j] = load_pack(a.x_seq, base + j * N);
+                    if constexpr (RESIDUAL)
+                        rp[j] = load_pack(a.residual_seq, base + j * N);
+                }
 #pragma unroll
             for (int j = 0; j < LOAD_STEPS; ++j) {
                 if (g + j >= end)
@@ -167,7 +183,8 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
                 pack_t sp, vp;
 #pragma unroll
                 for (int k = 0; k < VEC; ++k) {
-                    const float x = neuron_input(to_float(xp[j].e[k]), scale, shift, k);
+                    const float r = residual_at(rp[j], k);
+                    const float x = neuron_input(to_float(xp[j].e[k]), scale, shift, k, r);
                     const float h = step(v[k], w[k], x, p);
                     sp.e[k] = from_float(spike_of(h, p));
                     vp.e[k] = from_float(v[k]);
@@ -370,13 +387,16 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 else
                     w_start[k] = 0.0f;
             }
-            pack_t xp[CHUNK], gsp[CHUNK];  // the chunk's loads first: independent, so they overlap
+            // the chunk's loads first: independent, so they overlap
+            pack_t xp[CHUNK], gsp[CHUNK], rp[CHUNK];
 #pragma unroll
             for (int j = 0; j < CHUNK; ++j) {
                 if (t0 + j >= T)
                     break;
                 xp[j] = load_pack(a.x_seq, base + j * N);
                 gsp[j] = grad_spike_pack(a, t0 + j, n, slot);
+                if constexpr (RESIDUAL)
+                    rp[j] = load_pack(a.residual_seq, base + j * N);
             }
             // Recompute the chunk as forward did: H[t] (and W[t]) into registers.
             float hc[CHUNK][VEC], wc[CHUNK][VEC];
@@ -387,7 +407,9 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 for (int j = 0; j < CHUNK; ++j) {
                     if (t0 + j >= T)
                         break;
-                    hc[j][k] = step(v, w, neuron_input(to_float(xp[j].e[k]), scale, shift, k), p);
+                    const float x = neuron_input(
+                        to_float(xp[j].e[k]), scale, shift, k, residual_at(rp[j], k));
+                    hc[j][k] = step(v, w, x, p);
                     wc[j][k] = w;
                 }
             }
@@ -398,7 +420,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
             for (int j = CHUNK - 1; j >= 0; --j) {
                 if (t0 + j >= T)
                     continue;
-                pack_t gxp, gvp;
+                pack_t gxp, gvp, grp;
                 if constexpr (!AFFINE)
                     if (a.grad_v_seq)
                         gvp = load_pack(a.grad_v_seq, base + j * N);
@@ -406,7 +428,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 for (int k = 0; k < VEC; ++k) {
                     const float h = hc[j][k];
                     const float y = to_float(xp[j].e[k]);  // X, or Y in the affine kernels
-                    const float x = neuron_input(y, scale, shift, k);
+                    const float x = neuron_input(y, scale, shift, k, residual_at(rp[j], k));
                     // The state step t started from: the chunk's start, or step t-1's result.
                     const float v_prev = j == 0 ? v_start[k] : reset(hc[j - 1][k], p);
                     const float w_prev = j == 0 ? w_start[k] : wc[j - 1][k];
@@ -431,6 +453,8 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                         sum_gy[k] += grad_x * (y - mean[k]);
                         // dL/dY
                         gxp.e[k] = from_float(scale[k] * grad_x + coef_y[k] * y + coef_0[k]);
+                        if constexpr (RESIDUAL)
+                            grp.e[k] = from_float(grad_x);  // dL/dR
                     } else {
                         gxp.e[k] = from_float(grad_x);
                     }
@@ -440,6 +464,9 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 }
                 if (!AFFINE || a.grad_x_seq)  // affine pass 1 writes only the sums
                     store_pack(a.grad_x_seq, base + j * N, gxp);
+                if constexpr (RESIDUAL)
+                    if (a.grad_residual_seq)
+                        store_pack(a.grad_residual_seq, base + j * N, grp);
             }
         }
     }

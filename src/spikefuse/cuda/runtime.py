@@ -43,11 +43,16 @@ def _cupy() -> ModuleType:
 
 @functools.cache
 def kernel_for(
-    program: NeuronProgram, dtype: torch.dtype, vec: int, affine: bool = False, pool: int = 1
+    program: NeuronProgram,
+    dtype: torch.dtype,
+    vec: int,
+    affine: bool = False,
+    pool: int = 1,
+    residual: bool = False,
 ) -> NeuronKernel:
     """The generated kernel template of a program (cached; print ``.full_codes`` to read it;
-    ``pool``: the pooled variant's window size)."""
-    return DefinitionKernel(program, dtype, vec, affine, pool)
+    ``pool``: the pooled variant's window size; ``residual``: the variant adding R to X)."""
+    return DefinitionKernel(program, dtype, vec, affine, pool, residual)
 
 
 @functools.cache

@@ -114,9 +114,10 @@ class FusedBlock(nn.Module):
             with ``shortcut`` shaped like the synapse output ``[T, B, C_out, *]``.
 
     A residual block keeps the shortcut for backward at 1 bit per element when it is the spike
-    output of a fused block, else as it is; it runs BatchNorm as torch ops before the plain
-    neuron kernels (the BN-folded kernels add no residual), and keeps its synapse output y
-    also with ``memory="min"``.
+    output of a fused block, else as it is. With the cuda backend the BN-folded kernels add the
+    shortcut themselves when it has y's dtype; otherwise (e.g. a float32 BatchNorm output under
+    bf16 autocast, or the torch backend) BatchNorm runs as torch ops before the plain neuron
+    kernels. It keeps its synapse output y also with ``memory="min"``.
     """
 
     # The neuron starts from its reset state on every call (read by

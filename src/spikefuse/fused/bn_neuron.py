@@ -28,6 +28,9 @@ channel-affine kernel, which computes scale, shift and the coefficients per thre
 per-channel vectors (so a block costs no small per-channel torch ops beyond the statistics);
 with the torch backend they are composed from the reference neuron and torch ops.
 
+Residual blocks add a shortcut R to the BN output, x = y * scale[c] + shift[c] + R: the same
+backward with dL/dR = g (the cuda kernels take R of y's dtype; the torch composites any).
+
 Pooled blocks (``pool`` = k > 1, see :func:`kernels_pool`): the kernels also average the spikes
 over k x k windows, so forward returns the pooled map and backward takes its gradient, giving
 each neuron of a window dL/dS = dL/d(pooled) / k² (the average pooling's backward).
@@ -63,10 +66,11 @@ def _neuron_input(y: Tensor, stats: BNStats | None, residual: Tensor | None = No
     return x if residual is None else x.add_(residual)
 
 
-def _affine(neuron: NeuronCall, residual: Tensor | None) -> AffineKernels | None:
-    """The BN-folded kernels for this call, or None: they add no residual, so a residual
-    block's BatchNorm runs as torch ops before the plain neuron kernels."""
-    return neuron.affine if residual is None else None
+def _affine(neuron: NeuronCall, y: Tensor, residual: Tensor | None) -> AffineKernels | None:
+    """The BN-folded kernels for this call, or None (BatchNorm then runs as torch ops before the
+    plain neuron kernels): they add a residual only of y's dtype (a residual of another dtype,
+    e.g. a float32 BatchNorm output under bf16 autocast, would be rounded to it)."""
+    return neuron.affine if residual is None or residual.dtype == y.dtype else None
 
 
 def kernels_pool(y: Tensor, stats: BNStats | None, neuron: NeuronCall, pool: int) -> bool:
@@ -102,7 +106,7 @@ def bn_neuron_forward(
     averaged over k x k windows [T, B, C, H/k, W/k] instead. ``residual``: a tensor like y
     added to the BN output (a residual block's shortcut; such a call never pools)."""
     _check_pool(stats, neuron, pool)
-    affine = _affine(neuron, residual)
+    affine = _affine(neuron, y, residual)
     if stats is not None and affine is not None:
         spikes, checkpoints = affine.affine_fptt(
             program=neuron.program,
@@ -116,6 +120,7 @@ def bn_neuron_forward(
             v_init=neuron.v_init,
             save_for_backward=save,
             pool=pool,
+            residual=residual,
         )
         return spikes, ((checkpoints,) if save else None)
     spikes, saved = neuron.forward(_neuron_input(y, stats, residual), learnable, save)
@@ -142,10 +147,19 @@ def bn_neuron_backward(
     (grad_spikes is then the pooled map's gradient).
     """
     _check_pool(stats, neuron, pool)
-    affine = _affine(neuron, residual)
+    affine = _affine(neuron, y, residual)
     if stats is not None and affine is not None:
         _, sums, grad_learnable = _affine_backward(
-            affine, neuron, y, grad_spikes, saved, learnable, stats, grad_y=False, pool=pool
+            affine,
+            neuron,
+            y,
+            grad_spikes,
+            saved,
+            learnable,
+            stats,
+            False,
+            pool=pool,
+            residual=residual,
         )
         return None, sums, grad_learnable
     x = _neuron_input(y, stats, residual)
@@ -170,9 +184,11 @@ def _affine_backward(
     totals: Tensor | None = None,
     inv_count: float = 0.0,
     pool: int = 1,
+    residual: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """One of the BN-folded kernel's two backward passes: pass 1 (``grad_y=False``) returns
-    (None, per-channel sums [2, C], dL/dlearnable), pass 2 (dL/dy, None, None)."""
+    (None, per-channel sums [2, C], dL/dlearnable), pass 2 (dL/dy, dL/dresidual or None,
+    None)."""
     assert saved is not None  # affine forwards always keep their checkpoints (or None)
     return affine.affine_bptt(
         program=neuron.program,
@@ -190,6 +206,7 @@ def _affine_backward(
         inv_count=inv_count,
         grad_y=grad_y,
         pool=pool,
+        residual=residual,
     )
 
 
@@ -205,8 +222,9 @@ def bn_input_grad(
     saved: Kept,
     pool: int = 1,
     residual: Tensor | None = None,
-) -> Tensor:
-    """Backward pass 2 (the paper's Alg. 3): dL/dy in y's dtype.
+) -> tuple[Tensor, Tensor | None]:
+    """Backward pass 2 (the paper's Alg. 3): dL/dy in y's dtype, and with a residual
+    dL/dresidual = g in the residual's (else None).
 
     dL/dy = g * scale[c], plus with batch statistics (``totals``: pass 1's sums over all
     processes, times ``inv_count`` their means) the terms coef_y[c] y + coef_0[c] of the
@@ -214,15 +232,27 @@ def bn_input_grad(
     buffer) unless there is a residual, else recomputes g from y. ``pool``, ``residual``: the
     forward's.
     """
-    affine = _affine(neuron, residual)
+    affine = _affine(neuron, y, residual)
     if affine is not None:
-        grad_y, _, _ = _affine_backward(
-            affine, neuron, y, grad_spikes, saved, learnable, stats, True, totals, inv_count, pool
+        grad_y, grad_residual, _ = _affine_backward(
+            affine,
+            neuron,
+            y,
+            grad_spikes,
+            saved,
+            learnable,
+            stats,
+            True,
+            totals,
+            inv_count,
+            pool,
+            residual,
         )
         assert grad_y is not None  # pass 2 writes dL/dy
-        return grad_y
+        return grad_y, grad_residual
     if g is None:
         g, _ = neuron.input_grad(_neuron_input(y, stats, residual), learnable, grad_spikes, saved)
+    grad_residual = None if residual is None else g.to(residual.dtype)
     ndim, scale = y.dim(), stats.scale
     # g is dL/dresidual too: with a residual, dL/dy is a new tensor (else g is reused)
     grad_y = (
@@ -234,7 +264,7 @@ def bn_input_grad(
         coef_y = -scale * stats.invstd * mean_gxhat
         coef_0 = -scale * mean_g - stats.mean * coef_y
         grad_y.addcmul_(y, _per_channel(coef_y, ndim)).add_(_per_channel(coef_0, ndim))
-    return grad_y.to(y.dtype)
+    return grad_y.to(y.dtype), grad_residual
 
 
 def bn_neuron_grads(
@@ -261,10 +291,9 @@ def bn_neuron_grads(
         y, stats, neuron, learnable, grad_spikes, saved, pool, residual
     )
     grad_learnable = grad_learnable if needs[2] else None
-    # dL/dresidual = g (pass 2 leaves g as it is when there is a residual)
-    grad_residual = None if residual is None or g is None else g.to(residual.dtype)
     if stats is None or bn is None or sums is None:  # no BN: pass 1 always gives g
         assert g is not None
+        grad_residual = None if residual is None else g.to(residual.dtype)
         grad_y = g.to(y.dtype, copy=residual is not None)  # never the residual's tensor too
         return grad_y, None, None, grad_learnable, grad_residual
     grad_weight = sums[1] * stats.invstd if needs[0] else None
@@ -277,7 +306,7 @@ def bn_neuron_grads(
         if isinstance(count, Tensor):  # the count over all processes stays on the device
             totals, count = totals / count, 1
         inv_count = 1.0 / count
-    grad_y = bn_input_grad(
+    grad_y, grad_residual = bn_input_grad(
         g, y, stats, totals, inv_count, neuron, learnable, grad_spikes, saved, pool, residual
     )
     return grad_y, grad_weight, grad_bias, grad_learnable, grad_residual

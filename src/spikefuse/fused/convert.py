@@ -735,10 +735,8 @@ class _Fuser:
         process_group: dist.ProcessGroup | None,
         memory: str,
         fold_pools: bool,
-        residual: bool,
     ) -> None:
         self.process_group, self.memory, self.fold_pools = process_group, memory, fold_pools
-        self.residual = residual
         self.report = FuseReport()
 
     def convert(self, module: nn.Module, path: str) -> None:
@@ -782,11 +780,6 @@ class _Fuser:
             self.report.pools.append(_join(path, name))
         owners: dict[str, list[_Chain]] = defaultdict(list)
         for chain in findings.chains.values():
-            if chain.addition is not None and not self.residual:
-                names = tuple(_join(path, n) for n in chain.names)
-                reason = "a residual chain, and fuse(residual=False) was asked"
-                self.report.skipped.append(SkippedCandidate(names, reason, True))
-                continue
             if chain.addition is not None:  # fused by rewriting the forward that adds
                 owners[".".join(_common_parent(chain.names))].append(chain)
                 continue
@@ -834,7 +827,6 @@ def fuse(
     return_report: Literal[False] = ...,
     memory: str = ...,
     fold_pools: bool = ...,
-    residual: bool = ...,
 ) -> nn.Module: ...
 
 
@@ -847,7 +839,6 @@ def fuse(
     return_report: Literal[True],
     memory: str = ...,
     fold_pools: bool = ...,
-    residual: bool = ...,
 ) -> tuple[nn.Module, FuseReport]: ...
 
 
@@ -859,7 +850,6 @@ def fuse(
     return_report: bool = False,
     memory: str = "default",
     fold_pools: bool = True,
-    residual: bool = True,
 ) -> nn.Module | tuple[nn.Module, FuseReport]:
     """Replace every multi-step ``synapse → [BN] → neuron`` chain of ``model`` by a FusedBlock.
 
@@ -909,11 +899,7 @@ def fuse(
     ``memory``: ``"default"`` (blocks keep their Conv/Linear output, as in the DATE'22 paper) or
     ``"min"`` (blocks keep only their input, 1-bit packed when it is spikes, and recompute the
     Conv/Linear in backward; see :class:`FusedBlock`). ``fold_pools``: fold pooling layers into
-    the blocks as above (False: they all become :class:`SpikePool`). ``residual``: fuse residual
-    chains (False: leave them unfused, as before they were fused: their BatchNorm then runs as
-    torch's BatchNorm and the neuron as its own module, which is faster today (on an H100,
-    ResNet-19 fused + CUDA graph: 29.7 / 20.5 ms fp32 / bf16 against 33.3 / 28.5) at about
-    twice the memory (4218 against 2292 MiB fp32)). Returns the converted model
+    the blocks as above (False: they all become :class:`SpikePool`). Returns the converted model
     (a deep copy unless ``inplace``), and with ``return_report`` also a :class:`FuseReport`;
     the report is logged (logger ``spikefuse.fuse``: INFO, WARNING when a chain was left
     unfused). The model computes the same function, but each forward call is
@@ -925,7 +911,6 @@ def fuse(
         ("inplace", inplace),
         ("return_report", return_report),
         ("fold_pools", fold_pools),
-        ("residual", residual),
     )
     for name, flag in flags:
         if not isinstance(flag, bool):
@@ -942,7 +927,7 @@ def fuse(
         raise SpikefuseError(f"fuse: memory must be one of {MEMORY_MODES}, got {memory!r}")
     if not inplace:
         model = copy.deepcopy(model)
-    fuser = _Fuser(process_group, memory, fold_pools, residual)
+    fuser = _Fuser(process_group, memory, fold_pools)
     fuser.convert(model, "")
     report = fuser.report
     log.info("%s", report)
