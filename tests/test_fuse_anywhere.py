@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from spikefuse import functional, layer, neuron
+from spikefuse import functional, layer, models, neuron
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock, FuseReport, SpikePool, fuse
 
@@ -500,14 +500,18 @@ class ResidualNet(nn.Module):
         return self.blocks(self.stem(x)).mean((3, 4))
 
 
-@pytest.mark.parametrize("form", ["out + x", "x + out", "+=", "torch.add", ".add"])
-def test_residual_chains_fuse_by_rewriting_the_forward(form):
+@pytest.mark.parametrize(
+    ("form", "memory"),
+    [("out + x", "default"), ("x + out", "default"), ("+=", "min"), ("torch.add", "default")]
+    + [(".add", "min")],
+)
+def test_residual_chains_fuse_by_rewriting_the_forward(form, memory):
     """Both blocks' conv2 -> bn2 -> (+ x) -> sn2 become one FusedBlock called with the shortcut
     (the second block's shortcut is the first's fused spikes: kept 1-bit packed); the class
-    stays, and so do the state_dict keys and every result."""
+    stays, and so do the state_dict keys and every result, in both memory modes."""
     torch.manual_seed(0)
     model = randomized(ResidualNet(form))
-    fused, report = fuse(model, return_report=True)
+    fused, report = fuse(model, return_report=True, memory=memory)
     residual = [c.modules for c in report.fused if c.residual]
     assert residual == [(f"blocks.{i}.conv2", f"blocks.{i}.bn2", f"blocks.{i}.sn2") for i in (0, 1)]
     assert report.fused_fraction == 1.0 and report.rewritten == ["blocks.0", "blocks.1"]
@@ -585,3 +589,48 @@ def test_compiled_residual_network_is_one_graph_with_the_eager_results():
     torch.compiler.reset()
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def downsampling_net() -> nn.Sequential:
+    """A stem and a Spiking ResNet basic block with a Conv1x1 -> BN downsample branch."""
+    downsample = nn.Sequential(layer.Conv2d(C, 2 * C, 1, 2, bias=False, step_mode="m"), bn(2 * C))
+    block = models.BasicBlock(
+        C, 2 * C, 2, downsample, spiking_neuron=neuron.LIFNode, step_mode="m", backend="torch"
+    )
+    return randomized(nn.Sequential(conv(3, C), bn(), lif(), block))
+
+
+def test_unfused_synapses_recompute_the_fused_spikes_they_read():
+    """The downsample convolution is no chain (its BN output is the residual chain's shortcut),
+    but it reads the stem's fused spikes: it saves them as their recipe, not as a tensor."""
+    torch.manual_seed(0)
+    model = downsampling_net()
+    fused, report = fuse(model, return_report=True)
+    assert report.recomputed_inputs == ["3.downsample.0"]
+    assert report.fused_fraction == 1.0 and len(report.fused) == 3
+    x = torch.randn(T, B, 3, 8, 8, dtype=torch.float64) * 2
+    assert_equivalent(model, fused, x)
+    stem = {}
+    fused[0].register_forward_hook(lambda m, a, out: stem.update(ptr=out.data_ptr()))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.data_ptr()) or t, lambda t: t
+    ):
+        fused.train()(x)
+    assert stem["ptr"] not in saved  # every reader of the stem's spikes recomputes them
+    again = fuse(fused, return_report=True)[1]  # hooks are put on once
+    assert not again.recomputed_inputs and len(fused[3].downsample[0]._forward_hooks) == 1
+
+
+def test_compiled_downsampling_network_is_one_graph():
+    torch.manual_seed(0)
+    fused = fuse(downsampling_net().float())
+    x = torch.randn(T, B, 3, 8, 8)
+    want = fused(x)
+    functional.reset_net(fused)
+    torch.compiler.reset()
+    explanation = torch._dynamo.explain(fused)(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    got = torch.compile(fused, fullgraph=True, backend="aot_eager")(x)
+    torch.compiler.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -347,13 +347,16 @@ class PoolingKernels:
         return x, out, view, scale
 
     def affine_fptt(self, program, y, mean, invstd, weight, bias, learnable, constants, v_init,
-                    save_for_backward, pool=1):  # fmt: skip
+                    save_for_backward, pool=1, residual=None):  # fmt: skip
+        assert residual is None  # no residual blocks here
         self.calls.append(("fptt", pool, tuple(y.shape)))
         args = (program, y, mean, invstd, weight, bias, constants, v_init, pool)
         return self._pooled_spikes(*args)[1], None
 
     def affine_bptt(self, program, y, grad_spikes, saved_v, learnable, constants, v_init, mean,
-                    invstd, weight, bias, totals=None, inv_count=0.0, *, grad_y, pool=1):  # fmt: skip
+                    invstd, weight, bias, totals=None, inv_count=0.0, *, grad_y, pool=1,
+                    residual=None):  # fmt: skip
+        assert residual is None
         self.calls.append(("bptt", pool, tuple(grad_spikes.shape)))
         with torch.enable_grad():
             leaf = y.detach().requires_grad_()
@@ -393,6 +396,7 @@ def test_block_hands_the_pooling_to_kernels_that_can_pool(monkeypatch):
     assert kernels.calls == [
         ("fptt", 2, full_1),
         ("fptt", 2, full_2),
+        ("fptt", 2, full_2),  # the classifier's input, recomputed for its weight gradient
         ("bptt", 2, pooled_2),  # pass 1
         ("bptt", 2, pooled_2),  # pass 2
         ("fptt", 2, full_1),  # the second conv's input, recomputed for its weight gradient

@@ -117,7 +117,7 @@ class FusedBlock(nn.Module):
     output of a fused block, else as it is. With the cuda backend the BN-folded kernels add the
     shortcut themselves when it has y's dtype; otherwise (e.g. a float32 BatchNorm output under
     bf16 autocast, or the torch backend) BatchNorm runs as torch ops before the plain neuron
-    kernels. It keeps its synapse output y also with ``memory="min"``.
+    kernels.
     """
 
     # The neuron starts from its reset state on every call (read by
@@ -276,10 +276,11 @@ class FusedBlock(nn.Module):
         bn = self._bn_spec()
         return neuron, learnable, bn, None if bn is None else bn_statistics(y, bn)
 
-    def _forward_min_memory(self, x: Tensor) -> Tensor:
+    def _forward_min_memory(self, x: Tensor, residual: Tensor | None) -> Tensor:
         """memory="min": y is computed without autograd here and recomputed in backward."""
         with torch.no_grad():
             y = self._synapse_call(x)
+        self._check_residual(residual, y)
         neuron, learnable, bn, stats = self._prepare(y)
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
         spikes = SynapseRecomputeFunction.apply(
@@ -291,6 +292,8 @@ class FusedBlock(nn.Module):
             stats,
             bn,
             neuron,
+            residual,
+            None if residual is None else compact(residual),
             self,
             *self.synapse.parameters(),
         )
@@ -326,8 +329,8 @@ class FusedBlock(nn.Module):
             )
         if torch.compiler.is_compiling():
             return self._traced_forward(x, residual)
-        if self.memory == "min" and torch.is_grad_enabled() and residual is None:
-            return self._forward_min_memory(x)
+        if self.memory == "min" and torch.is_grad_enabled():
+            return self._forward_min_memory(x, residual)
         y = self._synapse_forward(x)
         self._check_residual(residual, y)
         neuron, learnable, bn, stats = self._prepare(y)

@@ -59,6 +59,7 @@ from .blocks import (
     _synapse_kind,
     pool_fold_problem,
 )
+from .recompute import RecomputedInput
 
 log = logging.getLogger("spikefuse.fuse")
 MODEL = "<model>"  # how reports name the model itself
@@ -105,7 +106,9 @@ class FuseReport:
     after a fused chain that were not folded into its block (name → why); ``traced``: modules
     whose forward was traced with torch.fx; ``untraced``: modules whose forward could not be
     traced (name → error), searched as a module tree instead; ``rewritten``: modules whose
-    forward now runs a rewritten graph (they hold residual chains). The folded pools:
+    forward now runs a rewritten graph (they hold residual chains); ``recomputed_inputs``:
+    unfused Conv/Linear layers that save a fused block's spikes as their recipe (see
+    :class:`~spikefuse.fused.recompute.RecomputedInput`). The folded pools:
     :attr:`folded_pools`."""
 
     fused: list[FusedChain] = field(default_factory=list)
@@ -115,6 +118,7 @@ class FuseReport:
     traced: list[str] = field(default_factory=list)
     untraced: dict[str, str] = field(default_factory=dict)
     rewritten: list[str] = field(default_factory=list)
+    recomputed_inputs: list[str] = field(default_factory=list)
 
     @property
     def chains(self) -> int:
@@ -151,6 +155,9 @@ class FuseReport:
             lines.append(f"  traced with torch.fx: {', '.join(self.traced)}")
         if self.rewritten:
             lines.append(f"  forward rewritten (residual chains): {', '.join(self.rewritten)}")
+        if self.recomputed_inputs:
+            inputs = ", ".join(self.recomputed_inputs)
+            lines.append(f"  unfused, recomputing a fused block's spikes they read: {inputs}")
         lines += [
             f"  not traceable, searched as a module tree: {name}: {error}"
             for name, error in self.untraced.items()
@@ -786,6 +793,9 @@ class _Fuser:
             self._fuse(root, path, chain)
         self.report.skipped.extend(findings.skipped.values())
         self.report.unfolded_pools.update(findings.unfolded_pools)
+        for name in findings.skipped:  # unfused synapses: their input may be fused spikes
+            if RecomputedInput.attach(root.get_submodule(name)):
+                self.report.recomputed_inputs.append(_join(path, name))
         for owner, chains in owners.items():
             self._rewrite(root, path, owner, chains)
 

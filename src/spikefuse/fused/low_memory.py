@@ -30,7 +30,7 @@ from .bn_neuron import (
     save_bn_context,
 )
 from .neuron_call import NeuronCall
-from .spike_bits import PackedSpikes, is_spikes
+from .spike_bits import Compact, PackedSpikes, expand, is_spikes
 from .statistics import BNSpec, BNStats
 
 if TYPE_CHECKING:
@@ -116,11 +116,11 @@ def synapse_input_grad(
 class SynapseRecomputeFunction(torch.autograd.Function):
     """spikes = neuron(BN(synapse(x))), keeping x (1-bit packed when it is spikes) for backward.
 
-    ``apply(x, y, weight, bias, learnable, stats, bn, neuron, block, *synapse_params)``: y is
-    ``block``'s synapse output for x, computed by the caller without autograd (and freed after
-    this forward); backward recomputes it from x and differentiates it with respect to x and
-    ``synapse_params`` (the synapse's weight and bias). The other arguments are
-    :class:`BNNeuronFunction`'s.
+    ``apply(x, y, weight, bias, learnable, stats, bn, neuron, residual, kept_residual, block,
+    *synapse_params)``: y is ``block``'s synapse output for x, computed by the caller without
+    autograd (and freed after this forward); backward recomputes it from x and differentiates
+    it with respect to x and ``synapse_params`` (the synapse's weight and bias). The other
+    arguments are :class:`BNNeuronFunction`'s.
     """
 
     @staticmethod
@@ -134,10 +134,12 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         stats: BNStats | None,
         bn: BNSpec | None,
         neuron: NeuronCall,
+        residual: Tensor | None,
+        kept_residual: Compact | None,
         block: FusedBlock,
         *synapse_params,
     ):
-        spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, True)
+        spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, True, residual=residual)
         packed = PackedSpikes.of(x) if is_spikes(x) else None
         kept = x if packed is None else packed.bits
         save_bn_context(
@@ -155,7 +157,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         # backward runs outside the forward's autocast context: recompute y under the same one
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        ctx.block = block
+        ctx.block, ctx.kept_residual = block, kept_residual
         ctx.synapse_params = synapse_params  # parameters: alive anyway, not activations
         return spikes
 
@@ -165,7 +167,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         kept, learnable, stats, saved = load_bn_context(ctx)
         (shape, x_dtype), packed = ctx.geometry, ctx.packed
         block = ctx.block
-        needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[9:]
+        needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[11:]
 
         def restored() -> Tensor:
             return kept if packed is None else packed.unpack()
@@ -180,7 +182,8 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             with torch.enable_grad(), autocast:
                 x = restored().detach().requires_grad_(needs_x)
                 y = block._synapse_call(x)
-        grad_y, grad_weight, grad_bias, grad_learnable, _ = bn_neuron_grads(
+        residual = None if ctx.kept_residual is None else expand(ctx.kept_residual)
+        grad_y, grad_weight, grad_bias, grad_learnable, grad_residual = bn_neuron_grads(
             y=y.detach(),
             stats=stats,
             bn=ctx.bn,
@@ -189,7 +192,9 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             grad_spikes=grad_spikes,
             saved=saved,
             needs=ctx.needs_input_grad[2:5],
+            residual=residual,
         )
+        del residual
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         if explicit:
             del y
@@ -212,9 +217,9 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             grads = iter(torch.autograd.grad(y, wanted, grad_y) if wanted else ())
             grad_x = next(grads) if needs_x else None
             grad_params = [next(grads) if need else None for need in params_need]
-        # x, y, weight, bias, learnable, stats, bn, neuron, block, *synapse_params
-        grads_in = (grad_x, None, grad_weight, grad_bias, grad_learnable, None, None, None, None)
-        return *grads_in, *grad_params
+        # x, y, weight, bias, learnable, stats, bn, neuron, residual, kept_residual, block, ...
+        grads = (grad_x, None, grad_weight, grad_bias, grad_learnable, None, None, None)
+        return *grads, grad_residual, None, None, *grad_params
 
 
 def _explicit_grads(

@@ -118,3 +118,36 @@ class _Restore:
 
 def _unpack(saved: _Restore | Tensor) -> Tensor:
     return saved.unpack() if isinstance(saved, _Restore) else saved
+
+
+class RecomputedInput:
+    """Forward hooks that make a module save its input as its recipe, when the input is
+    recomputable (the spike output of a fused block): what :func:`~spikefuse.fused.fuse` puts
+    on the Conv/Linear layers it leaves unfused, such as a ResNet's downsample convolution,
+    which would otherwise keep a fused block's spikes for its weight gradient."""
+
+    def __init__(self) -> None:
+        self._active: list[contextlib.AbstractContextManager] = []  # one per call in progress
+
+    @staticmethod
+    def attach(module: torch.nn.Module) -> bool:
+        """Hook ``module`` (once); returns whether it was hooked now."""
+        hooks = module._forward_pre_hooks.values()
+        if any(isinstance(getattr(h, "__self__", None), RecomputedInput) for h in hooks):
+            return False
+        hooked = RecomputedInput()
+        module.register_forward_pre_hook(hooked._enter)
+        module.register_forward_hook(hooked._exit, always_call=True)
+        return True
+
+    def _enter(self, module: torch.nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():  # compiled, nothing is tagged (see FusedBlock)
+            return
+        x = args[0] if args else None
+        context = saving_recomputed(x) if isinstance(x, Tensor) else contextlib.nullcontext()
+        context.__enter__()
+        self._active.append(context)
+
+    def _exit(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if not torch.compiler.is_compiling():
+            self._active.pop().__exit__(None, None, None)
