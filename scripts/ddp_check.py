@@ -18,8 +18,8 @@ Models (``--model``, fused with ``--memory``; every Conv/Linear → BN → neuro
 all with non-trivial BN affine parameters: a small CNN with the DATE'22 paper's LIF (``cnn``),
 SEW-ResNet-18 ('ADD') on 16×16 input and ResNet-19 on 8×8 input with SpikingJelly's LIF.
 
-BatchNorms that ``fuse`` leaves unfused (ResNet-19's ``bn2`` and downsample BN before the
-residual addition) would be per-process under plain DDP, so they become
+BatchNorms that ``fuse`` leaves unfused (ResNet-19's downsample BNs, the shortcuts of its residual
+chains) would be per-process under plain DDP, so they become
 ``torch.nn.SyncBatchNorm`` (multi-step through ``layer.SeqToANNContainer``:
 ``convert_sync_batchnorm`` alone would drop the ``step_mode`` of spikefuse's BatchNorm
 subclasses). torch's SyncBatchNorm runs on CUDA only, so such a model (``spiking_resnet19``) is

@@ -82,10 +82,12 @@ def test_fused_sew_resnet18_two_processes_match_one_process(memory):
 
 
 def test_resnet19_is_refused_on_cpu_naming_its_unfused_batchnorms():
-    """ResNet-19's BN before the residual addition needs torch's SyncBatchNorm: CUDA only."""
+    """ResNet-19's downsample BNs (the Conv1x1 -> BN shortcuts of its residual chains) need
+    torch's SyncBatchNorm: CUDA only."""
     for returncode, output in _run_ddp_check("--model", "spiking_resnet19", "--steps", "1"):
         assert returncode != 0, output
-        assert "layer1.0.bn2" in output and "SyncBatchNorm runs on CUDA only" in output, output
+        assert "layer2.0.downsample.1" in output, output
+        assert "SyncBatchNorm runs on CUDA only" in output, output
 
 
 def test_unfused_batchnorms_become_multi_step_sync_batchnorms_computing_the_same(monkeypatch):
@@ -100,8 +102,8 @@ def test_unfused_batchnorms_become_multi_step_sync_batchnorms_computing_the_same
     fused = fuse(ddp_check.NETWORKS["spiking_resnet19"].build()).double()
     synced = copy.deepcopy(fused)
     ddp_check.synchronise_unfused_batchnorms(synced, None)
-    assert ddp_check.unfused_batchnorms(fused)[0] == "layer1.0.bn2"
-    assert isinstance(synced.layer1[0].bn2[0], torch.nn.SyncBatchNorm)
+    assert ddp_check.unfused_batchnorms(fused) == ["layer2.0.downsample.1", "layer3.0.downsample.1"]
+    assert isinstance(synced.layer2[0].downsample[1][0], torch.nn.SyncBatchNorm)
     x = torch.randn(2, 3, 3, 8, 8, dtype=torch.float64) * 2
     torch.testing.assert_close(synced(x), fused(x), rtol=0, atol=0)
     for (name, a), b in zip(fused.state_dict().items(), synced.state_dict().values(), strict=True):
