@@ -9,8 +9,9 @@ network multi-step (input ``[T, B, 3, H, W]``, output ``[T, B, num_classes]``). 
 ``spiking_resnet18(spiking_neuron=neuron.IFNode, step_mode='m')`` is multi-step at once.
 
 Every Conv/Linear → BatchNorm → neuron chain of these networks is fused by
-:func:`spikefuse.fuse` (Conv → BN downsample branches feeding a residual addition stay unfused:
-they are no such chain). No weights are downloaded: ``pretrained=True`` is refused.
+:func:`spikefuse.fuse`, the residual ones (Conv → BN → + shortcut → neuron, the second half of a
+Spiking ResNet block) too; a Conv → BN downsample branch feeding the addition stays unfused (it
+is that chain's shortcut). No weights are downloaded: ``pretrained=True`` is refused.
 """
 
 from __future__ import annotations
