@@ -294,9 +294,9 @@ def _residual_addition(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     )
     if not is_add or add.kwargs or len(add.args) != 2:
         return None
-    first, second = add.args
+    first, second = add.args  # node is one of them: it has no kwargs
     shortcut = second if first is node else first
-    if shortcut is node or node not in add.args or not isinstance(shortcut, fx.Node):
+    if shortcut is node or not isinstance(shortcut, fx.Node):  # x + x, or x + a constant
         return None
     return add, shortcut
 
@@ -729,7 +729,8 @@ def _replace(
 
 # ---- fuse -----------------------------------------------------------------------------------
 def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+    """The dotted name of ``name`` inside ``prefix`` (either may be empty: the model itself)."""
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def _display(name: str) -> str:
@@ -814,7 +815,7 @@ class _Fuser:
         problem = ""
         for depth in range(len(parts), -1, -1):
             name = ".".join(parts[:depth])
-            module, module_path = root.get_submodule(name), _join(path, name) if name else path
+            module, module_path = root.get_submodule(name), _join(path, name)
             synapses = {c.synapse[len(name) + 1 :] if name else c.synapse for c in chains}
             problem, found = _rewrite_forward(module, module_path, synapses)
             if problem:
