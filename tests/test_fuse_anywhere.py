@@ -562,6 +562,8 @@ def test_residual_blocks_check_their_call_before_any_state_changes():
         block(x)
     with pytest.raises(SpikefuseError, match="residual=True"):
         FusedBlock(conv(), bn(), lif()).double()(x, x)
+    with pytest.raises(SpikefuseError, match="residual must be a bool"):
+        FusedBlock(conv(), bn(), lif(), residual="yes")
     running = block.bn.running_mean.clone()
     with pytest.raises(SpikefuseError, match="shaped like the synapse output"):
         block(x, x[:, :, :, :3])

@@ -137,6 +137,8 @@ class FusedBlock(nn.Module):
         residual: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(residual, bool):
+            raise SpikefuseError(f"FusedBlock: residual must be a bool, got {residual!r}")
         if memory not in MEMORY_MODES:
             raise SpikefuseError(
                 f"FusedBlock: memory must be one of {MEMORY_MODES}, got {memory!r}"
