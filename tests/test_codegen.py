@@ -171,26 +171,30 @@ def test_argument_struct_matches_the_packed_bytes(make, affine, residual):
     "rows, channels, inner",
     [(1, 32, 1), (9, 64, 1), (17, 96, 1), (640 * 4, 512, 1), (5, 10, 1), (4, 32, 16)],
 )
-def test_pass1_channel_tiles_cover_every_neuron_once(rows, channels, inner):
-    """Backward pass 1's thread -> neuron map (the template's bptt_first_neuron, replayed here)
-    gives every neuron to exactly one thread, and block_channel_sums writes each block's sums
-    where _per_channel_sum reads that channel: the per-channel totals equal per-neuron ones."""
+def test_backward_channel_tiles_cover_every_neuron_once(rows, channels, inner):
+    """The backward's thread -> neuron map (the template's bptt_first_neuron, replayed here)
+    gives every neuron to exactly one thread, and pass 1's block_channel_sums writes each
+    block's sums where _per_channel_sum reads that channel: the per-channel totals equal
+    per-neuron ones."""
     n = rows * channels * inner
-    tiles, blocks, per_sum = affine._pass1_grid(n, (channels, inner), vec=1)
+    tiles, (grid_x, grid_y), per_sum = affine._bptt_grid(n, (channels, inner), vec=1)
     values = torch.rand(n, dtype=torch.float64)
     expected = affine._per_channel_sum(values[None], (channels, inner))
-    block, thread = torch.meshgrid(torch.arange(blocks), torch.arange(BLOCK_THREADS), indexing="ij")
+    block_x, block_y, thread = torch.meshgrid(
+        torch.arange(grid_x), torch.arange(grid_y), torch.arange(BLOCK_THREADS), indexing="ij"
+    )
     if not tiles:  # consecutive threads own consecutive neurons, each writing its own sum
-        assert (channels % 32 or inner != 1) and per_sum == n
-        owned = (block * BLOCK_THREADS + thread).flatten()
+        assert (channels % 32 or inner != 1) and per_sum == n and grid_y == 1
+        owned = (block_x * BLOCK_THREADS + thread).flatten()
         assert torch.equal(owned[owned < n], torch.arange(n))
         return
-    assert tiles == channels // 32
-    row = block // tiles * affine.TILE_ROWS + thread // 32
-    neuron_of = row * channels + block % tiles * 32 + thread % 32
-    owns = row < n // channels
+    assert tiles == channels // 32 == grid_x  # block (x, y): channel tile x, row group y
+    row = block_y * affine.TILE_ROWS + thread // 32
+    channel = block_x * 32 + thread % 32
+    neuron_of = row * channels + channel
+    owns = row * channels < n
     assert torch.equal(neuron_of[owns].sort().values, torch.arange(n))
-    out = (block // tiles * channels + block % tiles * 32 + thread % 32)[owns]
+    out = (block_y * channels + channel)[owns]
     assert out.max() < per_sum
     partial = torch.zeros(per_sum, dtype=torch.float64).index_add_(0, out, values[neuron_of[owns]])
     assert torch.allclose(affine._per_channel_sum(partial[None], (channels, inner)), expected)
@@ -239,7 +243,7 @@ def test_printed_lif_kernel_reads_like_hand_written_code():
     lines = code.splitlines()
     assert max(len(line) for line in lines) <= 100
     assert not [line for line in lines if line and not line.strip()]
-    assert code.count("__expf(") == 1  # Sigmoid: sigma(4x) computed once, then reused
+    assert code.count("fast_exp(") == 2  # its definition, and Sigmoid: sigma(4x) computed once
     assert not re.search(r"\d[.\d]*F\b", code)  # literals are written 4.0f, never 4.0F
     assert "? j - 1 : 0" not in code
 

@@ -106,8 +106,9 @@ def _check_residual(residual: torch.Tensor | None, y: torch.Tensor, pool: int) -
         )
 
 
-# Rows of a channel-tiled pass-1 block (the template's TILE_ROWS: 32 channels x this many rows).
+# Rows of a channel-tiled backward block (the template's TILE_ROWS: 32 channels x this many rows).
 TILE_ROWS = BLOCK_THREADS // 32
+MAX_GRID_ROWS = 65535  # CUDA's limit on gridDim.y
 
 
 def _per_channel_sum(per_neuron: torch.Tensor, channels: tuple[int, int]) -> torch.Tensor:
@@ -116,19 +117,23 @@ def _per_channel_sum(per_neuron: torch.Tensor, channels: tuple[int, int]) -> tor
     return per_neuron.view(per_neuron.shape[0], -1, c, inner).sum(dim=(1, 3))
 
 
-def _pass1_grid(n: int, channels: tuple[int, int], vec: int, pool: int = 1) -> tuple[int, int, int]:
-    """(channel_tiles, blocks, partial sums per sum) of backward pass 1 over ``n`` slots (the
-    neurons, or the pooled kernels' windows).
+def _bptt_grid(
+    n: int, channels: tuple[int, int], vec: int, pool: int = 1
+) -> tuple[int, tuple[int, int], int]:
+    """(channel_tiles, grid, partial sums per sum of pass 1) of the backward over ``n`` slots
+    (the neurons, or the pooled kernels' windows).
 
     With channels innermost in whole warps (inner 1, C a multiple of 32, one neuron per thread,
-    no pooling) a block owns 32 channels of ``TILE_ROWS`` rows and writes one sum per channel
-    (``channel_tiles`` = C / 32); otherwise every slot writes its own (``channel_tiles`` 0).
+    no pooling, at most 65535 groups of ``TILE_ROWS`` rows: CUDA's bound on grid rows) block
+    (x, y) owns the 32 channels of tile x in the rows of group y, and pass 1 writes one sum per
+    channel and row group (``channel_tiles`` = C / 32; grid (C / 32, row groups)); otherwise
+    the grid is one row of blocks, every slot writing its own sums (``channel_tiles`` 0).
     """
     c, inner = channels
-    if inner != 1 or c % 32 or vec != 1 or pool != 1:
-        return 0, blocks_for(n, vec), n
     row_groups = -(-(n // c) // TILE_ROWS)
-    return c // 32, max(1, c // 32 * row_groups), row_groups * c
+    if inner != 1 or c % 32 or vec != 1 or pool != 1 or not 0 < row_groups <= MAX_GRID_ROWS:
+        return 0, (blocks_for(n, vec), 1), n
+    return c // 32, (c // 32, row_groups), row_groups * c
 
 
 def _rows(names: tuple[str, str], pair: torch.Tensor | None) -> dict[str, int]:
@@ -264,14 +269,11 @@ def affine_bptt(
     out = torch.empty_like(y) if grad_y else None
     grad_residual = torch.empty_like(y) if grad_y and residual is not None else None
     vec = vector_width(N, y, grad_spikes, vec=AFFINE_BPTT_VEC) if pool == 1 else 1
-    if grad_y:
-        tiles, blocks, sums = 0, blocks_for(slots, vec), None
-    else:
-        tiles, blocks, per_sum = _pass1_grid(slots, layout, vec, pool)
-        sums = y.new_empty((2, per_sum), dtype=torch.float32)
+    tiles, grid, per_sum = _bptt_grid(slots, layout, vec, pool)
+    sums = None if grad_y else y.new_empty((2, per_sum), dtype=torch.float32)
     partial = None
     if program.learnable and not grad_y:  # every block writes its column
-        shape = (len(program.learnable), blocks)
+        shape = (len(program.learnable), grid[0] * grid[1])
         partial = y.new_empty(shape, dtype=torch.float32) if N else y.new_zeros(shape)
     if N:
         pointers = {
@@ -300,7 +302,7 @@ def affine_bptt(
             channel_tiles=tiles,
             pool_width=pool_width,
         )
-        launch(kernel, False, y.device, blocks, args)
+        launch(kernel, False, y.device, grid, args)
     if sums is None:  # pass 2
         return out, grad_residual, None
     return None, _per_channel_sum(sums, layout), None if partial is None else partial.sum(dim=1)

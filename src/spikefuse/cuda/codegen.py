@@ -53,7 +53,7 @@ import torch
 
 from ..program import NeuronProgram
 from ..surrogate import Surrogate, x_sym
-from .printer import EXACT_DIV, cuda_body
+from .printer import EXACT_DIV, FAST_MATH, cuda_body
 
 BLOCK_THREADS = 256
 CHUNK = 8  # steps whose H stays in registers while backward walks them
@@ -378,8 +378,15 @@ class NeuronKernel:
         lines += [f"    float {n};" for n in self.constant_names]
         return ["struct Args {", *lines, "};"]
 
+    def constant_derivatives(self) -> tuple[str, ...]:
+        """The derivative functions (``dh_dv``, ...) whose value depends on the parameters
+        only: computed once per thread into ``Params`` (see :meth:`_params`). None here;
+        :class:`DefinitionKernel` finds them in its equations."""
+        return ()
+
     def _params(self) -> list[str]:
-        """Params, load_params and exact_div (sections of the prelude)."""
+        """Params, its constant derivatives' functions, load_params, exact_div and the fast
+        math (sections of the prelude)."""
         names = ("v_threshold", "v_reset", *self.params)
         loads = [
             f"p.{n} = a.learnable[{self.learnable.index(n)}];"
@@ -389,19 +396,32 @@ class NeuronKernel:
         ]
         loads += [f"p.rcp_{n} = __frcp_rn(p.{n});" for n in self.params]
         fields = [f"    float {n};" for n in names] + [f"    float rcp_{n};" for n in self.params]
+        constant = self.constant_derivatives()
+        # Computed once per thread: the unrolled backward would compute them at every step
+        # (each step's code is conditional, so the compiler cannot share one computation).
+        loads += [f"p.{name} = constant_{name}(p);" for name in constant]
+        fields += [
+            f"    float {name};  // {name}(...), the same for every neuron" for name in constant
+        ]
         declaration = [
-            "// The parameters, and the reciprocals of the neuron's own ones (for exact_div;",
-            "// unused ones vanish).",
+            "// The parameters, the reciprocals of the neuron's own ones (for exact_div) and the",
+            "// derivatives that depend on them only (unused ones vanish).",
             "struct Params {",
             *fields,
             "};",
         ]
+        functions = [
+            _device_function(f"constant_{name}(const Params& p)", self.body(name))
+            for name in constant
+        ]
         return [
             "\n".join(declaration),
+            EXACT_DIV,
+            FAST_MATH,
+            *functions,
             _device_function(
                 "load_params(const Args& a)", ["Params p;", *loads, "return p;"], returns="Params"
             ),
-            EXACT_DIV,
         ]
 
     def _reset_functions(self) -> list[str]:
@@ -426,16 +446,27 @@ class NeuronKernel:
         body = cuda_body(self.surrogate.derivative_expr, {x_sym: "x"}, True, True)
         return _device_function("surrogate_grad(const float x)", body)
 
+    def derivative_functions(self) -> tuple[str, ...]:
+        """The names of the partial derivatives the backward calls (all take ``_WITH_H``)."""
+        names = ["dh_dx", "dh_dv"]
+        if self.adaptive:
+            names += ["dh_dw", "dz_dh", "dz_dw"]
+        return (*names, *(f"dh_d{n}" for n in self.learnable))
+
     def _neuron_functions(self) -> list[str]:
         """The neuron's device functions the template calls (see its header)."""
         functions = [("charge", _STATE)]
         if self.adaptive:
             functions += [("adaptation", _WITH_H), ("adaptation_jump", "const Params& p")]
-        functions += [("dh_dx", _WITH_H), ("dh_dv", _WITH_H)]
-        if self.adaptive:
-            functions += [("dh_dw", _WITH_H), ("dz_dh", _WITH_H), ("dz_dw", _WITH_H)]
-        functions += [(f"dh_d{n}", _WITH_H) for n in self.learnable]
-        out = [_device_function(f"{name}({params})", self.body(name)) for name, params in functions]
+        functions += [(name, _WITH_H) for name in self.derivative_functions()]
+        constant = self.constant_derivatives()
+        out = [
+            _device_function(
+                f"{name}({params})",
+                [f"return p.{name};"] if name in constant else self.body(name),
+            )
+            for name, params in functions
+        ]
         if self.learnable:
             adds = [
                 f"acc[{i}] += grad_h * dh_d{n}(v, x, w, h, p);"
@@ -554,3 +585,11 @@ class DefinitionKernel(NeuronKernel):
     def body(self, function: str) -> list[str]:
         expr, forward = self._expression(function)
         return cuda_body(expr, self._names, fast=not forward, share_subexpressions=not forward)
+
+    def constant_derivatives(self) -> tuple[str, ...]:
+        params = set(self._names)
+        return tuple(
+            name
+            for name in self.derivative_functions()
+            if sp.sympify(self._expression(name)[0]).free_symbols <= params
+        )

@@ -156,9 +156,15 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
     const auto p = load_params(a);
     // Affine kernels: this thread's neurons' channels (loaded once, used for all T).
     float scale[VEC], shift[VEC];
-    if constexpr (AFFINE)
+    if constexpr (AFFINE) {
+        // Channels innermost in whole packs (the usual channels-last map): the pack's channels
+        // follow the first one's, found with one division instead of VEC (each a subroutine).
+        const long long c = n / a.inner % a.channels;
+        const bool consecutive = a.inner == 1 && a.channels % VEC == 0;
         for (int k = 0; k < VEC; ++k)
-            channel_affine(a, (n + k) / a.inner % a.channels, scale[k], shift[k]);
+            channel_affine(a, consecutive ? c + k : (n + k) / a.inner % a.channels, scale[k],
+                           shift[k]);
+    }
     float v[VEC], w[VEC];
     for (int k = 0; k < VEC; ++k) {
         v[k] = initial_v(a, n + k);
@@ -219,19 +225,30 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
 constexpr int TILE_ROWS = BLOCK_THREADS / 32;
 
 // The slot of a backward thread: the first of its VEC neurons, or (pooled kernels) its output
-// element. Consecutive threads own consecutive slots, except in the unpooled affine kernels'
-// pass 1 with channels innermost (a.channel_tiles > 0, VEC = 1): there a block owns 32
-// neighbouring channels of TILE_ROWS neighbouring rows (row r, channel c: neuron r * channels +
-// c), so that it adds up its rows' per-channel sums itself (block_channel_sums) and writes
-// TILE_ROWS times fewer of them. Threads past the last row own no neuron (slot N).
+// element. Consecutive threads own consecutive slots, except in the unpooled affine kernels
+// with channels innermost (a.channel_tiles > 0, VEC = 1): there block (x, y) of a 2-D grid
+// owns the 32 channels of tile x in the TILE_ROWS rows of group y (row r, channel c: neuron
+// r * channels + c; neighbouring blocks read neighbouring channels). Pass 1 then adds up its
+// rows' per-channel sums itself (block_channel_sums) and writes TILE_ROWS times fewer of
+// them, and no thread divides to find its channel (a 64-bit division is a subroutine of
+// dozens of instructions: at small T, a sizeable share of a backward bound by instruction
+// issue). Threads past the last row own no neuron (slot N).
+template <class Args>
+__device__ __forceinline__ bool channel_tiled(const Args& a)
+{
+    if constexpr (AFFINE && VEC == 1 && POOL == 1)
+        return a.channel_tiles != 0;
+    return false;
+}
+
 template <class Args>
 __device__ __forceinline__ long long bptt_first_neuron(const Args& a)
 {
-    if constexpr (AFFINE && VEC == 1 && POOL == 1)
-        if (a.channel_tiles) {
-            const long long tile = blockIdx.x % a.channel_tiles;
-            const long long row = blockIdx.x / a.channel_tiles * TILE_ROWS + threadIdx.x / 32;
-            return row < a.N / a.channels ? row * a.channels + tile * 32 + threadIdx.x % 32 : a.N;
+    if constexpr (AFFINE)
+        if (channel_tiled(a)) {
+            const long long row = (long long)blockIdx.y * TILE_ROWS + threadIdx.x / 32;
+            return row * a.channels < a.N ? row * a.channels + blockIdx.x * 32 + threadIdx.x % 32
+                                          : a.N;
         }
     return ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
 }
@@ -253,8 +270,7 @@ __device__ __forceinline__ void block_channel_sums(const Args& a, const bool own
             sum_g += rows_g[r][lane];
             sum_gy += rows_gy[r][lane];
         }
-        const long long group = blockIdx.x / a.channel_tiles, tile = blockIdx.x % a.channel_tiles;
-        const long long out = group * a.channels + tile * 32 + lane;
+        const long long out = (long long)blockIdx.y * a.channels + blockIdx.x * 32 + lane;
         a.grad_sum[out] = sum_g;
         a.grad_dot[out] = sum_gy;
     }
@@ -332,10 +348,14 @@ __device__ __forceinline__ pack_t grad_spike_pack(const Args& a, const long long
 
 // Backward through time: dL/dX[t] (affine pass 2: dL/dY[t]; pass 1: per-neuron, per-window or
 // per-tile sums for BatchNorm), dL/dV[-1] (and dL/dW[-1]), per-block sums of the learnable
-// parameters' gradients.
-template <class Args>
+// parameters' gradients. PASS1: the affine kernels' pass 1, compiled apart from pass 2 so that
+// neither computes what only the other writes (the backward is bound by instruction issue).
+template <class Args, bool PASS1>
 __device__ __forceinline__ void neuron_bptt(const Args& a)
 {
+    constexpr bool SUMS = AFFINE && PASS1;  // BatchNorm's sums (and the learnable gradients)
+    constexpr bool WRITES = !SUMS;  // dL/dX (affine: dL/dY)
+    constexpr bool LEARNS = N_LEARNABLE > 0 && (SUMS || !AFFINE);
     const int T = (int)a.T;
     // The thread's slot: neurons slot .. slot + VEC - 1, or (pooled) output element slot.
     const long long N = a.N, slot = bptt_first_neuron(a);
@@ -347,11 +367,12 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     float scale[VEC], shift[VEC], mean[VEC], coef_y[VEC], coef_0[VEC], sum_g[VEC], sum_gy[VEC];
     if constexpr (AFFINE)
         for (int k = 0; k < VEC && active; ++k) {
-            const long long c = (slot + k) / a.inner % a.channels;
+            const long long c = channel_tiled(a) ? blockIdx.x * 32 + threadIdx.x % 32
+                                                 : (slot + k) / a.inner % a.channels;
             channel_affine(a, c, scale[k], shift[k]);
             mean[k] = a.bn_mean[c];
             coef_y[k] = coef_0[k] = sum_g[k] = sum_gy[k] = 0.0f;
-            if (a.bn_total_g) {
+            if (WRITES && a.bn_total_g) {
                 const float invstd = a.bn_invstd[c];
                 const float mean_g = a.bn_total_g[c] * a.inv_count;
                 const float mean_gxhat = a.bn_total_gy[c] * invstd * a.inv_count;
@@ -448,9 +469,10 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                                         + grad_w * dz_dw(v_prev, x, w_prev, h, p);
                     }
                     const float grad_x = grad_h * dh_dx(v_prev, x, w_prev, h, p);
-                    if constexpr (AFFINE) {
+                    if constexpr (SUMS) {
                         sum_g[k] += grad_x;
                         sum_gy[k] += grad_x * (y - mean[k]);
+                    } else if constexpr (AFFINE) {
                         // dL/dY
                         gxp.e[k] = from_float(scale[k] * grad_x + coef_y[k] * y + coef_0[k]);
                         if constexpr (RESIDUAL)
@@ -459,14 +481,13 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                         gxp.e[k] = from_float(grad_x);
                     }
                     grad_v_carry[k] = grad_h * dh_dv(v_prev, x, w_prev, h, p);  // to V[t-1]
-                    if constexpr (N_LEARNABLE > 0)
+                    if constexpr (LEARNS)
                         add_learnable_grads(acc, grad_h, v_prev, x, w_prev, h, p);
                 }
-                if (!AFFINE || a.grad_x_seq)  // affine pass 1 writes only the sums
+                if constexpr (WRITES)
                     store_pack(a.grad_x_seq, base + j * N, gxp);
-                if constexpr (RESIDUAL)
-                    if (a.grad_residual_seq)
-                        store_pack(a.grad_residual_seq, base + j * N, grp);
+                if constexpr (RESIDUAL && WRITES)
+                    store_pack(a.grad_residual_seq, base + j * N, grp);
             }
         }
     }
@@ -478,17 +499,17 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
             if constexpr (ADAPTIVE)
                 if (a.grad_w0)
                     a.grad_w0[slot + k] = grad_w_carry[k];
-            if constexpr (AFFINE)  // pooled kernels: the window's sums
-                if (a.grad_sum && !a.channel_tiles) {
+            if constexpr (SUMS)  // pooled kernels: the window's sums
+                if (!a.channel_tiles) {
                     a.grad_sum[slot + k] = sum_g[k];
                     a.grad_dot[slot + k] = sum_gy[k];
                 }
         }
     }
-    if constexpr (AFFINE && VEC == 1)
-        if (a.grad_sum && a.channel_tiles)  // the same for the whole block: it may synchronise
+    if constexpr (SUMS && VEC == 1)
+        if (a.channel_tiles)  // the same for the whole block: it may synchronise
             block_channel_sums(a, active, sum_g[0], sum_gy[0]);
-    if constexpr (N_LEARNABLE > 0) {
+    if constexpr (LEARNS) {
         // Deterministic reduction: warp shuffle, then shared memory, one partial per block.
         __shared__ float partial[LEARNABLE_SLOTS][BLOCK_THREADS / 32];
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -504,7 +525,8 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
             float s = 0.0f;
             for (int i = 0; i < blockDim.x / 32; ++i)
                 s += partial[threadIdx.x][i];
-            a.grad_learnable_partial[(long long)threadIdx.x * gridDim.x + blockIdx.x] = s;
+            a.grad_learnable_partial[(long long)threadIdx.x * gridDim.x * gridDim.y
+                                     + blockIdx.y * gridDim.x + blockIdx.x] = s;
         }
     }
 }
@@ -528,7 +550,14 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, FPTT_MIN_BLOCKS)
 
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, MIN_BLOCKS) BPTT_KERNEL(const Args a)
 {
-    neuron_bptt(a);
+    if constexpr (AFFINE) {  // pass 1 writes no dL/dY (see neuron_bptt)
+        if (a.grad_x_seq)
+            neuron_bptt<Args, false>(a);
+        else
+            neuron_bptt<Args, true>(a);
+    } else {
+        neuron_bptt<Args, false>(a);
+    }
 }
 
 #undef FPTT_KERNEL

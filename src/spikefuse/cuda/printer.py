@@ -11,8 +11,8 @@ class CudaFloatPrinter(C99CodePrinter):
     """C99 printer with float literals and functions (expf, fabsf, ...) and no slow powf for
     small integer powers, so generated arithmetic stays in fp32 registers.
 
-    ``fast=True`` prints divisions as ``__fdividef`` and ``exp`` as ``__expf`` (a few ulp; for
-    gradients). The default keeps correctly rounded division and ``expf``: what the forward's
+    ``fast=True`` prints divisions as ``fast_div`` and ``exp`` as ``fast_exp`` (one hardware
+    approximation each, a few ulp, subnormals flushed: :data:`FAST_MATH`; for gradients). The default keeps correctly rounded division and ``expf``: what the forward's
     charge needs to match PyTorch bit for bit. There, a division by a parameter ``p.b`` prints
     as ``exact_div(a, p.b, p.rcp_b)`` with the reciprocal computed once per thread (see
     :data:`EXACT_DIV`), instead of a full IEEE division per step.
@@ -38,13 +38,13 @@ class CudaFloatPrinter(C99CodePrinter):
             product = "*".join([f"({self._print(base)})"] * abs(int(exp)))
             if exp > 0:
                 return f"({product})"
-            return f"__fdividef(1.0f, {product})" if self._fast else f"(1.0f/({product}))"
+            return f"fast_div(1.0f, {product})" if self._fast else f"(1.0f/({product}))"
         return super()._print_Pow(expr)
 
     def _print_Mul(self, expr: sp.Mul) -> str:
         num, den = sp.fraction(expr, exact=True)
         if den != 1 and self._fast:
-            return f"__fdividef({self._print(num)}, {self._print(den)})"
+            return f"fast_div({self._print(num)}, {self._print(den)})"
         name = self._names.get(den)
         if name is not None and name.startswith("p."):
             return f"exact_div({self._print(num)}, {name}, p.rcp_{name[2:]})"
@@ -52,7 +52,7 @@ class CudaFloatPrinter(C99CodePrinter):
 
     def _print_exp(self, expr) -> str:
         if self._fast:
-            return f"__expf({self._print(expr.args[0])})"
+            return f"fast_exp({self._print(expr.args[0])})"
         return f"expf({self._print(expr.args[0])})"
 
     def _print_Integer(self, expr: sp.Integer) -> str:
@@ -84,6 +84,25 @@ __device__ __forceinline__ float exact_div(const float a, const float b, const f
 }"""
 
 
+# The backward's division and exp: one approximate hardware instruction each (MUFU.RCP, .EX2),
+# as __fdividef and __expf, but flushing subnormals instead of rescaling them, which saves the
+# range checks those intrinsics wrap around every call (a gradient that small is zero anyway).
+FAST_MATH = """\
+__device__ __forceinline__ float fast_div(const float a, const float b)
+{
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+    return a * r;
+}
+
+__device__ __forceinline__ float fast_exp(const float x)
+{
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * 1.44269504088896341f));
+    return r;
+}"""
+
+
 def cuda_body(
     expr: sp.Expr,
     symbol_names: dict[sp.Symbol, str] | None = None,
@@ -92,7 +111,7 @@ def cuda_body(
 ) -> list[str]:
     """The statements of a device function returning ``expr``: ``return <expr>;``, preceded,
     with ``share_subexpressions``, by a ``const float eK = ...;`` for each subexpression that
-    sympy's ``cse`` finds repeated (so that, e.g., an ``__expf`` is computed once).
+    sympy's ``cse`` finds repeated (so that, e.g., an ``fast_exp`` is computed once).
 
     Sharing regroups products and sums, so it is only for the backward's derivatives; the
     forward's equations keep the operation order PyTorch evaluates (bit-identical H).

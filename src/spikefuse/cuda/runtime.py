@@ -108,11 +108,17 @@ def _current_stream(index: int) -> int:
 
 
 def launch(
-    kernel: NeuronKernel, forward: bool, device: torch.device, blocks: int, args: bytes
+    kernel: NeuronKernel,
+    forward: bool,
+    device: torch.device,
+    blocks: int | tuple[int, int],
+    args: bytes,
 ) -> None:
-    """Launch one direction's kernel with its packed ``Args`` struct on the current stream."""
+    """Launch one direction's kernel with its packed ``Args`` struct on the current stream;
+    ``blocks``: a count, or a 2-D grid (x, y)."""
     name = kernel.fptt_name if forward else kernel.bptt_name
-    launch_named(kernel.full_codes, name, device, (blocks, 1, 1), (BLOCK_THREADS, 1, 1), args)
+    x, y = (blocks, 1) if isinstance(blocks, int) else blocks
+    launch_named(kernel.full_codes, name, device, (x, y, 1), (BLOCK_THREADS, 1, 1), args)
 
 
 def launch_named(
