@@ -4,9 +4,10 @@
 
 For each of the medium net's six conv maps ([T, B, C, H, W] channels-last, with and without the
 2x2 pooling folded in) and for bfloat16 and float32 storage: microseconds per launch of the
-forward (``affine_fptt``), backward pass 1 (the per-channel sums) and pass 2 (dL/dy), the mean
-of 50 launches after 5 warm-up, the paper's LIF with the Sigmoid surrogate; then the totals
-over the six maps (one step of the network runs each kernel about that often).
+forward (``affine_fptt``), backward pass 1 (the per-channel sums) and pass 2 (dL/dy), the
+median of 50 launches issued back to back after 5 warm-up, for the paper's LIF with the Sigmoid
+surrogate; then the totals over the six maps (a step of the network runs each kernel about that
+often).
 """
 
 from __future__ import annotations
@@ -17,22 +18,15 @@ import functools
 import torch
 
 from spikefuse import neuron, surrogate
+from spikefuse.bench.common import time_step
 from spikefuse.cuda import affine
 
 MAPS = ((128, 32, 1), (128, 32, 2), (256, 16, 1), (256, 16, 2), (512, 8, 1), (512, 8, 2))
 
 
-def microseconds(launch, iters: int = 50) -> float:
-    for _ in range(5):
-        launch()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        launch()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1000
+def microseconds(launch) -> float:
+    """Median time of one launch, issued back to back (the benchmarks' queued timing)."""
+    return time_step(launch, torch.device("cuda"), warmup=5, iters=50).queued * 1000
 
 
 def main() -> None:
