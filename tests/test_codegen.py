@@ -200,6 +200,30 @@ def test_backward_channel_tiles_cover_every_neuron_once(rows, channels, inner):
     assert torch.allclose(affine._per_channel_sum(partial[None], (channels, inner)), expected)
 
 
+def test_backward_grid_stays_within_cuda_grid_rows():
+    """More row groups than a grid's 65535 rows: one row of blocks, every neuron its own sums."""
+    rows = affine.TILE_ROWS * affine.MAX_GRID_ROWS
+    assert affine._bptt_grid(rows * 32, (32, 1), vec=1)[:2] == (1, (1, affine.MAX_GRID_ROWS))
+    n = (rows + 1) * 32
+    assert affine._bptt_grid(n, (32, 1), vec=1) == (0, (affine.blocks_for(n, 1), 1), n)
+
+
+def test_parameter_only_derivatives_are_computed_once_per_thread():
+    """LIF's dH/dV depends on tau only: load_params computes it, the device function returns
+    it (the unrolled backward could not share one computation between its conditional steps);
+    QIF's depends on V and stays a function of the step. The backward's exp and division are
+    the fast ones."""
+    lif = DefinitionKernel(neuron.LIFNode(tau=2.0).program, torch.float32)
+    assert lif.constant_derivatives() == ("dh_dx", "dh_dv")
+    code = lif.full_codes
+    assert "p.dh_dv = constant_dh_dv(p);" in code
+    body = code.split("\ndh_dv(const float v, const float x, const float w, const float h")[1]
+    assert body.split("\n}")[0].endswith("return p.dh_dv;")
+    assert "fast_div(" in code and "__fdividef" not in code and "__expf" not in code
+    qif = DefinitionKernel(neuron.QIFNode().program, torch.float32)
+    assert "dh_dv" not in qif.constant_derivatives()
+
+
 def test_plain_and_affine_kernels_have_their_own_arguments():
     """Plain kernels carry no BatchNorm fields, one-state neurons no W fields, and the affine
     kernels none of the state inputs and outputs they never use."""
