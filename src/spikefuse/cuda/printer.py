@@ -12,8 +12,9 @@ class CudaFloatPrinter(C99CodePrinter):
     small integer powers, so generated arithmetic stays in fp32 registers.
 
     ``fast=True`` prints divisions as ``fast_div`` and ``exp`` as ``fast_exp`` (one hardware
-    approximation each, a few ulp, subnormals flushed: :data:`FAST_MATH`; for gradients). The default keeps correctly rounded division and ``expf``: what the forward's
-    charge needs to match PyTorch bit for bit. There, a division by a parameter ``p.b`` prints
+    approximation each, a few ulp, subnormals flushed: :data:`FAST_MATH`; for gradients). The
+    default keeps correctly rounded division and ``expf``: what the forward's charge needs to
+    match PyTorch bit for bit. There, a division by a parameter ``p.b`` prints
     as ``exact_div(a, p.b, p.rcp_b)`` with the reciprocal computed once per thread (see
     :data:`EXACT_DIV`), instead of a full IEEE division per step.
     """
@@ -111,7 +112,7 @@ def cuda_body(
 ) -> list[str]:
     """The statements of a device function returning ``expr``: ``return <expr>;``, preceded,
     with ``share_subexpressions``, by a ``const float eK = ...;`` for each subexpression that
-    sympy's ``cse`` finds repeated (so that, e.g., an ``fast_exp`` is computed once).
+    sympy's ``cse`` finds repeated (so that, e.g., a ``fast_exp`` is computed once).
 
     Sharing regroups products and sums, so it is only for the backward's derivatives; the
     forward's equations keep the operation order PyTorch evaluates (bit-identical H).
