@@ -572,6 +572,20 @@ def test_residual_blocks_check_their_call_before_any_state_changes():
     assert torch.equal(block.bn.running_mean, running) and block.bn.num_batches_tracked == 0
 
 
+@pytest.mark.parametrize("memory", ["default", "min"])
+def test_a_shortcut_edited_in_place_before_backward_is_refused(memory):
+    """A residual block keeps its shortcut through autograd's saved tensors: editing it in
+    place between forward and backward raises instead of giving wrong gradients."""
+    block = FusedBlock(conv(), bn(), lif(), memory=memory, residual=True).double()
+    x = torch.rand(T, B, C, 6, 6, dtype=torch.float64)
+    shortcut = torch.rand(T, B, C, 6, 6, dtype=torch.float64, requires_grad=True) * 1.0
+    out = block(x, shortcut)
+    with torch.no_grad():
+        shortcut.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_compiled_residual_network_is_one_graph_with_the_eager_results():
     torch.manual_seed(0)
     fused = fuse(randomized(ResidualNet()).float())

@@ -46,7 +46,7 @@ from torch import Tensor
 from ..backends import AffineKernels, compute_dtype
 from ..ops import forbid_double_backward
 from .neuron_call import Kept, NeuronCall
-from .spike_bits import Compact, expand
+from .spike_bits import Compact, expand, join, split
 from .statistics import BNSpec, BNStats, all_reduce_sums, is_distributed, reduce_dims
 
 
@@ -325,7 +325,7 @@ def param_dtypes(*params: Tensor | None) -> tuple[torch.dtype | None, ...]:
 
 def save_bn_context(
     ctx: Any,
-    first: Tensor,
+    first: Compact,
     learnable: Tensor | None,
     *,
     stats: BNStats | None,
@@ -334,26 +334,34 @@ def save_bn_context(
     bias: Tensor | None,
     neuron: NeuronCall,
     bn: BNSpec | None,
+    residual: Compact | None = None,
 ) -> None:
-    """Keep for backward ``first`` (what the synapse output is recomputed from), the learnable
-    values, the per-channel vectors and what the neuron's forward kept; see
-    :func:`load_bn_context`."""
+    """Keep for backward ``first`` (y, or what the synapse output is recomputed from, perhaps
+    1-bit packed), the learnable values, the per-channel vectors, what the neuron's forward
+    kept and a residual block's kept shortcut; see :func:`load_bn_context`. Every tensor goes
+    through ``ctx.save_for_backward``, so an in-place edit of one before backward raises."""
+    first_saved, ctx.first_packing = split(first)
+    residual_saved, ctx.residual_packing = (None, None) if residual is None else split(residual)
     vectors = () if stats is None else stats.vectors
-    ctx.save_for_backward(first, learnable, *vectors, *(saved or ()))
+    ctx.save_for_backward(first_saved, learnable, residual_saved, *vectors, *(saved or ()))
     ctx.kept = saved is not None
     ctx.count = None if stats is None else stats.count
     ctx.neuron, ctx.bn = neuron, bn
     ctx.param_dtypes = param_dtypes(weight, bias)
 
 
-def load_bn_context(ctx: Any) -> tuple[Tensor, Tensor | None, BNStats | None, Kept]:
-    """(first, learnable, stats, saved) as :func:`save_bn_context` kept them."""
-    first, learnable, *rest = ctx.saved_tensors
+def load_bn_context(
+    ctx: Any,
+) -> tuple[Compact, Tensor | None, BNStats | None, Kept, Compact | None]:
+    """(first, learnable, stats, saved, residual) as :func:`save_bn_context` kept them."""
+    first, learnable, residual, *rest = ctx.saved_tensors
     stats = None
     if ctx.count is not None:
         stats = BNStats(rest[0], rest[1], rest[2], rest[3], ctx.count)
         rest = rest[4:]
-    return first, learnable, stats, (rest[0],) if ctx.kept else None
+    kept_residual = None if residual is None else join(residual, ctx.residual_packing)
+    saved = (rest[0],) if ctx.kept else None
+    return join(first, ctx.first_packing), learnable, stats, saved, kept_residual
 
 
 def bn_param_grads(
@@ -404,16 +412,18 @@ class BNNeuronFunction(torch.autograd.Function):
             bias=bias,
             neuron=neuron,
             bn=bn,
+            residual=kept_residual,
         )
-        ctx.pool, ctx.kept_residual = pool, kept_residual
+        ctx.pool = pool
         return spikes
 
     @staticmethod
     def backward(ctx: Any, grad_spikes: Tensor) -> tuple[Tensor | None, ...]:
         forbid_double_backward("a fused block (BNNeuronFunction)")
-        y, learnable, stats, saved = load_bn_context(ctx)
+        kept_y, learnable, stats, saved, kept_residual = load_bn_context(ctx)
+        y = expand(kept_y)  # y itself: it is never packed
         needs = ctx.needs_input_grad[1:4]
-        residual = None if ctx.kept_residual is None else expand(ctx.kept_residual)
+        residual = None if kept_residual is None else expand(kept_residual)
         grad_y, grad_weight, grad_bias, grad_learnable, grad_residual = bn_neuron_grads(
             y, stats, ctx.bn, ctx.neuron, learnable, grad_spikes, saved, needs, ctx.pool, residual
         )

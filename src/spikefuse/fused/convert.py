@@ -6,10 +6,11 @@ the containers or custom ``forward`` methods, and replaces each by a :class:`Fus
 1. The forward of the model is traced with ``torch.fx`` (spikefuse neurons and layers, torch
    layers, :class:`FusedBlock` and :class:`SpikePool` are leaves), in training and in eval
    mode, and if the forward has optional arguments, also with them at their defaults; only
-   chains that every variant agrees on are fused. A chain is a call of a synapse whose output is used only by a BatchNorm call
-   whose output is used only by a neuron call (or the synapse directly followed by the neuron),
-   or, a *residual chain*, only by an addition ``+ shortcut`` whose result is used only by a
-   neuron call (Spiking ResNet's ``sn2(bn2(conv2(out)) + identity)``).
+   chains that every variant agrees on are fused. A chain is a call of a synapse whose output
+   is used only by a BatchNorm call whose output is used only by a neuron call (or the synapse
+   directly followed by the neuron), or, a *residual chain*, only by an addition
+   ``+ shortcut`` whose result is used only by a neuron call (Spiking ResNet's
+   ``sn2(bn2(conv2(out)) + identity)``).
 2. The traced graph is only evidence: the model is patched in place, keeping the user's
    classes. The synapse's attribute becomes the FusedBlock (which holds the original synapse,
    BatchNorm and neuron), the BatchNorm's and neuron's attributes become :class:`FusedAway`
@@ -884,15 +885,15 @@ def fuse(
     mode and with the forward's optional arguments given or left at their defaults, be
     registered under one name, not be read as an attribute by the forward
     (``self.conv1.weight``) and have no forward hooks. Everything else (SEW connect functions,
-    Conv → BN downsample branches, Dropout between layers, ...) stays as it is. A multi-step 2 x 2 ``AvgPool2d`` (kernel = stride, no padding, ceil_mode or
-    divisor_override) called once, right after a Conv2d chain's neuron as the sole user of its
-    spikes, is folded into the block (``fold_pools``; the block's output is then the pooled map,
-    which the cuda kernels compute without writing the full spikes); the report names the
-    folded pools and says why a pooling after a chain was not folded. Other multi-step
-    ``AvgPool2d``/``MaxPool2d`` layers become :class:`SpikePool` (same result; on fused-block
-    spikes they save their input at 1 bit per spike). Where a forward cannot be
-    traced, its children are converted one by one and ``nn.Sequential`` children are searched
-    in order; the report names those modules.
+    Conv → BN downsample branches, Dropout between layers, ...) stays as it is. A multi-step
+    2 x 2 ``AvgPool2d`` (kernel = stride, no padding, ceil_mode or divisor_override) called
+    once, right after a Conv2d chain's neuron as the sole user of its spikes, is folded into the
+    block (``fold_pools``; the block's output is then the pooled map, which the cuda kernels
+    compute without writing the full spikes); the report names the folded pools and says why a
+    pooling after a chain was not folded. Other multi-step ``AvgPool2d``/``MaxPool2d`` layers
+    become :class:`SpikePool` (same result; on fused-block spikes they save their input at 1
+    bit per spike). Where a forward cannot be traced, its children are converted one by one
+    and ``nn.Sequential`` children are searched in order; the report names those modules.
 
     The model is patched in place of the copy (its classes stay): the synapse's attribute
     becomes the FusedBlock, holding the original modules (parameters and buffers are shared,

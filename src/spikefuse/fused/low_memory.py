@@ -30,7 +30,7 @@ from .bn_neuron import (
     save_bn_context,
 )
 from .neuron_call import NeuronCall
-from .spike_bits import Compact, PackedSpikes, expand, is_spikes
+from .spike_bits import Compact, compact, expand
 from .statistics import BNSpec, BNStats
 
 if TYPE_CHECKING:
@@ -140,11 +140,9 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         *synapse_params,
     ):
         spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, True, residual=residual)
-        packed = PackedSpikes.of(x) if is_spikes(x) else None
-        kept = x if packed is None else packed.bits
         save_bn_context(
             ctx,
-            kept,
+            compact(x),
             learnable,
             stats=stats,
             saved=saved,
@@ -152,25 +150,26 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             bias=bias,
             neuron=neuron,
             bn=bn,
+            residual=kept_residual,
         )
-        ctx.geometry, ctx.packed = (x.shape, x.dtype), packed
+        ctx.geometry = (x.shape, x.dtype)
         # backward runs outside the forward's autocast context: recompute y under the same one
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        ctx.block, ctx.kept_residual = block, kept_residual
+        ctx.block = block
         ctx.synapse_params = synapse_params  # parameters: alive anyway, not activations
         return spikes
 
     @staticmethod
     def backward(ctx, grad_spikes):
         forbid_double_backward("a fused block (memory='min')")
-        kept, learnable, stats, saved = load_bn_context(ctx)
-        (shape, x_dtype), packed = ctx.geometry, ctx.packed
+        kept, learnable, stats, saved, kept_residual = load_bn_context(ctx)
+        shape, x_dtype = ctx.geometry
         block = ctx.block
         needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[11:]
 
         def restored() -> Tensor:
-            return kept if packed is None else packed.unpack()
+            return expand(kept)
 
         device, dtype, enabled = ctx.autocast
         autocast = torch.autocast(device, dtype, enabled=enabled, cache_enabled=False)
@@ -182,7 +181,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             with torch.enable_grad(), autocast:
                 x = restored().detach().requires_grad_(needs_x)
                 y = block._synapse_call(x)
-        residual = None if ctx.kept_residual is None else expand(ctx.kept_residual)
+        residual = None if kept_residual is None else expand(kept_residual)
         grad_y, grad_weight, grad_bias, grad_learnable, grad_residual = bn_neuron_grads(
             y=y.detach(),
             stats=stats,

@@ -118,3 +118,21 @@ def compact(t: Tensor) -> Compact:
 def expand(kept: Compact) -> Tensor:
     """The tensor :func:`compact` kept."""
     return kept.unpack() if isinstance(kept, PackedSpikes) else kept
+
+
+#: How a packing lays its bits out: (shape, dtype, memory order) of the packed tensor.
+Packing = tuple[torch.Size, torch.dtype, tuple[int, ...]]
+
+
+def split(kept: Compact) -> tuple[Tensor, Packing | None]:
+    """``kept`` as the tensor an autograd Function saves (``ctx.save_for_backward``: checked
+    against in-place edits, seen by saved-tensor hooks) and its packing (None: a plain tensor);
+    :func:`join` puts them back together."""
+    if isinstance(kept, PackedSpikes):
+        return kept.bits, (kept.shape, kept.dtype, kept.order)
+    return kept, None
+
+
+def join(saved: Tensor, packing: Packing | None) -> Compact:
+    """The :data:`Compact` that :func:`split` took apart."""
+    return saved if packing is None else PackedSpikes(saved, *packing)
