@@ -3,12 +3,15 @@
     python scripts/profile_e2e.py [--model medium] [--variants fused] [--dtypes fp32 bf16]
     python scripts/profile_e2e.py --memory      # the largest live allocations at the peak
     python scripts/profile_e2e.py --host        # where the host's Python time goes (cProfile)
+    python scripts/profile_e2e.py --gaps        # where the GPU waits for the host in a step
 
 Per variant and dtype: ms/step and peak MiB as the benchmark measures them, then either the
 torch.profiler table of the kernels of 3 iterations (sorted by GPU time) or, with ``--memory``,
 the allocations alive at the traced peak of one iteration and the code that made them, or with
 ``--host`` the Python functions that take the host's time (cProfile over 20 steps, by own time),
-with the number of kernel launches per step.
+with the number of kernel launches per step, or with ``--gaps`` the GPU's idle time inside one
+synchronised step: the largest gaps between kernels and the kernels around them (where the host
+paces the step).
 """
 
 from __future__ import annotations
@@ -52,14 +55,17 @@ def peak_allocations(step, top: int = 14) -> None:
         print(f"  {e['size'] / MIB:8.1f} MiB  {where}")
 
 
-def host_profile(step, rows: int) -> None:
-    """cProfile of 20 steps (the host's Python time by function) and kernel launches per step."""
+def host_profile(step, rows: int, stats_file: str | None = None) -> None:
+    """cProfile of 20 steps (the host's Python time by function) and kernel launches per step;
+    the raw statistics go to ``stats_file`` too (for ``pstats``: callers, callees)."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(20):
         step()
     torch.cuda.synchronize()
     profiler.disable()
+    if stats_file:
+        profiler.dump_stats(stats_file)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(rows)
@@ -71,6 +77,34 @@ def host_profile(step, rows: int) -> None:
     print(f"  CUDA kernels (and copies) per step: {kernels}")
 
 
+def gpu_gaps(step, rows: int) -> None:
+    """GPU busy and idle time within one synchronised step, and its largest idle gaps."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type.name == "CUDA"
+    )
+    gaps, busy, end, previous = [], 0.0, kernels[0][0], kernels[0][2]
+    for start, stop, name in kernels:
+        if start > end:
+            gaps.append((start - end, previous, name))
+        busy += max(0.0, stop - max(start, end))
+        previous, end = name, max(end, stop)
+    span = end - kernels[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    print(
+        f"  {len(kernels)} kernels over {span / 1e3:.2f} ms: busy {busy / 1e3:.2f} ms, idle "
+        f"{idle / 1e3:.2f} ms in {len(gaps)} gaps ({sum(g for g, _, _ in gaps if g > 20) / 1e3:.2f}"
+        " ms in gaps over 20 us)"
+    )
+    for gap, before, after in sorted(gaps, reverse=True)[:rows]:
+        print(f"  {gap:8.1f} us  after {before[:60]}  before {after[:60]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="medium", choices=sorted(e2e.MODELS))
@@ -79,6 +113,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25, help="kernel table rows")
     parser.add_argument("--memory", action="store_true", help="live allocations at the peak")
     parser.add_argument("--host", action="store_true", help="host Python time (cProfile)")
+    parser.add_argument("--host-stats", metavar="FILE", help="with --host: write the raw stats")
+    parser.add_argument("--gaps", action="store_true", help="GPU idle gaps in a synced step")
     args = parser.parse_args()
     device = torch.device("cuda")
     for dtype in args.dtypes:
@@ -96,7 +132,9 @@ def main() -> None:
             if args.memory:
                 peak_allocations(step)
             elif args.host:
-                host_profile(step, args.rows)
+                host_profile(step, args.rows, args.host_stats)
+            elif args.gaps:
+                gpu_gaps(step, args.rows)
             else:
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):

@@ -166,3 +166,27 @@ def test_opcheck_bn_neuron_ops(count):
     config = (node.program.key, "torch", list(node.constants()), 0.0, count)
     args = (y, mean, invstd, weight, bias, learnable, *config, True)
     torch.library.opcheck(torch.ops.spikefuse.bn_neuron_fptt.default, args)
+
+
+def test_compiled_fused_model_on_an_input_repeated_over_time():
+    """images.expand(T, ...) compiles to one graph (the first block's synapse runs once per
+    image, as in eager) and gives the eager model's loss and gradients."""
+    torch.manual_seed(0)
+    model = fuse(sj_net())
+    eager = copy.deepcopy(model)
+    images = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    x = images.unsqueeze(0).expand(4, -1, -1, -1, -1)
+    torch.compiler.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    results = []
+    for net in (compiled, eager):
+        for _ in range(2):
+            loss = net(x).square().mean()
+            loss.backward()
+            functional.reset_net(net)
+        results.append([loss.detach(), *(p.grad for p in net.parameters())])
+    assert counter.frame_count == 1
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    torch.compiler.reset()

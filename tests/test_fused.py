@@ -540,8 +540,9 @@ def test_digits_training_follows_unfused_loss_curve():
     steps, window = 200, 50
     ref = train_digits(digits_model(), steps)
     fused = train_digits(fuse(digits_model()), steps)
-    # Identical until float rounding first flips a spike, then the same curve.
-    torch.testing.assert_close(fused[:20], ref[:20], rtol=1e-4, atol=1e-5)
+    # Identical until float rounding first flips a spike (here after about 15 steps; when
+    # depends on the summation order of every op), then the same curve.
+    torch.testing.assert_close(fused[:10], ref[:10], rtol=1e-4, atol=1e-5)
     ref_means = ref.view(-1, window).mean(1)
     fused_means = fused.view(-1, window).mean(1)
     assert (ref_means - fused_means).abs().max() < 0.05, (ref_means, fused_means)
@@ -613,3 +614,53 @@ def test_a_surrogate_changed_to_torch_code_after_building_is_a_clear_error():
     with pytest.raises(SpikefuseError, match="LIFNode runs torch code"):
         block(torch.randn(T, B, 4))
     assert block.bn.num_batches_tracked.item() == 0  # refused before BatchNorm counted the batch
+
+
+class _ConvBatchSizes(torch.overrides.TorchFunctionMode):
+    """Records the batch size of every 2-D convolution's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.conv2d, F.conv2d):
+            self.batches.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("memory", ["default", "min"])
+def test_input_repeated_over_time_runs_the_first_synapse_once_per_sample(memory):
+    """images.expand(T, ...) (stride 0 over T): the first block convolves the B images once and
+    repeats the result; outputs, parameter gradients and BatchNorm statistics equal those of
+    the same model on the materialised sequence."""
+    ref = conv_stack(torch.float64)
+    fused = fuse(copy.deepcopy(ref), memory=memory)
+    images = torch.randn(B, 3, 8, 8, dtype=torch.float64) * 2
+    static = images.unsqueeze(0).expand(T, -1, -1, -1, -1)
+    outs = []
+    for model, x in ((ref, static.contiguous()), (fused, static)):
+        with _ConvBatchSizes() as convs:
+            out = model(x)
+            weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+            (out * weights).sum().backward()
+        functional.reset_net(model)
+        outs.append((out.detach(), convs.batches))
+    torch.testing.assert_close(outs[1][0], outs[0][0], **FP64_TOL)
+    assert outs[0][1][0] == T * B and outs[1][1][0] == B  # the first convolution's batch
+    for (name, p_r), p_f in zip(ref.named_parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(
+            p_f.grad, p_r.grad, **FP64_TOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    for b_r, b_f in zip(ref.buffers(), fused.buffers(), strict=True):
+        torch.testing.assert_close(b_f, b_r, **FP64_TOL)
+
+
+def test_input_repeated_over_time_that_needs_a_gradient_runs_every_step():
+    """A stride-0 input that needs a gradient runs on all T*B samples (a gradient of the view
+    itself keeps its steps apart)."""
+    fused = fuse(conv_stack(torch.float64))
+    base = torch.randn(1, B, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    with _ConvBatchSizes() as convs:
+        fused(base.expand(T, -1, -1, -1, -1))
+    assert convs.batches[0] == T * B

@@ -258,3 +258,45 @@ def test_set_step_mode_keeps_sequence_container_contents():
     functional.set_step_mode(net, "m")
     assert conv.step_mode == "s" and net[1][0].step_mode == "s"
     assert net(torch.rand(4, 2, 2, 5, 5, generator=gen(17))).shape == (4, 2, 3, 5, 5)
+
+
+# ---- Synapses on an input repeated over T ---------------------------------------------------------
+class _SynapseBatchSizes(torch.overrides.TorchFunctionMode):
+    """Records the batch size of every linear map's or convolution's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name == "linear" or name.startswith("conv"):
+            self.batches.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("make", "sample_shape"),
+    [
+        (lambda: layer.Linear(6, 5, step_mode="m"), (3, 6)),
+        (lambda: layer.Conv1d(2, 4, 3, padding=1, step_mode="m"), (3, 2, 7)),
+        (lambda: layer.Conv2d(2, 4, 3, padding=1, step_mode="m"), (3, 2, 5, 6)),
+        (lambda: layer.ConvTranspose2d(2, 4, 2, stride=2, step_mode="m"), (3, 2, 4, 4)),
+    ],
+)
+def test_synapse_on_an_input_repeated_over_time_runs_once_per_sample(make, sample_shape):
+    """images.expand(T, ...) (stride 0 over T): the synapse runs on the N samples once and the
+    output is the same dense [T, N, *] sequence, with the same weight gradient."""
+    torch.manual_seed(0)
+    synapse = make().double()
+    sample = torch.randn(sample_shape, dtype=F64, generator=gen(1))
+    static = sample.unsqueeze(0).expand(4, *sample_shape)
+    with _SynapseBatchSizes() as calls:
+        out = synapse(static)
+    assert calls.batches == [sample_shape[0]] and out.is_contiguous()  # one call, N samples
+    want = synapse(static.contiguous())
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(out.shape, dtype=F64, generator=gen(2))
+    (grad,) = torch.autograd.grad((out * weights).sum(), synapse.weight)
+    (grad_want,) = torch.autograd.grad((want * weights).sum(), synapse.weight)
+    torch.testing.assert_close(grad, grad_want, rtol=1e-12, atol=1e-12)

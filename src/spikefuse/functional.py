@@ -35,6 +35,42 @@ def split_time_batch(y: Tensor | tuple, time_batch: torch.Size) -> Tensor | tupl
     return y.unflatten(0, time_batch)
 
 
+def repeated_over_time(x: Tensor) -> bool:
+    """Whether ``x`` [T, B, ...] (T > 1) is one [B, ...] tensor viewed at every step (stride 0
+    over T, as ``images.unsqueeze(0).expand(T, ...)`` gives) that needs no gradient (a gradient
+    asked of the view itself must keep its T slices apart)."""
+    return x.shape[0] > 1 and x.stride(0) == 0 and not x.requires_grad
+
+
+def repeat_over_time(y0: Tensor, steps: int) -> Tensor:
+    """y0 [B, ...] (a synapse's output on one step) copied to a dense [steps, B, ...], every
+    step laid out in memory like y0 (a channels-last output stays channels-innermost, as the
+    fused kernels and their pooling read it); its gradient is the sum over the steps."""
+    return _RepeatOverTime.apply(y0, steps)
+
+
+class _RepeatOverTime(torch.autograd.Function):
+    """:func:`repeat_over_time` on y0's memory as a flat vector: one batched copy forward and a
+    sum over the leading dimension of [steps, numel] backward (torch's expand + copy would
+    run a strided copy and, for channels-last maps, a transposing reduction: 3-7x slower)."""
+
+    @staticmethod
+    def forward(ctx: Any, y0: Tensor, steps: int) -> Tensor:
+        channels_last = y0.dim() == 4 and y0.is_contiguous(memory_format=torch.channels_last)
+        order = (0, 2, 3, 1) if channels_last and not y0.is_contiguous() else None
+        dense = y0.contiguous() if order is None else y0.permute(order)  # a view
+        ctx.order = order
+        out = torch.cat([dense.reshape(1, -1)] * steps).view(steps, *dense.shape)
+        return out if order is None else out.permute(0, 1, 4, 2, 3)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        order = ctx.order
+        dense = grad if order is None else grad.permute(0, 1, 3, 4, 2)  # out's memory order
+        total = dense.reshape(grad.shape[0], -1).sum(0).view(dense.shape[1:])
+        return (total if order is None else total.permute(0, 3, 1, 2)), None
+
+
 def _chain(modules: Steps) -> Callable[[Tensor], Any]:
     if isinstance(modules, (list, tuple, nn.Sequential)):
 

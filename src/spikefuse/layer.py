@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .errors import SpikefuseError
-from .functional import check_sequence, multi_step_forward, seq_to_ann_forward, split_time_batch
+from .functional import (
+    check_sequence,
+    multi_step_forward,
+    repeat_over_time,
+    repeated_over_time,
+    seq_to_ann_forward,
+    split_time_batch,
+)
 from .neuron import MemoryModule, StepModeMixin
 
 
@@ -43,14 +50,22 @@ class _StepMode(StepModeMixin, nn.Module):
     ``_seq_dims`` are the input dimensions allowed in multi-step mode (``_seq_shape`` names them).
     The output is a tensor, or a tuple of tensors where the torch layer returns one (MaxPool's
     ``return_indices=True``).
+
+    A synapse (``_synapse``: Linear, convolutions) given an input repeated over T as a view
+    (``images.unsqueeze(0).expand(T, ...)``, needing no gradient) runs once on its [N, *] and
+    repeats the output: the same values, T times less work (an extension; SpikingJelly runs
+    all T*N samples).
     """
 
     _seq_dims: range = range(2, 64)
     _seq_shape: str = "[T, N, *]"
+    _synapse: bool = False
 
     def forward(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
         if self.step_mode == "m":
             check_sequence(x, type(self).__name__, self._seq_shape, self._seq_dims)
+            if self._synapse and repeated_over_time(x):
+                return repeat_over_time(super().forward(x[0]), x.shape[0])
             return split_time_batch(super().forward(x.flatten(0, 1)), x.shape[:2])
         return super().forward(x)
 
@@ -58,9 +73,12 @@ class _StepMode(StepModeMixin, nn.Module):
         return f"{super().extra_repr()}, step_mode={self.step_mode}"
 
 
-def _wrap(base: type[nn.Module], seq_shape: str = "[T, N, *]", min_dim: int = 2) -> type:
+def _wrap(
+    base: type[nn.Module], seq_shape: str = "[T, N, *]", min_dim: int = 2, synapse: bool = False
+) -> type:
     """``base`` with a ``step_mode``; multi-step input must have ``seq_shape`` (ndim from
-    ``min_dim``; a shape without ``*`` has exactly that many dimensions)."""
+    ``min_dim``; a shape without ``*`` has exactly that many dimensions); ``synapse``: see
+    :class:`_StepMode`."""
 
     def __init__(self, *args, step_mode: str = "s", **kwargs) -> None:
         base.__init__(self, *args, **kwargs)
@@ -72,17 +90,23 @@ def _wrap(base: type[nn.Module], seq_shape: str = "[T, N, *]", min_dim: int = 2)
         f"``torch.nn.{base.__name__}`` with a ``step_mode`` ('s': one step, 'm': a sequence "
         f"{seq_shape})."
     )
-    namespace = {"__init__": __init__, "__doc__": doc, "_seq_dims": dims, "_seq_shape": seq_shape}
+    namespace = {
+        "__init__": __init__,
+        "__doc__": doc,
+        "_seq_dims": dims,
+        "_seq_shape": seq_shape,
+        "_synapse": synapse,
+    }
     return type(base.__name__, (_StepMode, base), namespace)
 
 
-Linear = _wrap(nn.Linear, "[T, N, *, in_features]", 3)
-Conv1d = _wrap(nn.Conv1d, "[T, N, C, L]", 4)
-Conv2d = _wrap(nn.Conv2d, "[T, N, C, H, W]", 5)
-Conv3d = _wrap(nn.Conv3d, "[T, N, C, D, H, W]", 6)
-ConvTranspose1d = _wrap(nn.ConvTranspose1d, "[T, N, C, L]", 4)
-ConvTranspose2d = _wrap(nn.ConvTranspose2d, "[T, N, C, H, W]", 5)
-ConvTranspose3d = _wrap(nn.ConvTranspose3d, "[T, N, C, D, H, W]", 6)
+Linear = _wrap(nn.Linear, "[T, N, *, in_features]", 3, synapse=True)
+Conv1d = _wrap(nn.Conv1d, "[T, N, C, L]", 4, synapse=True)
+Conv2d = _wrap(nn.Conv2d, "[T, N, C, H, W]", 5, synapse=True)
+Conv3d = _wrap(nn.Conv3d, "[T, N, C, D, H, W]", 6, synapse=True)
+ConvTranspose1d = _wrap(nn.ConvTranspose1d, "[T, N, C, L]", 4, synapse=True)
+ConvTranspose2d = _wrap(nn.ConvTranspose2d, "[T, N, C, H, W]", 5, synapse=True)
+ConvTranspose3d = _wrap(nn.ConvTranspose3d, "[T, N, C, D, H, W]", 6, synapse=True)
 BatchNorm1d = _wrap(nn.BatchNorm1d, "[T, N, C, *]", 3)
 BatchNorm2d = _wrap(nn.BatchNorm2d, "[T, N, C, H, W]", 5)
 BatchNorm3d = _wrap(nn.BatchNorm3d, "[T, N, C, D, H, W]", 6)

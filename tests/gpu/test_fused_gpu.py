@@ -243,6 +243,29 @@ def test_fused_model_matches_unfused(T, memory, no_tf32, record_property):
         record_property("worst_bf16_autocast", max(reldiff(got16[k], w) for k, w in want.items()))
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("memory", MEMORY_MODES)
+def test_fused_model_matches_unfused_on_an_input_repeated_over_time(memory, no_tf32):
+    """images.expand(T, ...): both models convolve the images once (layer.Conv2d and the fused
+    block alike) and agree in fp32 within 1e-4 (output, parameter gradients, statistics)."""
+    model = paper_net()
+    fused = fuse(model, memory=memory)
+    images = torch.randn(8, 3, 16, 16, device="cuda")
+    x = images.unsqueeze(0).expand(6, -1, -1, -1, -1)
+    results = []
+    for net in (model, fused):
+        out = net(x).float()
+        weights = torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)
+        (out * weights).sum().backward()
+        functional.reset_net(net)
+        grads = [p.grad.clone() for p in net.parameters()]
+        stats = [b.clone() for b in net.buffers() if b.dtype.is_floating_point]
+        net.zero_grad(set_to_none=True)
+        results.append([out.detach(), *grads, *stats])
+    errors = [reldiff(got, want) for got, want in zip(results[1], results[0], strict=True)]
+    assert max(errors) < 1e-4, f"normalised errors {errors}"
+
+
 def residual_net(name: str) -> nn.Module:
     """A model-zoo residual network on the cuda backend with non-trivial BatchNorm affine
     parameters, channels-last like its fused convolutions (the same cuDNN algorithms)."""

@@ -13,6 +13,7 @@ from torch.nn.modules.utils import _pair
 from .. import layer, surrogate
 from ..backends import compute_dtype
 from ..errors import SpikefuseError
+from ..functional import repeat_over_time, repeated_over_time
 from ..neuron import BaseNode, LIFNode
 from ..ops import forbid_double_backward, run_neuron
 from .bn_neuron import BNNeuronFunction, bn_neuron_forward, kernels_pool
@@ -245,11 +246,23 @@ class FusedBlock(nn.Module):
 
     def _synapse_call(self, x: Tensor) -> Tensor:
         """y = synapse(x) on [T, B, ...] (memory="min" recomputes it in backward). The torch base
-        class's forward: spikefuse layers would otherwise re-split T and B."""
+        class's forward: spikefuse layers would otherwise re-split T and B.
+
+        An input repeated over T as a view (``images.expand(T, ...)``, stride 0 over T: a static
+        image fed at every step) runs the synapse once per sample, on x[0], and repeats its
+        output: T times less synapse work forward, and in backward autograd sums dL/dy over T
+        before the synapse's backward. y is the same either way (up to the convolution's float
+        rounding order)."""
+        if repeated_over_time(x):
+            return repeat_over_time(
+                self._kind.forward(self.synapse, self._merged(x[0:1])), x.shape[0]
+            )
         return self._kind.forward(self.synapse, self._merged(x)).unflatten(0, x.shape[:2])
 
     def _synapse_forward(self, x: Tensor) -> Tensor:
         """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe."""
+        if repeated_over_time(x):  # a static input: no block's spikes
+            return self._synapse_call(x)
         merged = x.flatten(0, 1)
         recipe = recipe_of(merged)
         if recipe is None:  # nothing to recompute (e.g. the network's input)
@@ -397,8 +410,7 @@ class FusedBlock(nn.Module):
                 "FusedBlock: under torch.compile the fused BatchNorm is not synchronised across "
                 "processes; run the fused model eagerly (or CUDA-graph it) under torch.distributed"
             )
-        y = self._kind.forward(self.synapse, self._merged(x))  # as in eager: the same layout
-        y = y.unflatten(0, x.shape[:2])
+        y = self._synapse_call(x)  # as in eager: the same layout
         self._check_residual(residual, y)
         if residual is not None:  # torch's BatchNorm (it updates the running statistics)
             normed = y
