@@ -408,6 +408,17 @@ def test_saved_memory_per_block():
     assert fused_bytes / unfused_bytes < 0.42
 
 
+def test_input_repeated_over_time_keeps_one_step_of_the_first_synapse_output():
+    """images.expand(T, ...): the first block keeps its conv output of one step (B images), not
+    T copies; the conv keeps its input of one step too (x itself is the model's input)."""
+    t, b, c, h, w = 4, 8, 16, 8, 8
+    model = fuse(nn.Sequential(*conv_bn_lif(3, c), *conv_bn_lif(c, c)))
+    images = torch.randn(b, 3, h, w)
+    dense = saved_bytes(model, images.expand(t, -1, -1, -1, -1).contiguous())
+    repeated = saved_bytes(model, images.expand(t, -1, -1, -1, -1))
+    assert dense - repeated == (t - 1) * b * c * h * w * 4  # one conv output step less, T-1 times
+
+
 @pytest.mark.parametrize("fold_pools", [False, True])
 def test_no_spike_map_outlives_the_forward(fold_pools):
     """Nothing (saved tensors, recipes, tags, hooks) keeps a fused block's spikes or pooled maps

@@ -129,6 +129,48 @@ def test_affine_kernels_match_batchnorm_and_reference(
             assert_close(got[key], want, variant.dtype, grad=True, what=key)
 
 
+REPEATED_VARIANTS = [
+    Variant(name, surrogate.Sigmoid, dtype, True, affine=True)
+    for name, dtype in itertools.product(("LIF", "PLIF"), (torch.float32, torch.bfloat16))
+]
+
+
+@pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
+@pytest.mark.parametrize(
+    "shape_case",
+    [AFFINE_SHAPES[3], AFFINE_SHAPES[4], AFFINE_SHAPES[5]],
+    ids=lambda c: f"T{c[0]}-{'x'.join(map(str, c[1]))}-{c[2].__name__}",
+)
+@pytest.mark.parametrize("variant", params(REPEATED_VARIANTS))
+def test_affine_kernels_on_a_synapse_output_repeated_over_time(
+    variant, shape_case, batch_stats, no_tf32
+):
+    """An input repeated over T as a view: the block reads its one-step synapse output at every
+    step (x_step 0) and pass 2 sums dL/dy over T. Spikes equal those of the materialised
+    sequence; the synapse weight's, gamma's, beta's (and tau's) gradients and the running
+    statistics agree within the dtype's gradient tolerance."""
+    T, shape, synapse_kind = shape_case
+    g = gen(seed_of(variant.id, T, shape, batch_stats, "repeated"), device="cuda")
+    c = shape[1]
+    gamma = torch.rand(c, generator=g, device="cuda") + 0.5
+    beta = torch.rand(c, generator=g, device="cuda") * 0.6 - 0.2
+    image = (torch.randn(shape, generator=g, device="cuda") * 0.8 + 0.3).to(variant.dtype)
+    upstream = torch.randn((T, *shape), generator=g, device="cuda")
+    results = []
+    for x in (image.expand(T, *shape), image.expand(T, *shape).contiguous()):
+        block = identity_block(variant, synapse_kind, "cuda", c, gamma, beta, batch_stats)
+        spikes = block(x)
+        (spikes.float() * upstream).sum().backward()
+        params_ = {n: p.grad for n, p in block.named_parameters()}
+        stats = {"running_mean": block.bn.running_mean, "running_var": block.bn.running_var}
+        results.append({"spikes": spikes.detach(), **params_, **stats})
+    got, want = results
+    assert differ(got["spikes"], want["spikes"]).sum().item() == 0, "spikes differ"
+    for key, ref in want.items():
+        if key != "spikes":
+            assert_close(got[key], ref, variant.dtype, grad=True, what=key)
+
+
 RESIDUAL_VARIANTS = [
     Variant(name, surrogate.Rect, dtype, hard, affine=True)
     for name, dtype, hard in itertools.product(("LIF", "PLIF", "IF"), DTYPES, (True, False))

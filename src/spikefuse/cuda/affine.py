@@ -48,6 +48,32 @@ def channel_layout(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     return y.contiguous(), (channels, spatial)
 
 
+def _memory(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], int | None]:
+    """(memory, (channels, inner), x_step) of y [T, B, C, *S] for the unpooled kernels: y as
+    :func:`channel_layout` gives it and x_step None (N), or for a y repeated over time (stride
+    0 over T, T > 1: an input image's synapse output at every step) its one step [1, B, C, *S]
+    and x_step 0."""
+    if y.shape[0] > 1 and y.stride(0) == 0:
+        one, layout = channel_layout(y[:1])
+        return one, layout, 0
+    y, layout = channel_layout(y)
+    return y, layout, None
+
+
+def _step_strides(memory: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a [T, B, C, *S] sequence laid out step after step like ``memory`` [1 or T, B,
+    C, *S] (dense): what the kernels read and write at element t * N + n."""
+    return (memory[0].numel(), *memory.stride()[1:])
+
+
+def _sequence_empty(memory: torch.Tensor, steps: int) -> torch.Tensor:
+    """Uninitialised [steps, B, C, *S] with :func:`_step_strides` of ``memory``."""
+    shape = (steps, *memory.shape[1:])
+    return torch.empty_strided(
+        shape, _step_strides(memory), dtype=memory.dtype, device=memory.device
+    )
+
+
 def can_pool(y: torch.Tensor, pool: int) -> bool:
     """Whether the pooled kernels take y [T, B, C, H, W] with ``pool`` x ``pool`` windows (one
     of :data:`~.codegen.POOLS`): channels innermost in memory (a channels-last convolution's
@@ -89,11 +115,12 @@ def _as_channels_innermost(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.permute(0, 1, 3, 4, 2).to(dtype).contiguous().permute(0, 1, 4, 2, 3)
 
 
-def _laid_out_like(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """t (same shape as y) with y's strides and dtype, copied only if they differ."""
-    if t.stride() == y.stride() and t.dtype == y.dtype:
+def _laid_out(t: torch.Tensor, strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """t with these strides and dtype, copied only if they differ."""
+    if t.stride() == strides and t.dtype == dtype:
         return t
-    return torch.empty_like(y).copy_(t)
+    out = torch.empty_strided(t.shape, strides, dtype=dtype, device=t.device)
+    return out.copy_(t)
 
 
 def _check_residual(residual: torch.Tensor | None, y: torch.Tensor, pool: int) -> None:
@@ -188,18 +215,22 @@ def affine_fptt(
     of the spikes with kernel = stride = k; the full spikes are never written.
 
     ``residual``: a tensor shaped like y and of y's dtype, added to BN(y) (unpooled only).
+
+    Unpooled, y may be one step repeated over time (stride 0 over T, ``expand``): the kernel
+    reads that step at every step.
     """
     check_input(y)
     _check_residual(residual, y, pool)
+    T, N = y.shape[0], y[:1].numel()
+    x_step = None
     if pool > 1:
         channels, pool_width = pooled_geometry(y, pool)
         layout, spikes = (channels, 1), _pooled_empty(y, pool)
     else:
-        y, layout = channel_layout(y)
-        spikes, pool_width = torch.empty_like(y), 0
-    residual = None if residual is None else _laid_out_like(residual, y)
-    T, N = y.shape[0], y.numel() // y.shape[0]
-    v_ckpt = affine_saved_like(program, y, save_for_backward)
+        y, layout, x_step = _memory(y)
+        spikes, pool_width = _sequence_empty(y, T), 0
+    residual = None if residual is None else _laid_out(residual, spikes.stride(), y.dtype)
+    v_ckpt = affine_saved_like(program, spikes if pool == 1 else y, save_for_backward)
     if N:
         vec = vector_width(N, y, vec=VEC) if pool == 1 else 1
         pointers = {
@@ -212,7 +243,7 @@ def affine_fptt(
         }
         kernel = kernel_for(program, y.dtype, vec, True, pool, residual is not None)
         args = kernel.pack_args(
-            pointers, T, N, v_init, 0.0, constants, layout, pool_width=pool_width
+            pointers, T, N, v_init, 0.0, constants, layout, pool_width=pool_width, x_step=x_step
         )
         launch(kernel, True, y.device, blocks_for(N // pool**2, vec), args)
     return spikes, v_ckpt
@@ -253,21 +284,25 @@ def affine_bptt(
     of the pooled spikes, each neuron's dL/dS that of its window's mean divided by k².
     ``residual``: the forward's; pass 2 then returns ``(dL/dy, dL/dresidual = g, None)``, both
     in y's dtype and layout.
+
+    A y repeated over time (see :func:`affine_fptt`): pass 2 returns dL/dy summed over T, the
+    gradient of the one step [1, B, C, *S] (in that step's layout).
     """
     check_input(y)
     _check_residual(residual, y, pool)
+    T, N = y.shape[0], y[:1].numel()
+    x_step = None
     if pool > 1:
         channels, pool_width = pooled_geometry(y, pool)
         layout, grad_spikes = (channels, 1), _as_channels_innermost(grad_spikes, y.dtype)
     else:
-        y, layout = channel_layout(y)
-        pool_width, grad_spikes = 0, _laid_out_like(grad_spikes, y)
-    residual = None if residual is None else _laid_out_like(residual, y)
-    T, N = y.shape[0], y.numel() // y.shape[0]
+        y, layout, x_step = _memory(y)
+        pool_width, grad_spikes = 0, _laid_out(grad_spikes, _step_strides(y), y.dtype)
+    residual = None if residual is None else _laid_out(residual, _step_strides(y), y.dtype)
     slots = N // pool**2  # what the threads own: neurons, or (pooled) windows
     check_checkpoints(T, saved_v, AFFINE_CHUNK[y.dtype])
-    out = torch.empty_like(y) if grad_y else None
-    grad_residual = torch.empty_like(y) if grad_y and residual is not None else None
+    out = torch.empty_like(y) if grad_y else None  # repeated: the one step's
+    grad_residual = _sequence_empty(y, T) if grad_y and residual is not None else None
     vec = vector_width(N, y, grad_spikes, vec=AFFINE_BPTT_VEC) if pool == 1 else 1
     tiles, grid, per_sum = _bptt_grid(slots, layout, vec, pool)
     sums = None if grad_y else y.new_empty((2, per_sum), dtype=torch.float32)
@@ -301,6 +336,7 @@ def affine_bptt(
             inv_count,
             channel_tiles=tiles,
             pool_width=pool_width,
+            x_step=x_step,
         )
         launch(kernel, False, y.device, grid, args)
     if sums is None:  # pass 2

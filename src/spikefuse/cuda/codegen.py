@@ -179,7 +179,8 @@ POINTER_NAMES = tuple(f.name for f in ARG_POINTERS)
 # Names a parameter may not take: they are Args fields of some kernel.
 _RESERVED = {
     *POINTER_NAMES,
-    *("T", "N", "channels", "inner", "pool_width", "v_init", "w_init", "inv_count"),
+    *("T", "N", "channels", "inner", "channel_tiles", "x_step", "pool_width"),
+    *("v_init", "w_init", "inv_count"),
 }
 
 # Parameters of the per-neuron device functions: before the step, and with its H.
@@ -271,7 +272,7 @@ class NeuronKernel:
         self.pointers = tuple(f for f in ARG_POINTERS if f.kernels in kinds)
         self._pointer_names = tuple(f.name for f in self.pointers)
         # Args as bytes: pointers, then 64-bit integers, then floats; padded to 8 bytes.
-        n_ints = (5 if affine else 2) + (pool > 1)
+        n_ints = (5 if affine else 2) + (affine and pool == 1) + (pool > 1)
         n_floats = 1 + adaptive + affine + len(self.constant_names)
         self.arg_layout = struct.Struct(
             f"<{len(self.pointers)}Q{n_ints}q{n_floats}f{4 * (n_floats % 2)}x"
@@ -341,6 +342,7 @@ class NeuronKernel:
         inv_count: float = 0.0,
         channel_tiles: int = 0,
         pool_width: int = 0,
+        x_step: int | None = None,
     ) -> bytes:
         """The ``Args`` struct as bytes; absent pointers are null, pointers and values of fields
         this variant does not have are left out (``w_init`` of one-state neurons; ``channels``,
@@ -348,10 +350,15 @@ class NeuronKernel:
         kernels: c = (n / inner) % channels; ``inv_count`` scales ``bn_total_*`` to per-channel
         means (1 / elements per channel); ``channel_tiles`` (channels / 32, or 0) makes backward
         pass 1 reduce its sums per block and channel (see the template's ``bptt_first_neuron``);
-        ``pool_width`` is the pooled kernels' W / k (outputs per row of a map)."""
+        ``pool_width`` is the pooled kernels' W / k (outputs per row of a map); ``x_step``
+        the unpooled affine kernels' elements from one step of Y to the next (None: N; 0: one
+        step repeated over time, whose pass 2 writes dL/dY summed over T, [N]); pooled
+        kernels always step by N."""
         ptrs = [pointers.get(name, 0) for name in self._pointer_names]
         if self.affine:
-            ints = (T, N, *channels, channel_tiles, *((pool_width,) if self.pool > 1 else ()))
+            # pooled kernels: x_step N (Args has no field), pool_width; unpooled: x_step
+            last = (pool_width,) if self.pool > 1 else (N if x_step is None else x_step,)
+            ints = (T, N, *channels, channel_tiles, *last)
             return self.arg_layout.pack(*ptrs, *ints, v_init, inv_count, *constants)
         if self.adaptive:
             return self.arg_layout.pack(*ptrs, T, N, v_init, w_init, *constants)
@@ -366,6 +373,10 @@ class NeuronKernel:
             )
             lines.append(
                 "    long long channel_tiles;  // backward pass 1: channels / 32 (tiled), or 0"
+            )
+        if self.affine and self.pool == 1:
+            lines.append(
+                "    long long x_step;  // Y's step stride: N, or 0 (repeated; pass 2 sums over T)"
             )
         if self.pool > 1:
             lines.append("    long long pool_width;  // W / POOL: outputs per row of a pooled map")

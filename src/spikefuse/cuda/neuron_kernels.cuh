@@ -75,6 +75,19 @@ __device__ __forceinline__ long long walked_neuron(const Args& a, const long lon
         return slot;
 }
 
+// Elements from one step of x_seq to the next: N, or in the unpooled affine kernels x_step,
+// which is 0 for a Y repeated over time (an input image's synapse output at every step). The
+// other [T, N] sequences never repeat; pooled kernels have no x_step (blocks fold no pooling
+// for such a Y).
+template <class Args>
+__device__ __forceinline__ long long x_step_of(const Args& a)
+{
+    if constexpr (AFFINE && POOL == 1)
+        return a.x_step;
+    else
+        return a.N;
+}
+
 // One step of one neuron, shared by forward and backward's recompute (same float32 results):
 // returns H[t]; updates v = V[t-1] -> V[t] and w = W[t-1] -> W[t].
 template <class P>
@@ -151,6 +164,7 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
 {
     const int T = (int)a.T;
     const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    const long long x_step = x_step_of(a);
     if (n >= N)
         return;
     const auto p = load_params(a);
@@ -174,11 +188,12 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
         const int end = min(t0 + CHUNK, T);  // CHUNK need not be a multiple of LOAD_STEPS
         for (int g = t0; g < end; g += LOAD_STEPS) {
             const long long base = g * N + n;  // element (g, n); step j is base + j*N
+            const long long x_base = g * x_step + n;  // of x_seq (x_step: N, or 0 repeated)
             pack_t xp[LOAD_STEPS], rp[LOAD_STEPS];  // loads first: independent, they overlap
 #pragma unroll
             for (int j = 0; j < LOAD_STEPS; ++j)
                 if (g + j < end) {
-                    xp[j] = load_pack(a.x_seq, base + j * N);
+                    xp[j] = load_pack(a.x_seq, x_base + j * x_step);
                     if constexpr (RESIDUAL)
                         rp[j] = load_pack(a.residual_seq, base + j * N);
                 }
@@ -358,7 +373,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     constexpr bool LEARNS = N_LEARNABLE > 0 && (SUMS || !AFFINE);
     const int T = (int)a.T;
     // The thread's slot: neurons slot .. slot + VEC - 1, or (pooled) output element slot.
-    const long long N = a.N, slot = bptt_first_neuron(a);
+    const long long N = a.N, slot = bptt_first_neuron(a), x_step = x_step_of(a);
     const bool active = slot < N / WINDOW;
     const auto p = load_params(a);
     // Affine kernels: this thread's neurons' channels, and BatchNorm's backward through the
@@ -381,6 +396,9 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
             }
         }
     float acc[LEARNABLE_SLOTS] = {0.0f};  // dL/dp over this thread's neurons and steps
+    // Pass 2 with Y repeated over time (x_step 0): dL/dY summed over T, written once per neuron.
+    const bool per_step = !(AFFINE && WRITES) || x_step != 0;
+    float grad_y_total[VEC];
     // Carried from step t+1 to step t: the gradient reaching V[t] (and W[t]) from later steps.
     float grad_v_carry[VEC], grad_w_carry[VEC];
     // One walk through time per neuron of the slot (pooled kernels: per neuron of the window,
@@ -388,6 +406,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     for (int walk = 0; walk < WINDOW && active; ++walk) {
         const long long n = walked_neuron(a, slot, walk);
         for (int k = 0; k < VEC; ++k) {
+            grad_y_total[k] = 0.0f;
             grad_v_carry[k] = 0.0f;
             if constexpr (!AFFINE)
                 if (a.grad_v_last)
@@ -396,8 +415,8 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 grad_w_carry[k] = a.grad_w_last ? a.grad_w_last[n + k] : 0.0f;
         }
         for (int t0 = (T - 1) / CHUNK * CHUNK; t0 >= 0; t0 -= CHUNK) {
-            // element (t0, n); step j of the chunk is base + j*N
-            const long long base = t0 * N + n;
+            // element (t0, n); step j of the chunk is base + j*N (of x_seq: x_base + j*x_step)
+            const long long base = t0 * N + n, x_base = t0 * x_step + n;
             // State at the chunk's start (V[t0-1], W[t0-1]): the forward's checkpoint, or V[-1].
             float v_start[VEC], w_start[VEC];
             const long long c = (t0 / CHUNK - 1) * N + n;
@@ -414,7 +433,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
             for (int j = 0; j < CHUNK; ++j) {
                 if (t0 + j >= T)
                     break;
-                xp[j] = load_pack(a.x_seq, base + j * N);
+                xp[j] = load_pack(a.x_seq, x_base + j * x_step);
                 gsp[j] = grad_spike_pack(a, t0 + j, n, slot);
                 if constexpr (RESIDUAL)
                     rp[j] = load_pack(a.residual_seq, base + j * N);
@@ -473,8 +492,9 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                         sum_g[k] += grad_x;
                         sum_gy[k] += grad_x * (y - mean[k]);
                     } else if constexpr (AFFINE) {
-                        // dL/dY
-                        gxp.e[k] = from_float(scale[k] * grad_x + coef_y[k] * y + coef_0[k]);
+                        const float grad_y = scale[k] * grad_x + coef_y[k] * y + coef_0[k];
+                        gxp.e[k] = from_float(grad_y);  // dL/dY
+                        grad_y_total[k] += grad_y;
                         if constexpr (RESIDUAL)
                             grp.e[k] = from_float(grad_x);  // dL/dR
                     } else {
@@ -485,11 +505,19 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                         add_learnable_grads(acc, grad_h, v_prev, x, w_prev, h, p);
                 }
                 if constexpr (WRITES)
-                    store_pack(a.grad_x_seq, base + j * N, gxp);
+                    if (per_step)
+                        store_pack(a.grad_x_seq, base + j * N, gxp);
                 if constexpr (RESIDUAL && WRITES)
                     store_pack(a.grad_residual_seq, base + j * N, grp);
             }
         }
+        if constexpr (AFFINE && WRITES && POOL == 1)
+            if (!per_step) {
+                pack_t total;
+                for (int k = 0; k < VEC; ++k)
+                    total.e[k] = from_float(grad_y_total[k]);
+                store_pack(a.grad_x_seq, n, total);
+            }
     }
     if (active) {
         for (int k = 0; k < VEC; ++k) {

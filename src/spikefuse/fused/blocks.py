@@ -16,7 +16,7 @@ from ..errors import SpikefuseError
 from ..functional import repeat_over_time, repeated_over_time
 from ..neuron import BaseNode, LIFNode
 from ..ops import forbid_double_backward, run_neuron
-from .bn_neuron import BNNeuronFunction, bn_neuron_forward, kernels_pool
+from .bn_neuron import BNNeuronFunction, bn_neuron_forward, kernels_pool, repeated
 from .low_memory import SynapseRecomputeFunction
 from .neuron_call import NeuronCall
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
@@ -254,15 +254,15 @@ class FusedBlock(nn.Module):
         before the synapse's backward. y is the same either way (up to the convolution's float
         rounding order)."""
         if repeated_over_time(x):
-            return repeat_over_time(
-                self._kind.forward(self.synapse, self._merged(x[0:1])), x.shape[0]
-            )
+            return repeat_over_time(self._synapse_step(x)[0], x.shape[0])
         return self._kind.forward(self.synapse, self._merged(x)).unflatten(0, x.shape[:2])
+
+    def _synapse_step(self, x: Tensor) -> Tensor:
+        """The synapse output [1, B, ...] of one step of an input repeated over time."""
+        return self._kind.forward(self.synapse, self._merged(x[:1])).unsqueeze(0)
 
     def _synapse_forward(self, x: Tensor) -> Tensor:
         """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe."""
-        if repeated_over_time(x):  # a static input: no block's spikes
-            return self._synapse_call(x)
         merged = x.flatten(0, 1)
         recipe = recipe_of(merged)
         if recipe is None:  # nothing to recompute (e.g. the network's input)
@@ -346,11 +346,15 @@ class FusedBlock(nn.Module):
             return self._traced_forward(x, residual)
         if self.memory == "min" and torch.is_grad_enabled():
             return self._forward_min_memory(x, residual)
-        y = self._synapse_forward(x)
+        # An input repeated over time: the synapse output of one step [1, B, ...], which the
+        # block reads at every step (as y, its expanded view) and keeps alone for backward.
+        repeat = x.shape[0] if repeated_over_time(x) else 1
+        kept_y = self._synapse_step(x) if repeat > 1 else self._synapse_forward(x)
+        y = repeated(kept_y, repeat)
         self._check_residual(residual, y)
         neuron, learnable, bn, stats = self._prepare(y)
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
-        grads = (y, weight, bias, learnable, residual)
+        grads = (kept_y, weight, bias, learnable, residual)
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
         # the kernels' pooling window: the block's, where they can pool themselves
         folds = (
@@ -361,7 +365,7 @@ class FusedBlock(nn.Module):
         pool = self._window if folds else 1
         kept = None if residual is None or not save else compact(residual)
         out = BNNeuronFunction.apply(
-            y, weight, bias, learnable, stats, bn, neuron, save, pool, residual, kept
+            kept_y, weight, bias, learnable, stats, bn, neuron, save, pool, residual, kept, repeat
         )
         if not save:
             return self._tagged(self._pooled(out, pool))

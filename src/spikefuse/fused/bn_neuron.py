@@ -377,13 +377,16 @@ class BNNeuronFunction(torch.autograd.Function):
     docstring), and a residual as ``kept_residual``.
 
     ``apply(y, weight, bias, learnable, stats, bn, neuron, save, pool, residual,
-    kept_residual)``: ``stats`` from :func:`~spikefuse.fused.statistics.bn_statistics` (None: no
-    BN); ``weight``/``bias`` are BN's gamma/beta (or None), inputs so that autograd tracks them
-    (``stats`` already holds their values); ``save`` whether a backward will follow (keep the
-    neuron's checkpoints); ``pool`` = k > 1 (where :func:`kernels_pool`): return the spikes
-    averaged over k x k windows; ``residual``: a tensor like y added to the BN output (None:
-    none), kept for backward as ``kept_residual`` (itself, or its 1-bit packing when it is
-    spikes: :func:`~spikefuse.fused.spike_bits.compact`).
+    kept_residual, repeat)``: ``stats`` from :func:`~spikefuse.fused.statistics.bn_statistics`
+    (None: no BN); ``weight``/``bias`` are BN's gamma/beta (or None), inputs so that autograd
+    tracks them (``stats`` already holds their values); ``save`` whether a backward will follow
+    (keep the neuron's checkpoints); ``pool`` = k > 1 (where :func:`kernels_pool`): return the
+    spikes averaged over k x k windows; ``residual``: a tensor like y added to the BN output
+    (None: none), kept for backward as ``kept_residual`` (itself, or its 1-bit packing when it
+    is spikes: :func:`~spikefuse.fused.spike_bits.compact`); ``repeat`` = T > 1: y is one step
+    [1, B, C, *] that each of T steps repeats (an input image's synapse output): the block
+    runs on the view y.expand(T, ...), keeps only the one step, and y's gradient is the sum of
+    the steps' (the BN-folded kernels sum it themselves).
     """
 
     @staticmethod
@@ -400,8 +403,10 @@ class BNNeuronFunction(torch.autograd.Function):
         pool: int = 1,
         residual: Tensor | None = None,
         kept_residual: Compact | None = None,
+        repeat: int = 1,
     ) -> Tensor:
-        spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, save, pool, residual)
+        steps = repeated(y, repeat)
+        spikes, saved = bn_neuron_forward(steps, stats, neuron, learnable, save, pool, residual)
         save_bn_context(
             ctx,
             y,
@@ -414,7 +419,7 @@ class BNNeuronFunction(torch.autograd.Function):
             bn=bn,
             residual=kept_residual,
         )
-        ctx.pool = pool
+        ctx.pool, ctx.repeat = pool, repeat
         return spikes
 
     @staticmethod
@@ -425,8 +430,24 @@ class BNNeuronFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[1:4]
         residual = None if kept_residual is None else expand(kept_residual)
         grad_y, grad_weight, grad_bias, grad_learnable, grad_residual = bn_neuron_grads(
-            y, stats, ctx.bn, ctx.neuron, learnable, grad_spikes, saved, needs, ctx.pool, residual
+            repeated(y, ctx.repeat),
+            stats,
+            ctx.bn,
+            ctx.neuron,
+            learnable,
+            grad_spikes,
+            saved,
+            needs,
+            ctx.pool,
+            residual,
         )
+        if grad_y.shape[0] != y.shape[0]:  # torch ops' dL/dy per step (the kernels sum it)
+            grad_y = grad_y.sum(0, keepdim=True)
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         grads = (grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None, None)
-        return *grads, grad_residual, None
+        return *grads, grad_residual, None, None
+
+
+def repeated(y: Tensor, repeat: int) -> Tensor:
+    """y [T, B, C, *] as it is (``repeat`` 1), or y [1, B, C, *] viewed at ``repeat`` steps."""
+    return y if repeat == 1 else y.expand(repeat, *y.shape[1:])

@@ -136,6 +136,13 @@ def batch_mean_invstd(
     return torch.batch_norm_stats(y.flatten(0, 1), eps)
 
 
+def one_step_if_repeated(y: Tensor) -> Tensor:
+    """y [T, B, C, *S], or its first step [1, B, C, *S] when y repeats it over time (stride 0
+    over T: an input image's synapse output at every step): the same per-channel mean and
+    variance, from T times fewer elements. Counts stay those of y."""
+    return y[:1] if y.shape[0] > 1 and y.stride(0) == 0 else y
+
+
 def _eager_cuda(y: Tensor) -> bool:
     """Whether y's statistics can use the CUDA-only ops (:func:`batch_mean_invstd`, torch's
     running update): a CUDA tensor, outside ``torch.compile`` tracing (there ``var_mean`` and
@@ -170,7 +177,7 @@ def batch_stats(
     if count == 0:  # no samples here: contribute nothing (n = 0) to the statistics of the rest
         mean = var = y.new_zeros(y.shape[2], dtype=compute_dtype(y.dtype))
     else:
-        mean, var = _local_mean_var(y)
+        mean, var = _local_mean_var(one_step_if_repeated(y))
     if not is_distributed(group):
         return mean, var, count
     n = float(count)
@@ -263,20 +270,23 @@ def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
     if _eager_cuda(y) and not is_distributed(bn.group):
         local_count = y.numel() // y.shape[2]
         _check_count(local_count, y)
-        if running is not None:  # the statistics kernel updates them too, where it runs
+        source = one_step_if_repeated(y)
+        # the statistics kernel updates the running statistics too, where it runs, with the
+        # count of what it reads: not for a repeated y
+        if running is not None and source is y:
             stats = batch_mean_invstd(y, bn.eps, running)
             if stats is not None:
                 return BNStats(*stats, weight, bias, local_count)
         # torch's update op takes a float factor: the cumulative average (1 / count, a device
         # value) updates on the generic path below
         if running is None or momentum is not None:
-            stats = batch_mean_invstd(y, bn.eps)
+            stats = batch_mean_invstd(source, bn.eps)
             assert stats is not None  # computed whenever no running statistics are passed
             mean, invstd = stats
             if running is not None and momentum is not None:
                 running[2].add_(1)
                 torch.batch_norm_gather_stats_with_counts(
-                    y.flatten(0, 1),
+                    source.flatten(0, 1),  # its dtype: the count is the argument below
                     mean[None],
                     invstd[None],
                     running[0],
