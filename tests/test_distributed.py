@@ -74,6 +74,12 @@ def test_two_processes_match_one_process_with_double_batch():
     _assert_all_pass(_run_ddp_check("--dtype", "float64", "float32"), checks=2)
 
 
+def test_two_processes_match_one_process_on_an_input_repeated_over_time():
+    """images.expand(T, ...): the first block's statistics come from one step, with the count
+    of all T steps over both processes."""
+    _assert_all_pass(_run_ddp_check("--dtype", "float64", "--repeated"), checks=1)
+
+
 @pytest.mark.parametrize("memory", ["default", "min"])
 def test_fused_sew_resnet18_two_processes_match_one_process(memory):
     """SEW-ResNet-18 (every BatchNorm fused and synchronised), both memory modes."""

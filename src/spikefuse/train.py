@@ -403,13 +403,13 @@ def build_network(config: TrainConfig, data: Dataset) -> tuple[nn.Module, Datase
 def forward(
     model: nn.Module, images: torch.Tensor, T: int, amp: str = "none", graphed: bool = False
 ) -> torch.Tensor:
-    """Direct encoding: feed the same image at each of the T steps; return ``[N, classes]``
-    (float32). ``amp="bf16"`` runs the model under bf16 autocast (CPU or CUDA); ``graphed``:
+    """Direct encoding: feed the same image at each of the T steps (a view, ``expand``: the
+    first synapse then runs once per image); return ``[N, classes]`` (float32). ``amp="bf16"`` runs the model under bf16 autocast (CPU or CUDA); ``graphed``:
     the call is captured into a CUDA graph, where autocast must not cache its weight casts."""
     with torch.autocast(
         images.device.type, torch.bfloat16, enabled=amp == "bf16", cache_enabled=not graphed
     ):
-        logits = model(images.unsqueeze(0).repeat(T, 1, 1, 1, 1)).mean(0)
+        logits = model(images.unsqueeze(0).expand(T, *images.shape)).mean(0)
     functional.reset_net(model)  # the next batch starts from resting neurons
     return logits.float()
 

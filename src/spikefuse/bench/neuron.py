@@ -11,8 +11,10 @@ the peak allocation above the inputs during the step. "cuda kernels only" calls 
 fptt and bptt directly (no module, no autograd): the difference to "cuda" is host-side overhead
 that the GPU waits for; "cuda graphed" replays the module's step captured in a CUDA graph,
 "cuda compiled" runs ``torch.compile(node)``; "autograd floor" is one custom autograd op that
-launches nothing (PyTorch's host floor for any eager module's forward + backward). A second
-table compares every one-state neuron and Izhikevich with LIF on the cuda backend.
+launches nothing (PyTorch's host floor for any eager module's forward + backward), "compiled
+floor" the same op under ``torch.compile`` (the floor of any compiled module: its runtime
+wrappers). A second table compares every one-state neuron and Izhikevich with LIF on the cuda
+backend.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ class _AutogradFloor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(grad)
+
+
+def autograd_floor(x: torch.Tensor) -> torch.Tensor:
+    """:class:`_AutogradFloor` as a function (what ``torch.compile`` takes)."""
+    return _AutogradFloor.apply(x)
 
 
 class _KernelsOnly:
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("cuda", cuda_lif, False),
                 ("cuda graphed", graphed_lif, True),
                 ("cuda kernels only", _KernelsOnly(node, g), False),
-                ("autograd floor", _AutogradFloor.apply, False),
+                ("autograd floor", autograd_floor, False),
             ]
             if not args.no_compile:
                 variants.insert(1, ("torch.compile loop", compiled, False))
@@ -237,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                     return node(x)
 
                 variants.insert(4, ("cuda compiled", compiled_lif, False))
+                # PyTorch's host floor for any compiled module's forward + backward
+                variants.append(("compiled floor", torch.compile(autograd_floor), False))
             for variant, model, graphed in variants:
                 r = _measure(
                     f"LIF T={T}",
