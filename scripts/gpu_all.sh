@@ -16,15 +16,16 @@ case "$task" in
     python3 scripts/gpu_check.py --out "$OUT/check" "$@" || status=1
     if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
       : > "$OUT/ddp_check.log"  # DDP equivalence in float32: the CNN, then the ResNets both ways
-      for run in "cnn default" "sew_resnet18 default" "sew_resnet18 min" \
-                 "spiking_resnet19 default" "spiking_resnet19 min"; do
-        read -r model memory <<< "$run"
+      for run in "cnn default" "cnn default --repeated" "sew_resnet18 default" \
+                 "sew_resnet18 min" "spiking_resnet19 default" "spiking_resnet19 min"; do
+        read -r model memory extra <<< "$run"
         # SEW-ResNet-18: 2 steps. At its third step a stem potential can sit on the threshold
         # within float32 rounding and flip a spike, in either memory mode and not in every run
         # (bench_results/h200x2/ddp_check.log); float64 on the CPU matches to 1e-14.
         steps=3; [[ $model == sew_resnet18 ]] && steps=2
+        # shellcheck disable=SC2086  # $extra: no option, or one
         torchrun --nproc_per_node=2 scripts/ddp_check.py --model "$model" --memory "$memory" \
-          --dtype float32 --steps "$steps" 2>&1 | tee -a "$OUT/ddp_check.log" || status=1
+          --dtype float32 --steps "$steps" $extra 2>&1 | tee -a "$OUT/ddp_check.log" || status=1
       done
     else
       echo "DDP check: SKIPPED (needs 2 GPUs)" | tee "$OUT/ddp_check.log"
