@@ -37,6 +37,17 @@ AFFINE_SHAPES = [
     (max(AFFINE_CHUNK.values()) + 1, (3, 96), nn.Linear),
 ]
 
+BATCH_STATS = pytest.mark.parametrize(
+    "batch_stats", [True, False], ids=["batch-stats", "running-stats"]
+)
+
+
+def shape_cases(*cases: tuple) -> pytest.MarkDecorator:
+    """``shape_case`` over these of :data:`AFFINE_SHAPES`, named T<T>-<shape>-<synapse>."""
+    return pytest.mark.parametrize(
+        "shape_case", cases, ids=lambda c: f"T{c[0]}-{'x'.join(map(str, c[1]))}-{c[2].__name__}"
+    )
+
 
 def identity_block(
     variant: Variant,
@@ -84,10 +95,8 @@ def run_affine(
     return res
 
 
-@pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
-@pytest.mark.parametrize(
-    "shape_case", AFFINE_SHAPES, ids=lambda c: f"T{c[0]}-{'x'.join(map(str, c[1]))}-{c[2].__name__}"
-)
+@BATCH_STATS
+@shape_cases(*AFFINE_SHAPES)
 @pytest.mark.parametrize("variant", params(AFFINE_VARIANTS))
 def test_affine_kernels_match_batchnorm_and_reference(
     variant, shape_case, batch_stats, monkeypatch, no_tf32
@@ -135,12 +144,8 @@ REPEATED_VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
-@pytest.mark.parametrize(
-    "shape_case",
-    [AFFINE_SHAPES[3], AFFINE_SHAPES[4], AFFINE_SHAPES[5]],
-    ids=lambda c: f"T{c[0]}-{'x'.join(map(str, c[1]))}-{c[2].__name__}",
-)
+@BATCH_STATS
+@shape_cases(AFFINE_SHAPES[3], AFFINE_SHAPES[4], AFFINE_SHAPES[5])
 @pytest.mark.parametrize("variant", params(REPEATED_VARIANTS))
 def test_affine_kernels_on_a_synapse_output_repeated_over_time(
     variant, shape_case, batch_stats, no_tf32
@@ -177,12 +182,8 @@ RESIDUAL_VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
-@pytest.mark.parametrize(
-    "shape_case",
-    [AFFINE_SHAPES[0], AFFINE_SHAPES[1], AFFINE_SHAPES[4]],
-    ids=lambda c: f"T{c[0]}-{'x'.join(map(str, c[1]))}-{c[2].__name__}",
-)
+@BATCH_STATS
+@shape_cases(AFFINE_SHAPES[0], AFFINE_SHAPES[1], AFFINE_SHAPES[4])
 @pytest.mark.parametrize("variant", params(RESIDUAL_VARIANTS))
 def test_residual_affine_kernels_match_batchnorm_and_reference(
     variant, shape_case, batch_stats, monkeypatch, no_tf32
