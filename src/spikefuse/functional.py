@@ -43,9 +43,10 @@ def repeated_over_time(x: Tensor) -> bool:
 
 
 def repeat_over_time(y0: Tensor, steps: int) -> Tensor:
-    """y0 [B, ...] (a synapse's output on one step) copied to a dense [steps, B, ...], every
-    step laid out in memory like y0 (a channels-last output stays channels-innermost, as the
-    fused kernels and their pooling read it); its gradient is the sum over the steps."""
+    """y0 [B, ...] (a synapse's output on one step) copied to a dense [steps, B, ...] tensor of
+    its own (not a view: in-place ops on it work), every step laid out in memory like y0 when y0
+    is contiguous or a 4-D channels-last map (as the fused kernels and their pooling read it),
+    else contiguous; its gradient is the sum over the steps."""
     return _RepeatOverTime.apply(y0, steps)
 
 
@@ -58,10 +59,15 @@ class _RepeatOverTime(torch.autograd.Function):
     def forward(ctx: Any, y0: Tensor, steps: int) -> Tensor:
         channels_last = y0.dim() == 4 and y0.is_contiguous(memory_format=torch.channels_last)
         order = (0, 2, 3, 1) if channels_last and not y0.is_contiguous() else None
-        dense = y0.contiguous() if order is None else y0.permute(order)  # a view
+        y0 = y0 if order is not None else y0.contiguous()
         ctx.order = order
-        out = torch.cat([dense.reshape(1, -1)] * steps).view(steps, *dense.shape)
-        return out if order is None else out.permute(0, 1, 4, 2, 3)
+        strides = (y0.numel(), *y0.stride())
+        out = torch.empty_strided((steps, *y0.shape), strides, dtype=y0.dtype, device=y0.device)
+        # both in memory order: one batched copy of the flat step into each of the steps
+        flat = y0 if order is None else y0.permute(order)
+        into = out if order is None else out.permute(0, 1, 3, 4, 2)
+        torch.cat([flat.reshape(1, -1)] * steps, out=into.view(steps, -1))
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

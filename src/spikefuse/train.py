@@ -404,8 +404,9 @@ def forward(
     model: nn.Module, images: torch.Tensor, T: int, amp: str = "none", graphed: bool = False
 ) -> torch.Tensor:
     """Direct encoding: feed the same image at each of the T steps (a view, ``expand``: the
-    first synapse then runs once per image); return ``[N, classes]`` (float32). ``amp="bf16"`` runs the model under bf16 autocast (CPU or CUDA); ``graphed``:
-    the call is captured into a CUDA graph, where autocast must not cache its weight casts."""
+    first synapse then runs once per image); return ``[N, classes]`` (float32).
+    ``amp="bf16"`` runs the model under bf16 autocast (CPU or CUDA); ``graphed``: the call is
+    captured into a CUDA graph, where autocast must not cache its weight casts."""
     with torch.autocast(
         images.device.type, torch.bfloat16, enabled=amp == "bf16", cache_enabled=not graphed
     ):

@@ -347,8 +347,10 @@ class FusedBlock(nn.Module):
         if self.memory == "min" and torch.is_grad_enabled():
             return self._forward_min_memory(x, residual)
         # An input repeated over time: the synapse output of one step [1, B, ...], which the
-        # block reads at every step (as y, its expanded view) and keeps alone for backward.
-        repeat = x.shape[0] if repeated_over_time(x) else 1
+        # block reads at every step (as y, its expanded view) and keeps alone for backward
+        # (with BatchNorm: the BN-folded kernels read one step; a plain neuron would copy it).
+        one_step = self.bn is not None and repeated_over_time(x)
+        repeat = x.shape[0] if one_step else 1
         kept_y = self._synapse_step(x) if repeat > 1 else self._synapse_forward(x)
         y = repeated(kept_y, repeat)
         self._check_residual(residual, y)

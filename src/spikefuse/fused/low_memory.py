@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.conv import _ConvNd
 
+from ..functional import repeated_over_time
 from ..ops import forbid_double_backward
 from .bn_neuron import (
     bn_neuron_forward,
@@ -240,9 +241,15 @@ def _explicit_grads(
     grad_w: Tensor | None = None
     grad_b: Tensor | None = None
     if any(params_need):  # both gradients in one call (a bias gradient alone is rare)
+        x = restored()
+        x_merged, g_merged = block._merged(x), merged_grad_y
+        if repeated_over_time(x):  # one step's input, the steps' gradients summed
+            x_merged, g_merged = block._merged(x[:1]), grad_y.sum(0)
+        del x
         grad_w, grad_b = synapse_param_grads(
-            synapse, block._merged(restored()), merged_grad_y, dtype, has_bias and params_need[1]
+            synapse, x_merged, g_merged, dtype, has_bias and params_need[1]
         )
+        del x_merged, g_merged
     grad_x = None
     if needs_x:
         merged_shape = torch.Size((shape[0] * shape[1], *shape[2:]))
