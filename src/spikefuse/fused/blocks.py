@@ -91,6 +91,12 @@ class FusedBlock(nn.Module):
     convolution); the output spikes keep that memory layout, which the next fused block,
     :class:`SpikePool` and ``flatten`` all accept.
 
+    An input that repeats one [B, ...] tensor over T as a view (``images.unsqueeze(0).expand(T,
+    ...)``, needing no gradient: a static image) runs the synapse once on the B samples. With
+    BatchNorm the block then keeps that one step's output [1, B, ...] (statistics from it with
+    the count of all T steps; the kernels read it at every step and sum its gradient over T);
+    otherwise the output is repeated to [T, B, ...] by one copy.
+
     Pooling: a Conv2d block may end with the 2 x 2 average pooling of its spikes (``pool``; what
     :func:`~spikefuse.fused.fuse` folds in where such a pooling is the sole user of the
     neuron's output). Its output is then the pooled map ``[T, B, C_out, H/2, W/2]``. With the
