@@ -144,31 +144,38 @@ REPEATED_VARIANTS = [
 ]
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @BATCH_STATS
 @shape_cases(AFFINE_SHAPES[3], AFFINE_SHAPES[4], AFFINE_SHAPES[5])
 @pytest.mark.parametrize("variant", params(REPEATED_VARIANTS))
 def test_affine_kernels_on_a_synapse_output_repeated_over_time(
-    variant, shape_case, batch_stats, no_tf32
+    variant, shape_case, batch_stats, residual, no_tf32
 ):
     """An input repeated over T as a view: the block reads its one-step synapse output at every
-    step (x_step 0) and pass 2 sums dL/dy over T. Spikes equal those of the materialised
-    sequence; the synapse weight's, gamma's, beta's (and tau's) gradients and the running
-    statistics agree within the dtype's gradient tolerance."""
+    step (x_step 0) and pass 2 sums dL/dy over T (a residual block's shortcut stays per step).
+    Spikes equal those of the materialised sequence; the synapse weight's, gamma's, beta's (and
+    tau's, the shortcut's) gradients and the running statistics agree within the dtype's
+    gradient tolerance."""
     T, shape, synapse_kind = shape_case
-    g = gen(seed_of(variant.id, T, shape, batch_stats, "repeated"), device="cuda")
+    g = gen(seed_of(variant.id, T, shape, batch_stats, residual, "repeated"), device="cuda")
     c = shape[1]
     gamma = torch.rand(c, generator=g, device="cuda") + 0.5
     beta = torch.rand(c, generator=g, device="cuda") * 0.6 - 0.2
     image = (torch.randn(shape, generator=g, device="cuda") * 0.8 + 0.3).to(variant.dtype)
+    shortcut = (torch.rand((T, *shape), generator=g, device="cuda") < 0.3).to(variant.dtype)
     upstream = torch.randn((T, *shape), generator=g, device="cuda")
     results = []
     for x in (image.expand(T, *shape), image.expand(T, *shape).contiguous()):
         block = identity_block(variant, synapse_kind, "cuda", c, gamma, beta, batch_stats)
-        spikes = block(x)
+        block.residual = residual
+        r = shortcut.clone().requires_grad_()
+        spikes = block(x, *((r,) if residual else ()))
         (spikes.float() * upstream).sum().backward()
         params_ = {n: p.grad for n, p in block.named_parameters()}
         stats = {"running_mean": block.bn.running_mean, "running_var": block.bn.running_var}
         results.append({"spikes": spikes.detach(), **params_, **stats})
+        if residual:
+            results[-1]["grad_r"] = r.grad
     got, want = results
     assert differ(got["spikes"], want["spikes"]).sum().item() == 0, "spikes differ"
     for key, ref in want.items():
