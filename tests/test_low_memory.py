@@ -12,8 +12,14 @@ from torch import nn
 from conftest import gen
 from spikefuse import fuse, layer
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, spike_bits
-from spikefuse.fused.spike_bits import mark_spikes, memory_order, pack_bits, unpack_bits
+from spikefuse.fused import FusedBlock, low_memory, spike_bits
+from spikefuse.fused.spike_bits import (
+    PackedSpikes,
+    mark_spikes,
+    memory_order,
+    pack_bits,
+    unpack_bits,
+)
 from test_fused import (
     FP64_TOL,
     assert_same_training_step,
@@ -46,9 +52,56 @@ def test_pack_bits_of_a_strided_map():
     assert memory_order(z) == (0, 1)
 
 
-def test_min_memory_equals_the_default_mode():
+@pytest.fixture(params=["whole", "chunked"])
+def chunks(request, monkeypatch):
+    """Backward on the whole sequence at once, or on chunks of one or two steps."""
+    if request.param == "chunked":
+        monkeypatch.setattr(low_memory, "CHUNK_ELEMENTS", 700)
+    return request.param
+
+
+def test_unpack_steps_unpacks_only_those_steps():
+    """Steps t0..t1 of a packed [T, ...] tensor, bit offsets not multiples of 8 included; a
+    tensor whose steps are not outermost in memory is unpacked whole, then sliced."""
+    gen_ = torch.Generator().manual_seed(1)
+    x = (torch.rand(5, 3, 7, generator=gen_) > 0.5).float()  # 21 elements a step
+    packed = PackedSpikes.of(x)
+    for steps in (slice(0, 1), slice(1, 3), slice(2, 5), slice(4, 5), slice(0, 5)):
+        assert torch.equal(packed.unpack_steps(steps), x[steps])
+    late = x.transpose(0, 1).contiguous().transpose(0, 1)  # steps inner in memory
+    assert torch.equal(PackedSpikes.of(late).unpack_steps(slice(1, 3)), late[1:3])
+    maps = (torch.rand(4, 2, 3, 4, 5, generator=gen_) > 0.5).float()
+    maps = maps.flatten(0, 1).contiguous(memory_format=torch.channels_last).unflatten(0, (4, 2))
+    part = PackedSpikes.of(maps).unpack_steps(slice(1, 3))
+    assert torch.equal(part, maps[1:3]) and part.stride() == maps[1:3].stride()
+
+
+def test_input_gradient_takes_the_output_gradients_memory_where_it_fits(monkeypatch):
+    """dL/dx of a Conv whose input and output steps are the same size is written over dL/dy
+    chunk by chunk (same values as at once); a smaller input gets a tensor of its own."""
+    monkeypatch.setattr(low_memory, "CHUNK_ELEMENTS", 2 * 2 * 4 * 6 * 6)  # two steps
+    torch.manual_seed(0)
+    for conv, fits in (
+        (nn.Conv2d(4, 4, 3, padding=1), True),
+        (nn.Conv2d(2, 4, 3, padding=1), False),
+    ):
+        conv = conv.double()
+        shape = torch.Size((5, 2, conv.in_channels, 6, 6))
+        grad_y = torch.randn(5, 2, 4, 6, 6, dtype=torch.float64)
+        want = low_memory.synapse_input_grad(
+            conv, torch.Size((10, *shape[2:])), grad_y.flatten(0, 1), torch.float64
+        ).unflatten(0, (5, 2))
+        chunks = low_memory.step_chunks(5, max(shape[1:].numel(), grad_y[0].numel()))
+        assert len(chunks) == 3
+        memory = grad_y.untyped_storage().data_ptr()
+        got = low_memory._input_grad(conv, shape, grad_y, torch.float64, torch.float64, chunks)
+        torch.testing.assert_close(got, want, **FP64_TOL)
+        assert (got.untyped_storage().data_ptr() == memory) == fits
+
+
+def test_min_memory_equals_the_default_mode(chunks):
     """Outputs, input and every parameter gradient and the running statistics, float64."""
-    x = torch.rand(3, 2, 3, 8, 8, dtype=torch.float64) * 2
+    x = torch.rand(5, 2, 3, 8, 8, dtype=torch.float64) * 2
     default = fuse(conv_stack(torch.float64))
     low = fuse(conv_stack(torch.float64), memory="min")
     assert all(b.memory == "min" for b in low.modules() if isinstance(b, FusedBlock))
@@ -106,6 +159,27 @@ def test_min_memory_recomputes_under_the_forwards_autocast():
         torch.testing.assert_close(g_low, g_default)
 
 
+def test_min_memory_recomputes_one_step_of_an_input_repeated_over_time(monkeypatch):
+    """images.expand(T, ...): backward recomputes the first convolution on the B images, as
+    forward ran it (not on T * B samples), and neither copies its output to T steps."""
+    from spikefuse.fused import blocks
+
+    batches, copies = [], []
+    monkeypatch.setattr(blocks, "repeat_over_time", lambda *a: copies.append(a))
+    conv2d = torch.nn.functional.conv2d
+
+    def recording(x, weight, *args, **kwargs):
+        if weight.shape[1] == 3:  # the first convolution
+            batches.append(x.shape[0])
+        return conv2d(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "conv2d", recording)
+    low = fuse(conv_stack(torch.float64), memory="min")
+    images = torch.rand(2, 3, 8, 8, dtype=torch.float64)
+    low(images.unsqueeze(0).expand(4, -1, -1, -1, -1)).sum().backward()
+    assert batches == [2, 2] and not copies  # forward, and backward's recompute
+
+
 def _synapse_pair(synapse: nn.Module) -> nn.Sequential:
     """A Conv/Linear -> BN -> LIF block after a first Conv-BN-LIF block (so its input is spikes,
     packed in memory mode), unfused, float64."""
@@ -133,14 +207,14 @@ SHAPES = {nn.Conv2d: (4, 7, 7), nn.Conv1d: (4, 9), nn.Linear: (4,)}
 
 @pytest.mark.parametrize("spikes", [True, False], ids=["spike-input", "real-input"])
 @pytest.mark.parametrize("make", SYNAPSES.values(), ids=SYNAPSES.keys())
-def test_min_memory_equals_the_default_mode_for_every_synapse(make, spikes):
+def test_min_memory_equals_the_default_mode_for_every_synapse(make, spikes, chunks):
     """Every synapse configuration, bias or not, input spikes (packed) or real values, with and
     without an input gradient: memory="min" equals the default mode in float64."""
     synapse = make()
     model = _synapse_pair(synapse)
     default, low = fuse(copy.deepcopy(model)), fuse(copy.deepcopy(model), memory="min")
     assert sum(isinstance(m, FusedBlock) for m in low.modules()) == 1
-    x = torch.rand(3, 2, *SHAPES[type(synapse)], dtype=torch.float64, generator=gen(5)) * 2
+    x = torch.rand(5, 2, *SHAPES[type(synapse)], dtype=torch.float64, generator=gen(5)) * 2
     if spikes:
         x = mark_spikes((x > 1).double())
     for _ in range(2):

@@ -355,7 +355,7 @@ class PoolingKernels:
 
     def affine_bptt(self, program, y, grad_spikes, saved_v, learnable, constants, v_init, mean,
                     invstd, weight, bias, totals=None, inv_count=0.0, *, grad_y, pool=1,
-                    residual=None):  # fmt: skip
+                    residual=None, overwrite_y=False):  # fmt: skip
         assert residual is None
         self.calls.append(("bptt", pool, tuple(grad_spikes.shape)))
         with torch.enable_grad():
@@ -371,17 +371,19 @@ class PoolingKernels:
             mean_g, mean_gxhat = totals[0] * inv_count, totals[1] * invstd * inv_count
             coef_y = -scale * invstd * mean_gxhat
             grad = grad + y * view(coef_y) + view(-scale * mean_g - mean * coef_y)
-        return grad, None, None
+        return (y.copy_(grad) if overwrite_y else grad), None, None
 
 
-def test_block_hands_the_pooling_to_kernels_that_can_pool(monkeypatch):
+@pytest.mark.parametrize("memory", ["default", "min"])
+def test_block_hands_the_pooling_to_kernels_that_can_pool(monkeypatch, memory):
     """Where the backend's BN-folded kernels can pool, the block asks them to (pool=2 in forward,
-    both backward passes and the next block's recompute), passes them the pooled map's
-    gradient and pools nothing itself; the results are the torch path's."""
+    both backward passes and, by default, the next block's recompute), passes them the pooled
+    map's gradient and pools nothing itself; the results are the torch path's. memory="min"
+    hands its recomputed y to pass 2 to overwrite with dL/dy."""
     kernels = PoolingKernels()
     model = pooled_net()
     reference = fuse(model)
-    folded = fuse(model)
+    folded = fuse(model, memory=memory)
     monkeypatch.setattr(NeuronCall, "affine", property(lambda self: kernels))
     monkeypatch.setattr(WindowAvgPool, "apply", _refuse_window_avg_pool)
     out_f, gx_f, gp_f = training_step(folded, net_input())
@@ -393,13 +395,16 @@ def test_block_hands_the_pooling_to_kernels_that_can_pool(monkeypatch):
         torch.testing.assert_close(gp_f[key], gp_r[key], **FP64_TOL, msg=key)
     full_1, full_2 = (T, B, 4, 8, 8), (T, B, 6, 4, 4)
     pooled_1, pooled_2 = (T, B, 4, 4, 4), (T, B, 6, 2, 2)
+    # the classifier's and the second conv's inputs, recomputed for their weight gradients
+    # (memory="min" keeps the second conv's input, and the classifier its own)
+    recomputed = [[("fptt", 2, full_2)], [("fptt", 2, full_1)]] if memory == "default" else [[], []]
     assert kernels.calls == [
         ("fptt", 2, full_1),
         ("fptt", 2, full_2),
-        ("fptt", 2, full_2),  # the classifier's input, recomputed for its weight gradient
+        *recomputed[0],
         ("bptt", 2, pooled_2),  # pass 1
         ("bptt", 2, pooled_2),  # pass 2
-        ("fptt", 2, full_1),  # the second conv's input, recomputed for its weight gradient
+        *recomputed[1],
         ("bptt", 2, pooled_1),
         ("bptt", 2, pooled_1),
     ]

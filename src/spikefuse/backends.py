@@ -172,10 +172,12 @@ class AffineKernels(Protocol):
         grad_y: bool,
         pool: int = 1,
         residual: torch.Tensor | None = None,
+        overwrite_y: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Pass 1 (``grad_y=False``): (None, per-channel sums [2, C], dL/dlearnable or None);
         pass 2: (dL/dy, dL/dresidual or None, None). ``pool``, ``residual``: as the forward's
-        (grad_spikes then pooled)."""
+        (grad_spikes then pooled). ``overwrite_y``: pass 2 may write dL/dy over y's memory
+        (y is then lost; a caller whose y is a temporary saves a buffer)."""
         ...
 
 

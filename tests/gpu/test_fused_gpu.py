@@ -183,6 +183,55 @@ def test_affine_kernels_on_a_synapse_output_repeated_over_time(
             assert_close(got[key], ref, variant.dtype, grad=True, what=key)
 
 
+@pytest.mark.parametrize("case", ["plain", "pooled", "residual", "repeated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pass_two_may_write_dl_dy_over_y(dtype, case):
+    """``overwrite_y`` (memory="min"'s recomputed y): pass 2 writes dL/dy over y's memory and
+    returns it, bit for bit what it writes to a new tensor; T past a checkpointed chunk."""
+    from spikefuse.cuda import affine as kernels
+    from spikefuse.fused.neuron_call import NeuronCall
+
+    T, B, C, H, W = max(AFFINE_CHUNK.values()) + 1, 4, 64, 8, 8
+    g = gen(seed_of("overwrite", dtype, case), device="cuda")
+    steps = 1 if case == "repeated" else T
+    y = torch.randn(steps * B, C, H, W, generator=g, device="cuda") * 0.8 + 0.3
+    y = y.to(dtype).contiguous(memory_format=torch.channels_last).unflatten(0, (steps, B))
+    y = y.expand(T, -1, -1, -1, -1) if case == "repeated" else y
+    residual = (
+        (torch.rand_like(y, dtype=torch.float32) < 0.3).to(dtype) if case == "residual" else None
+    )
+    pool = 2 if case == "pooled" else 1
+    call = NeuronCall.from_node(paper_lif(backend="cuda"), y)
+    mean = torch.randn(C, generator=g, device="cuda") * 0.1 + 0.3
+    invstd = torch.rand(C, generator=g, device="cuda") + 0.5
+    gamma = torch.rand(C, generator=g, device="cuda") + 0.5
+    beta = torch.rand(C, generator=g, device="cuda") * 0.6 - 0.2
+    bn = {"mean": mean, "invstd": invstd, "weight": gamma, "bias": beta}
+    spikes, ckpt = kernels.affine_fptt(
+        call.program, y, **bn, learnable=None, constants=call.constants, v_init=call.v_init,
+        save_for_backward=True, pool=pool, residual=residual,
+    )  # fmt: skip
+    assert ckpt is not None  # T past a chunk: checkpoints
+    upstream = torch.randn(spikes.shape, generator=g, device="cuda").to(dtype)
+
+    def bptt(y_, grad_y, totals=None, overwrite=False):
+        return kernels.affine_bptt(
+            call.program, y_, upstream, ckpt, None, call.constants, call.v_init, **bn,
+            totals=totals, inv_count=1.0 / (T * B * H * W), grad_y=grad_y, pool=pool,
+            residual=residual, overwrite_y=overwrite,
+        )  # fmt: skip
+
+    _, sums, _ = bptt(y, False)
+    want, want_r, _ = bptt(y, True, sums)
+    memory = y[:1].clone() if case == "repeated" else y.clone()
+    y_copy = memory.expand(T, -1, -1, -1, -1) if case == "repeated" else memory
+    got, got_r, _ = bptt(y_copy, True, sums, overwrite=True)
+    assert got.data_ptr() == memory.data_ptr() and got.stride() == want.stride()
+    assert torch.equal(got, want)
+    if residual is not None:
+        assert torch.equal(got_r, want_r)
+
+
 RESIDUAL_VARIANTS = [
     Variant(name, surrogate.Rect, dtype, hard, affine=True)
     for name, dtype, hard in itertools.product(("LIF", "PLIF", "IF"), DTYPES, (True, False))
@@ -314,6 +363,38 @@ def test_fused_model_matches_unfused_on_an_input_repeated_over_time(memory, no_t
         results.append([out.detach(), *grads, *stats])
     errors = [reldiff(got, want) for got, want in zip(results[1], results[0], strict=True)]
     assert max(errors) < 1e-4, f"normalised errors {errors}"
+
+
+def test_memory_min_in_chunks_matches_unfused(monkeypatch, no_tf32):
+    """memory="min" with the synapse's weight and input gradients in chunks of two steps (dL/dx
+    written over dL/dy in the 16 -> 16 convolution, whose steps are the same size), fp32, within
+    1e-4 of the unfused model."""
+    from spikefuse.fused import low_memory
+
+    monkeypatch.setattr(low_memory, "CHUNK_ELEMENTS", 8 * 16 * 16 * 16 * 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            m
+            for c_in in (3, 16)
+            for m in (
+                layer.Conv2d(c_in, 16, 3, padding=1, bias=False, step_mode="m"),
+                layer.BatchNorm2d(16, step_mode="m"),
+                paper_lif(backend="cuda"),
+            )
+        ],
+        layer.AvgPool2d(2, step_mode="m"),
+        layer.Flatten(step_mode="m"),
+        layer.Linear(16 * 8 * 8, 10, step_mode="m"),
+    ).cuda()
+    model = model.to(memory_format=torch.channels_last)
+    fused = fuse(model, memory="min")
+    x = torch.randn(7, 8, 3, 16, 16, device="cuda")
+    want = training_step(model, x, False)
+    got = training_step(fused, x, False)
+    errors = {k: reldiff(got[k], w) for k, w in want.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-4, f"{worst}: normalised error {errors[worst]:.2e}"
 
 
 def residual_net(name: str) -> nn.Module:

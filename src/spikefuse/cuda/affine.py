@@ -267,6 +267,7 @@ def affine_bptt(
     grad_y: bool,
     pool: int = 1,
     residual: torch.Tensor | None = None,
+    overwrite_y: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """BPTT of :func:`affine_fptt` in one launch, recomputing the neuron from y chunk by chunk.
 
@@ -287,6 +288,10 @@ def affine_bptt(
 
     A y repeated over time (see :func:`affine_fptt`): pass 2 returns dL/dy summed over T, the
     gradient of the one step [1, B, C, *S] (in that step's layout).
+
+    ``overwrite_y`` (pass 2): dL/dy is written over y's memory and returned in it (y's values
+    are lost). The kernel allows it: each thread reads its neurons' y of a chunk of steps
+    before it writes their dL/dy, and no other thread touches them.
     """
     check_input(y)
     _check_residual(residual, y, pool)
@@ -301,7 +306,9 @@ def affine_bptt(
     residual = None if residual is None else _laid_out(residual, _step_strides(y), y.dtype)
     slots = N // pool**2  # what the threads own: neurons, or (pooled) windows
     check_checkpoints(T, saved_v, AFFINE_CHUNK[y.dtype])
-    out = torch.empty_like(y) if grad_y else None  # repeated: the one step's
+    out = None  # dL/dy; repeated: the one step's
+    if grad_y:
+        out = y if overwrite_y else torch.empty_like(y)
     grad_residual = _sequence_empty(y, T) if grad_y and residual is not None else None
     vec = vector_width(N, y, grad_spikes, vec=AFFINE_BPTT_VEC) if pool == 1 else 1
     tiles, grid, per_sum = _bptt_grid(slots, layout, vec, pool)

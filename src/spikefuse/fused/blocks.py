@@ -298,15 +298,19 @@ class FusedBlock(nn.Module):
         return neuron, learnable, bn, None if bn is None else bn_statistics(y, bn)
 
     def _forward_min_memory(self, x: Tensor, residual: Tensor | None) -> Tensor:
-        """memory="min": y is computed without autograd here and recomputed in backward."""
+        """memory="min": y is computed without autograd here and recomputed in backward (of
+        an input repeated over time, as in :meth:`forward`, only one step)."""
+        repeat = x.shape[0] if self.bn is not None and repeated_over_time(x) else 1
         with torch.no_grad():
-            y = self._synapse_call(x)
+            kept_y = self._synapse_step(x) if repeat > 1 else self._synapse_call(x)
+        y = repeated(kept_y, repeat)
         self._check_residual(residual, y)
         neuron, learnable, bn, stats = self._prepare(y)
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
+        pool = self._kernel_pool(y, stats, neuron, residual)
         spikes = SynapseRecomputeFunction.apply(
             x,
-            y,
+            kept_y,
             weight,
             bias,
             learnable,
@@ -316,9 +320,20 @@ class FusedBlock(nn.Module):
             residual,
             None if residual is None else compact(residual),
             self,
+            pool,
+            repeat,
             *self.synapse.parameters(),
         )
-        return self._tagged(self._pooled(spikes, 1))
+        return self._tagged(self._pooled(spikes, pool))
+
+    def _kernel_pool(
+        self, y: Tensor, stats: BNStats | None, neuron: NeuronCall, residual: Tensor | None
+    ) -> int:
+        """The window the kernels pool the spikes over: the block's, where they can pool
+        themselves (:func:`kernels_pool`), else 1 (the block pools the full spikes)."""
+        if self.pool is None or residual is not None:
+            return 1
+        return self._window if kernels_pool(y, stats, neuron, self._window) else 1
 
     def _bn_spec(self) -> BNSpec | None:
         """This call's BatchNorm side (bn_statistics counts the batch and updates the running
@@ -364,13 +379,7 @@ class FusedBlock(nn.Module):
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
         grads = (kept_y, weight, bias, learnable, residual)
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
-        # the kernels' pooling window: the block's, where they can pool themselves
-        folds = (
-            self.pool is not None
-            and residual is None
-            and kernels_pool(y, stats, neuron, self._window)
-        )
-        pool = self._window if folds else 1
+        pool = self._kernel_pool(y, stats, neuron, residual)
         kept = None if residual is None or not save else compact(residual)
         out = BNNeuronFunction.apply(
             kept_y, weight, bias, learnable, stats, bn, neuron, save, pool, residual, kept, repeat

@@ -185,10 +185,11 @@ def _affine_backward(
     inv_count: float = 0.0,
     pool: int = 1,
     residual: Tensor | None = None,
+    overwrite_y: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """One of the BN-folded kernel's two backward passes: pass 1 (``grad_y=False``) returns
     (None, per-channel sums [2, C], dL/dlearnable), pass 2 (dL/dy, dL/dresidual or None,
-    None)."""
+    None); ``overwrite_y``: pass 2 may write dL/dy over y."""
     assert saved is not None  # affine forwards always keep their checkpoints (or None)
     return affine.affine_bptt(
         program=neuron.program,
@@ -207,6 +208,7 @@ def _affine_backward(
         grad_y=grad_y,
         pool=pool,
         residual=residual,
+        overwrite_y=overwrite_y,
     )
 
 
@@ -222,9 +224,11 @@ def bn_input_grad(
     saved: Kept,
     pool: int = 1,
     residual: Tensor | None = None,
+    overwrite_y: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Backward pass 2 (the paper's Alg. 3): dL/dy in y's dtype, and with a residual
-    dL/dresidual = g in the residual's (else None).
+    dL/dresidual = g in the residual's (else None). ``overwrite_y``: y is a temporary of the
+    caller's, which the BN-folded kernels may overwrite with dL/dy (one block-sized buffer less).
 
     dL/dy = g * scale[c], plus with batch statistics (``totals``: pass 1's sums over all
     processes, times ``inv_count`` their means) the terms coef_y[c] y + coef_0[c] of the
@@ -247,6 +251,7 @@ def bn_input_grad(
             inv_count,
             pool,
             residual,
+            overwrite_y,
         )
         assert grad_y is not None  # pass 2 writes dL/dy
         return grad_y, grad_residual
@@ -278,6 +283,7 @@ def bn_neuron_grads(
     needs: tuple[bool, bool, bool],
     pool: int = 1,
     residual: Tensor | None = None,
+    overwrite_y: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """The whole backward of spikes = neuron(BN(y) [+ residual]): ``(dL/dy, dL/dgamma,
     dL/dbeta, dL/dlearnable, dL/dresidual)``; gamma's, beta's and learnable's None unless
@@ -286,7 +292,8 @@ def bn_neuron_grads(
     Pass 1 (:func:`bn_neuron_backward`), the per-channel sums (all-reduced when distributed),
     pass 2 (:func:`bn_input_grad`); ``saved`` is what the forward kept (see
     :meth:`NeuronCall.forward`); ``pool``, ``residual``: the forward's (grad_spikes then of
-    the pooled map)."""
+    the pooled map); ``overwrite_y``: y is the caller's temporary, which pass 2 may overwrite
+    with dL/dy (see :func:`bn_input_grad`)."""
     g, sums, grad_learnable = bn_neuron_backward(
         y, stats, neuron, learnable, grad_spikes, saved, pool, residual
     )
@@ -307,7 +314,18 @@ def bn_neuron_grads(
             totals, count = totals / count, 1
         inv_count = 1.0 / count
     grad_y, grad_residual = bn_input_grad(
-        g, y, stats, totals, inv_count, neuron, learnable, grad_spikes, saved, pool, residual
+        g,
+        y,
+        stats,
+        totals,
+        inv_count,
+        neuron,
+        learnable,
+        grad_spikes,
+        saved,
+        pool,
+        residual,
+        overwrite_y,
     )
     return grad_y, grad_weight, grad_bias, grad_learnable, grad_residual
 

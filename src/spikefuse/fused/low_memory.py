@@ -4,16 +4,21 @@ The DATE'22 blocks keep their synapse (Conv/Linear) output y for backward. With
 ``memory="min"`` a block keeps its *input* instead, packed at 1 bit per element when that
 input is the spike output of another fused block (8 elements per byte: 1/32 of float32), and
 recomputes y = synapse(input) in backward before the BatchNorm-neuron backward. The synapse's
-own backward is then called explicitly, weight gradient first (the unpacked input is alive only
-for it), input gradient last, so that backward never holds more than three block-sized tensors
-(the upstream gradient, dL/dy and one of input, y or dL/dx); a Conv with a string padding or a
-non-zero padding mode differentiates the recomputed graph with autograd instead. Backward costs
-one more synapse forward per block; the gradients equal the default mode's to rounding.
+own backward is then called explicitly, weight gradient first, input gradient last; a Conv
+with a string padding or a non-zero padding mode differentiates the recomputed graph with
+autograd instead. Backward costs one more synapse forward per block; the gradients equal the
+default mode's to rounding.
+
+Backward holds little besides the upstream gradient and one block-sized tensor at a time: the
+recomputed y (with the input unpacked for it alone), which the BN-folded kernels overwrite with
+dL/dy; then the synapse's weight and input gradients, which run on chunks of steps (about
+:data:`CHUNK_ELEMENTS` elements of input or output each, unpacking one chunk of the input at a
+time); dL/dx, where a step of it is as large as a step of dL/dy, is written over dL/dy chunk by
+chunk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,16 +33,38 @@ from .bn_neuron import (
     bn_neuron_grads,
     bn_param_grads,
     load_bn_context,
+    repeated,
     save_bn_context,
 )
 from .neuron_call import NeuronCall
-from .spike_bits import Compact, compact, expand
+from .recompute import is_dense
+from .spike_bits import Compact, compact, expand, expand_steps
 from .statistics import BNSpec, BNStats
 
 if TYPE_CHECKING:
     from .blocks import FusedBlock
 
 Synapse = nn.Linear | _ConvNd
+
+# Elements of the larger of a block's input and synapse output per chunk of steps in backward
+# (64 MiB of float32): the chunks' temporaries stay this size, at a few launches per chunk.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def step_chunks(steps: int, per_step: int) -> list[slice]:
+    """Consecutive slices of ``steps`` steps, each of at most :data:`CHUNK_ELEMENTS` elements
+    at ``per_step`` elements a step (at least one step)."""
+    size = max(1, CHUNK_ELEMENTS // max(per_step, 1))
+    return [slice(t, min(t + size, steps)) for t in range(0, steps, size)]
+
+
+def _steps_empty(part: Tensor, steps: int) -> Tensor:
+    """Uninitialised [steps, *part.shape[1:]], each step laid out like a step of ``part`` when
+    part is dense with its steps outermost (a chunk of a synapse's output), else contiguous."""
+    shape = (steps, *part.shape[1:])
+    if part.stride(0) == part[0].numel() and is_dense(part):
+        return torch.empty_strided(shape, part.stride(), dtype=part.dtype, device=part.device)
+    return part.new_empty(shape)
 
 
 def explicit_backward(synapse: Synapse) -> bool:
@@ -118,10 +145,12 @@ class SynapseRecomputeFunction(torch.autograd.Function):
     """spikes = neuron(BN(synapse(x))), keeping x (1-bit packed when it is spikes) for backward.
 
     ``apply(x, y, weight, bias, learnable, stats, bn, neuron, residual, kept_residual, block,
-    *synapse_params)``: y is ``block``'s synapse output for x, computed by the caller without
-    autograd (and freed after this forward); backward recomputes it from x and differentiates
-    it with respect to x and ``synapse_params`` (the synapse's weight and bias). The other
-    arguments are :class:`BNNeuronFunction`'s.
+    pool, repeat, *synapse_params)``: y is ``block``'s synapse output for x, computed by the
+    caller without autograd (and freed after this forward); backward recomputes it from x and
+    differentiates it with respect to x and ``synapse_params`` (the synapse's weight and
+    bias). ``repeat`` = T > 1: x is an input repeated over time that needs no gradient and y
+    the synapse output of its one step [1, B, ...], as :class:`BNNeuronFunction` takes it
+    (backward then recomputes that one step). The other arguments are BNNeuronFunction's.
     """
 
     @staticmethod
@@ -138,12 +167,16 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         residual: Tensor | None,
         kept_residual: Compact | None,
         block: FusedBlock,
+        pool: int,
+        repeat: int,
         *synapse_params,
     ):
-        spikes, saved = bn_neuron_forward(y, stats, neuron, learnable, True, residual=residual)
+        spikes, saved = bn_neuron_forward(
+            repeated(y, repeat), stats, neuron, learnable, True, pool, residual
+        )
         save_bn_context(
             ctx,
-            compact(x),
+            x if repeat > 1 else compact(x),  # repeated: the caller's view of its images
             learnable,
             stats=stats,
             saved=saved,
@@ -157,7 +190,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         # backward runs outside the forward's autocast context: recompute y under the same one
         device = x.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        ctx.block = block
+        ctx.block, ctx.pool, ctx.repeat = block, pool, repeat
         ctx.synapse_params = synapse_params  # parameters: alive anyway, not activations
         return spikes
 
@@ -166,25 +199,23 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         forbid_double_backward("a fused block (memory='min')")
         kept, learnable, stats, saved, kept_residual = load_bn_context(ctx)
         shape, x_dtype = ctx.geometry
-        block = ctx.block
-        needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[11:]
-
-        def restored() -> Tensor:
-            return expand(kept)
-
+        block, pool, repeat = ctx.block, ctx.pool, ctx.repeat
+        needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[13:]
+        # y's elements per step: the neuron's (the spikes', times the window of pooled ones)
+        chunks = step_chunks(shape[0], max(shape[1:].numel(), grad_spikes[0].numel() * pool**2))
         device, dtype, enabled = ctx.autocast
         autocast = torch.autocast(device, dtype, enabled=enabled, cache_enabled=False)
         explicit = explicit_backward(block.synapse)
         if explicit:
             with torch.no_grad(), autocast:
-                y = block._synapse_call(restored())  # the unpacked input is freed here
+                y = _recompute(block, kept, repeat)
         else:  # autograd on the recomputed graph (which keeps x)
             with torch.enable_grad(), autocast:
-                x = restored().detach().requires_grad_(needs_x)
-                y = block._synapse_call(x)
+                x = expand(kept).detach().requires_grad_(needs_x)
+                y = block._synapse_step(x) if repeat > 1 else block._synapse_call(x)
         residual = None if kept_residual is None else expand(kept_residual)
         grad_y, grad_weight, grad_bias, grad_learnable, grad_residual = bn_neuron_grads(
-            y=y.detach(),
+            y=repeated(y.detach(), repeat),
             stats=stats,
             bn=ctx.bn,
             neuron=ctx.neuron,
@@ -192,21 +223,26 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             grad_spikes=grad_spikes,
             saved=saved,
             needs=ctx.needs_input_grad[2:5],
+            pool=pool,
             residual=residual,
+            overwrite_y=explicit,  # y is ours: dL/dy may take its memory
         )
         del residual
+        if grad_y.shape[0] != y.shape[0]:  # torch ops' dL/dy per step (the kernels sum it)
+            grad_y = grad_y.sum(0, keepdim=True)
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         if explicit:
             del y
             grad_x, grad_params = _explicit_grads(
                 block,
-                restored,
+                kept,
                 shape,
                 x_dtype,
                 grad_y,
                 dtype if enabled else None,
                 needs_x,
                 params_need,
+                chunks,
             )
         else:
             # y is only the root of the graph below: a Conv's or Linear's backward reads x and
@@ -219,41 +255,96 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             grad_params = [next(grads) if need else None for need in params_need]
         # x, y, weight, bias, learnable, stats, bn, neuron, residual, kept_residual, block, ...
         grads = (grad_x, None, grad_weight, grad_bias, grad_learnable, None, None, None)
-        return *grads, grad_residual, None, None, *grad_params
+        return *grads, grad_residual, None, None, None, None, *grad_params
+
+
+def _recompute(block: FusedBlock, kept: Compact, repeat: int) -> Tensor:
+    """The synapse output of the kept input: its one step [1, B, ...] for an input repeated
+    over time (``repeat`` > 1), else [T, B, ...]. In one call, as forward made it: the same
+    shapes give the same convolution algorithm and so the same y to the bit (in chunks, cuDNN
+    may pick another and round differently, and a potential on the threshold would then spike
+    in one pass and not in the other)."""
+    if repeat > 1:
+        assert isinstance(kept, Tensor)  # kept as it is (a view)
+        return block._synapse_step(kept)
+    return block._synapse_call(expand(kept))
 
 
 def _explicit_grads(
     block: FusedBlock,
-    restored: Callable[[], Tensor],
+    kept: Compact,
     shape: torch.Size,
     x_dtype: torch.dtype,
     grad_y: Tensor,
     autocast_dtype: torch.dtype | None,
     needs_x: bool,
     params_need: tuple[bool, ...],
+    chunks: list[slice],
 ) -> tuple[Tensor | None, list[Tensor | None]]:
-    """dL/dx and the synapse parameters' gradients, weight gradient first: the input is
-    restored (unpacked) for it alone and freed before dL/dx is allocated."""
+    """dL/dx and the synapse parameters' gradients, weight gradient first (each chunk of the
+    input unpacked for its chunk alone), then dL/dx (which may take dL/dy's memory)."""
     synapse = block.synapse
     dtype = autocast_dtype or synapse.weight.dtype
     has_bias = len(params_need) > 1
-    merged_grad_y = grad_y.flatten(0, 1)
     grad_w: Tensor | None = None
     grad_b: Tensor | None = None
     if any(params_need):  # both gradients in one call (a bias gradient alone is rare)
-        x = restored()
-        x_merged, g_merged = block._merged(x), merged_grad_y
-        if repeated_over_time(x):  # one step's input, the steps' gradients summed
-            x_merged, g_merged = block._merged(x[:1]), grad_y.sum(0)
-        del x
-        grad_w, grad_b = synapse_param_grads(
-            synapse, x_merged, g_merged, dtype, has_bias and params_need[1]
-        )
-        del x_merged, g_merged
-    grad_x = None
-    if needs_x:
-        merged_shape = torch.Size((shape[0] * shape[1], *shape[2:]))
-        merged_x = synapse_input_grad(synapse, merged_shape, merged_grad_y, dtype)
-        grad_x = merged_x.unflatten(0, shape[:2]).to(x_dtype)
+        need_b = has_bias and params_need[1]
+        parts = chunks
+        if grad_y.shape[0] == 1 or isinstance(kept, Tensor) and repeated_over_time(kept):
+            # one step's input, the steps' gradients summed
+            parts, grad_y_parts = [slice(0, 1)], [grad_y.sum(0, keepdim=True)]
+        else:
+            grad_y_parts = [grad_y[steps] for steps in chunks]
+        for steps, g in zip(parts, grad_y_parts, strict=True):
+            x = block._merged(expand_steps(kept, steps))
+            w, b = synapse_param_grads(synapse, x, g.flatten(0, 1), dtype, need_b)
+            del x
+            grad_w = w if grad_w is None else grad_w.add_(w)
+            grad_b = b if grad_b is None or b is None else grad_b.add_(b)
+    grad_x = _input_grad(synapse, shape, grad_y, dtype, x_dtype, chunks) if needs_x else None
     grad_w = grad_w if params_need[0] else None
     return grad_x, [grad_w, *([grad_b] if has_bias else [])]
+
+
+def _input_grad(
+    synapse: Synapse,
+    shape: torch.Size,
+    grad_y: Tensor,
+    dtype: torch.dtype,
+    x_dtype: torch.dtype,
+    chunks: list[slice],
+) -> Tensor:
+    """dL/dx [T, B, ...] in ``x_dtype`` from dL/dy [T, B, ...], chunk by chunk. Where a step of
+    dL/dx takes exactly a step of dL/dy's memory, it is written over dL/dy (consumed): chunk k
+    of dL/dx then lands on chunk k of dL/dy, which its own chunk has already been read from."""
+    assert grad_y.shape[0] == shape[0]  # an input repeated over time needs no gradient
+    out = None
+    for steps in chunks:
+        n = steps.stop - steps.start
+        merged = torch.Size((n * shape[1], *shape[2:]))
+        part = synapse_input_grad(synapse, merged, grad_y[steps].flatten(0, 1), dtype)
+        part = part.unflatten(0, (n, shape[1])).to(x_dtype)
+        if len(chunks) == 1:
+            return part
+        out = _over(grad_y, part) if out is None else out
+        out[steps] = part
+    assert out is not None  # at least one chunk
+    return out
+
+
+def _over(grad_y: Tensor, part: Tensor) -> Tensor:
+    """An uninitialised [T, *part.shape[1:]] over dL/dy's memory when a step of each is the
+    same dense block of bytes (steps outermost), else a new one (see :func:`_input_grad`)."""
+    steps = grad_y.shape[0]
+    fits = (
+        part.dtype == grad_y.dtype
+        and part[0].numel() == grad_y[0].numel()
+        and grad_y.stride(0) == grad_y[0].numel()
+        and part.stride(0) == part[0].numel()
+        and is_dense(grad_y)
+        and is_dense(part)
+    )
+    if not fits:
+        return _steps_empty(part, steps)
+    return grad_y.as_strided((steps, *part.shape[1:]), part.stride(), grad_y.storage_offset())
