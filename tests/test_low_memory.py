@@ -37,8 +37,34 @@ def test_pack_bits_round_trip(n, dtype, step, monkeypatch):
     monkeypatch.setattr(spike_bits, "_PACK_STEP", step)  # several steps and a partial last one
     spikes = (torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5).to(dtype)
     packed = pack_bits(spikes, (0,))
-    assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8) + 1  # + the NaN flag
     assert torch.equal(unpack_bits(packed, spikes.shape, dtype, (0,)), spikes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_packed_nan_comes_back_as_nan(dtype, monkeypatch):
+    """1 bit cannot hold a NaN spike (a neuron whose input was NaN): unpacking then gives NaN
+    in every element, never a valid-looking 1 (nor, in float16, an infinite count)."""
+    monkeypatch.setattr(spike_bits, "_PACK_STEP", 16)
+    spikes = torch.ones(5, 7, dtype=dtype)  # 35 ones: a float16 sum of 65536 would be inf
+    spikes[3, 2] = float("nan")
+    packed = PackedSpikes.of(spikes)
+    assert packed.unpack().isnan().all() and packed.unpack_steps(slice(0, 2)).isnan().all()
+    spikes[3, 2] = 1
+    assert torch.equal(PackedSpikes.of(spikes).unpack(), spikes)
+
+
+def test_min_memory_keeps_a_nan_in_its_input_spikes(monkeypatch):
+    """A NaN reaching a block's input spikes (no BatchNorm to spread it) makes its weight
+    gradient NaN, as in the default mode (the packing must not turn it into a spike)."""
+    x = torch.rand(3, 2, 3, 8, 8, dtype=torch.float64) * 2
+    x[1, 0, 0, 4, 4] = float("nan")
+    grads = []
+    for memory in ("default", "min"):
+        model = fuse(conv_stack(torch.float64, bn=False), memory=memory)
+        model(x).sum().backward()
+        grads.append(model[5].synapse.weight.grad)  # the third convolution's (spike input)
+    assert grads[0].isnan().any() and grads[1].isnan().any()
 
 
 def test_pack_bits_of_a_strided_map():
@@ -117,7 +143,7 @@ def test_min_memory_keeps_only_the_packed_input():
     x = torch.randn(t, b, 3, h, w)
     spikes = t * b * c * h * w
     vectors = 2 * c * 4  # mean, invstd
-    assert saved_bytes(fuse(model, memory="min"), x) == spikes // 8 + 2 * vectors
+    assert saved_bytes(fuse(model, memory="min"), x) == spikes // 8 + 1 + 2 * vectors  # + NaN flag
     assert saved_bytes(fuse(model), x) == 2 * (4 * spikes + vectors)  # y of both blocks
 
 

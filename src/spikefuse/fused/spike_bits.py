@@ -1,8 +1,9 @@
 """Binary spikes: the tag fused blocks put on their output, and 1-bit packing of tagged spikes.
 
-A fused block's output holds only 0 and 1; what keeps such a tensor for backward (the
-minimal-memory mode's block input, a residual block's shortcut) keeps it at 1 bit per element
-(8 per byte: 1/32 of float32) as a :class:`PackedSpikes`.
+A fused block's output holds only 0 and 1 (or NaN where the neuron's input was NaN); what keeps
+such a tensor for backward (the minimal-memory mode's block input, a residual block's shortcut)
+keeps it at 1 bit per element (8 per byte: 1/32 of float32) as a :class:`PackedSpikes`, plus
+one flag: a packed NaN comes back as NaN in every element, so backward sees it.
 """
 
 from __future__ import annotations
@@ -52,19 +53,25 @@ _PACK_STEP = 1 << 24
 
 
 def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
-    """0/1 values → uint8 [ceil(n / 8)] (bit k of byte i: element 8 i + k), read in ``order``
-    (:func:`memory_order`: no copy)."""
+    """0/1 values → uint8 [ceil(n / 8) + 1] (bit k of byte i: element 8 i + k), read in ``order``
+    (:func:`memory_order`: no copy). The last byte is 1 when a value was NaN (a neuron's input
+    was NaN): 1 bit cannot hold it, so :func:`unpack_bits` then gives NaN everywhere rather
+    than a valid-looking 1 there."""
     flat = spikes.permute(order).reshape(-1)
     n = flat.numel()
-    packed = torch.empty(-(-n // 8), dtype=torch.uint8, device=flat.device)
+    packed = torch.empty(-(-n // 8) + 1, dtype=torch.uint8, device=flat.device)
     weights = _bit_weights(flat.device)
+    total = flat.new_zeros(())  # NaN when any value is (spikes hold no infinities)
     for start in range(0, n, _PACK_STEP):
-        part = flat[start : start + _PACK_STEP] != 0
+        values = flat[start : start + _PACK_STEP]
+        total += values.sum()
+        part = values != 0
         pad = -part.numel() % 8  # only in the last, partial byte
         if pad:
             part = torch.cat([part, part.new_zeros(pad)])
         bits = part.view(-1, 8).to(torch.uint8) * weights
         packed[start // 8 : start // 8 + bits.shape[0]] = bits.sum(dim=1, dtype=torch.uint8)
+    packed[-1] = total.isnan()
     return packed
 
 
@@ -75,18 +82,20 @@ def unpack_bits(
     order: tuple[int, ...],
     first: int = 0,
 ) -> Tensor:
-    """The inverse of :func:`pack_bits`: a tensor of ``shape`` with the packed tensor's memory
-    layout (a dense ``order``), from the packed elements ``first`` onwards (0: all of it; the
+    """The inverse of :func:`pack_bits` (NaN everywhere if a NaN was packed): a tensor of
+    ``shape`` with the packed tensor's memory layout (a dense ``order``), from the packed
+    elements ``first`` onwards (0: all of it; the
     steps t0.. of a tensor with T outermost in memory start at t0 times a step's elements)."""
     n = shape.numel()
     flat = torch.empty(n, dtype=dtype, device=packed.device)
     weights = _bit_weights(packed.device)
+    poison = torch.where(packed[-1] != 0, float("nan"), 0.0).to(dtype)  # NaN: a NaN was packed
     for start in range(0, n, _PACK_STEP):
         part = flat[start : start + _PACK_STEP]
         bit = first + start  # of the packed tensor
         byte = packed[bit // 8 : -(-(bit + part.numel()) // 8)]
         bits = (byte[:, None] & weights) != 0
-        part.copy_(bits.view(-1)[bit % 8 : bit % 8 + part.numel()])
+        torch.add(bits.view(-1)[bit % 8 : bit % 8 + part.numel()], poison, out=part)
     dense = flat.view([shape[d] for d in order])
     inverse = sorted(range(len(order)), key=lambda d: order[d])
     return dense.permute(inverse)
@@ -97,7 +106,7 @@ class PackedSpikes:
     """A binary tensor kept at 1 bit per element: :meth:`unpack` gives it back (same values,
     shape, dtype and memory layout)."""
 
-    bits: Tensor  # uint8 [ceil(n / 8)]
+    bits: Tensor  # uint8 [ceil(n / 8) + 1]: the bits, then whether a NaN was packed
     shape: torch.Size
     dtype: torch.dtype
     order: tuple[int, ...]  # the dimension order of the tensor's memory (memory_order)
