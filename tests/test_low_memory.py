@@ -12,7 +12,7 @@ from torch import nn
 from conftest import gen
 from spikefuse import fuse, layer
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, low_memory, spike_bits
+from spikefuse.fused import FusedBlock, spike_bits
 from spikefuse.fused.spike_bits import (
     PackedSpikes,
     mark_spikes,
@@ -49,7 +49,7 @@ def test_a_packed_nan_comes_back_as_nan(dtype, monkeypatch):
     spikes = torch.ones(5, 7, dtype=dtype)  # 35 ones: a float16 sum of 65536 would be inf
     spikes[3, 2] = float("nan")
     packed = PackedSpikes.of(spikes)
-    assert packed.unpack().isnan().all() and packed.unpack_steps(slice(0, 2)).isnan().all()
+    assert packed.unpack().isnan().all()
     spikes[3, 2] = 1
     assert torch.equal(PackedSpikes.of(spikes).unpack(), spikes)
 
@@ -78,54 +78,7 @@ def test_pack_bits_of_a_strided_map():
     assert memory_order(z) == (0, 1)
 
 
-@pytest.fixture(params=["whole", "chunked"])
-def chunks(request, monkeypatch):
-    """Backward on the whole sequence at once, or on chunks of one or two steps."""
-    if request.param == "chunked":
-        monkeypatch.setattr(low_memory, "CHUNK_ELEMENTS", 700)
-    return request.param
-
-
-def test_unpack_steps_unpacks_only_those_steps():
-    """Steps t0..t1 of a packed [T, ...] tensor, bit offsets not multiples of 8 included; a
-    tensor whose steps are not outermost in memory is unpacked whole, then sliced."""
-    gen_ = torch.Generator().manual_seed(1)
-    x = (torch.rand(5, 3, 7, generator=gen_) > 0.5).float()  # 21 elements a step
-    packed = PackedSpikes.of(x)
-    for steps in (slice(0, 1), slice(1, 3), slice(2, 5), slice(4, 5), slice(0, 5)):
-        assert torch.equal(packed.unpack_steps(steps), x[steps])
-    late = x.transpose(0, 1).contiguous().transpose(0, 1)  # steps inner in memory
-    assert torch.equal(PackedSpikes.of(late).unpack_steps(slice(1, 3)), late[1:3])
-    maps = (torch.rand(4, 2, 3, 4, 5, generator=gen_) > 0.5).float()
-    maps = maps.flatten(0, 1).contiguous(memory_format=torch.channels_last).unflatten(0, (4, 2))
-    part = PackedSpikes.of(maps).unpack_steps(slice(1, 3))
-    assert torch.equal(part, maps[1:3]) and part.stride() == maps[1:3].stride()
-
-
-def test_input_gradient_takes_the_output_gradients_memory_where_it_fits(monkeypatch):
-    """dL/dx of a Conv whose input and output steps are the same size is written over dL/dy
-    chunk by chunk (same values as at once); a smaller input gets a tensor of its own."""
-    monkeypatch.setattr(low_memory, "CHUNK_ELEMENTS", 2 * 2 * 4 * 6 * 6)  # two steps
-    torch.manual_seed(0)
-    for conv, fits in (
-        (nn.Conv2d(4, 4, 3, padding=1), True),
-        (nn.Conv2d(2, 4, 3, padding=1), False),
-    ):
-        conv = conv.double()
-        shape = torch.Size((5, 2, conv.in_channels, 6, 6))
-        grad_y = torch.randn(5, 2, 4, 6, 6, dtype=torch.float64)
-        want = low_memory.synapse_input_grad(
-            conv, torch.Size((10, *shape[2:])), grad_y.flatten(0, 1), torch.float64
-        ).unflatten(0, (5, 2))
-        chunks = low_memory.step_chunks(5, max(shape[1:].numel(), grad_y[0].numel()))
-        assert len(chunks) == 3
-        memory = grad_y.untyped_storage().data_ptr()
-        got = low_memory._input_grad(conv, shape, grad_y, torch.float64, torch.float64, chunks)
-        torch.testing.assert_close(got, want, **FP64_TOL)
-        assert (got.untyped_storage().data_ptr() == memory) == fits
-
-
-def test_min_memory_equals_the_default_mode(chunks):
+def test_min_memory_equals_the_default_mode():
     """Outputs, input and every parameter gradient and the running statistics, float64."""
     x = torch.rand(5, 2, 3, 8, 8, dtype=torch.float64) * 2
     default = fuse(conv_stack(torch.float64))
@@ -233,7 +186,7 @@ SHAPES = {nn.Conv2d: (4, 7, 7), nn.Conv1d: (4, 9), nn.Linear: (4,)}
 
 @pytest.mark.parametrize("spikes", [True, False], ids=["spike-input", "real-input"])
 @pytest.mark.parametrize("make", SYNAPSES.values(), ids=SYNAPSES.keys())
-def test_min_memory_equals_the_default_mode_for_every_synapse(make, spikes, chunks):
+def test_min_memory_equals_the_default_mode_for_every_synapse(make, spikes):
     """Every synapse configuration, bias or not, input spikes (packed) or real values, with and
     without an input gradient: memory="min" equals the default mode in float64."""
     synapse = make()

@@ -365,38 +365,6 @@ def test_fused_model_matches_unfused_on_an_input_repeated_over_time(memory, no_t
     assert max(errors) < 1e-4, f"normalised errors {errors}"
 
 
-def test_memory_min_in_chunks_matches_unfused(monkeypatch, no_tf32):
-    """memory="min" with the synapse's weight and input gradients in chunks of two steps (dL/dx
-    written over dL/dy in the 16 -> 16 convolution, whose steps are the same size), fp32, within
-    1e-4 of the unfused model."""
-    from spikefuse.fused import low_memory
-
-    monkeypatch.setattr(low_memory, "CHUNK_ELEMENTS", 8 * 16 * 16 * 16 * 2)
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        *[
-            m
-            for c_in in (3, 16)
-            for m in (
-                layer.Conv2d(c_in, 16, 3, padding=1, bias=False, step_mode="m"),
-                layer.BatchNorm2d(16, step_mode="m"),
-                paper_lif(backend="cuda"),
-            )
-        ],
-        layer.AvgPool2d(2, step_mode="m"),
-        layer.Flatten(step_mode="m"),
-        layer.Linear(16 * 8 * 8, 10, step_mode="m"),
-    ).cuda()
-    model = model.to(memory_format=torch.channels_last)
-    fused = fuse(model, memory="min")
-    x = torch.randn(7, 8, 3, 16, 16, device="cuda")
-    want = training_step(model, x, False)
-    got = training_step(fused, x, False)
-    errors = {k: reldiff(got[k], w) for k, w in want.items()}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-4, f"{worst}: normalised error {errors[worst]:.2e}"
-
-
 def residual_net(name: str) -> nn.Module:
     """A model-zoo residual network on the cuda backend with non-trivial BatchNorm affine
     parameters, channels-last like its fused convolutions (the same cuDNN algorithms)."""

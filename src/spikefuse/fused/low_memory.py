@@ -9,12 +9,9 @@ with a string padding or a non-zero padding mode differentiates the recomputed g
 autograd instead. Backward costs one more synapse forward per block; the gradients equal the
 default mode's to rounding.
 
-Backward holds little besides the upstream gradient and one block-sized tensor at a time: the
-recomputed y (with the input unpacked for it alone), which the BN-folded kernels overwrite with
-dL/dy; then the synapse's weight and input gradients, which run on chunks of steps (about
-:data:`CHUNK_ELEMENTS` elements of input or output each, unpacking one chunk of the input at a
-time); dL/dx, where a step of it is as large as a step of dL/dy, is written over dL/dy chunk by
-chunk.
+Backward holds at most two block-sized tensors besides the upstream gradient: the recomputed
+y (with the input unpacked for it alone), which the BN-folded kernels overwrite with dL/dy;
+then dL/dy and the unpacked input for the weight gradient, and last dL/dy and dL/dx.
 """
 
 from __future__ import annotations
@@ -37,34 +34,13 @@ from .bn_neuron import (
     save_bn_context,
 )
 from .neuron_call import NeuronCall
-from .recompute import is_dense
-from .spike_bits import Compact, compact, expand, expand_steps
+from .spike_bits import Compact, compact, expand
 from .statistics import BNSpec, BNStats
 
 if TYPE_CHECKING:
     from .blocks import FusedBlock
 
 Synapse = nn.Linear | _ConvNd
-
-# Elements of the larger of a block's input and synapse output per chunk of steps in backward
-# (64 MiB of float32): the chunks' temporaries stay this size, at a few launches per chunk.
-CHUNK_ELEMENTS = 1 << 24
-
-
-def step_chunks(steps: int, per_step: int) -> list[slice]:
-    """Consecutive slices of ``steps`` steps, each of at most :data:`CHUNK_ELEMENTS` elements
-    at ``per_step`` elements a step (at least one step)."""
-    size = max(1, CHUNK_ELEMENTS // max(per_step, 1))
-    return [slice(t, min(t + size, steps)) for t in range(0, steps, size)]
-
-
-def _steps_empty(part: Tensor, steps: int) -> Tensor:
-    """Uninitialised [steps, *part.shape[1:]], each step laid out like a step of ``part`` when
-    part is dense with its steps outermost (a chunk of a synapse's output), else contiguous."""
-    shape = (steps, *part.shape[1:])
-    if part.stride(0) == part[0].numel() and is_dense(part):
-        return torch.empty_strided(shape, part.stride(), dtype=part.dtype, device=part.device)
-    return part.new_empty(shape)
 
 
 def explicit_backward(synapse: Synapse) -> bool:
@@ -201,8 +177,6 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         shape, x_dtype = ctx.geometry
         block, pool, repeat = ctx.block, ctx.pool, ctx.repeat
         needs_x, params_need = ctx.needs_input_grad[0], ctx.needs_input_grad[13:]
-        # y's elements per step: the neuron's (the spikes', times the window of pooled ones)
-        chunks = step_chunks(shape[0], max(shape[1:].numel(), grad_spikes[0].numel() * pool**2))
         device, dtype, enabled = ctx.autocast
         autocast = torch.autocast(device, dtype, enabled=enabled, cache_enabled=False)
         explicit = explicit_backward(block.synapse)
@@ -242,7 +216,6 @@ class SynapseRecomputeFunction(torch.autograd.Function):
                 dtype if enabled else None,
                 needs_x,
                 params_need,
-                chunks,
             )
         else:
             # y is only the root of the graph below: a Conv's or Linear's backward reads x and
@@ -262,8 +235,8 @@ def _recompute(block: FusedBlock, kept: Compact, repeat: int) -> Tensor:
     """The synapse output of the kept input: its one step [1, B, ...] for an input repeated
     over time (``repeat`` > 1), else [T, B, ...]. In one call, as forward made it: the same
     shapes give the same convolution algorithm and so the same y to the bit (in chunks, cuDNN
-    may pick another and round differently, and a potential on the threshold would then spike
-    in one pass and not in the other)."""
+    may pick another algorithm and round differently, and a potential on the threshold would
+    then spike in one pass and not in the other)."""
     if repeat > 1:
         assert isinstance(kept, Tensor)  # kept as it is (a view)
         return block._synapse_step(kept)
@@ -279,72 +252,29 @@ def _explicit_grads(
     autocast_dtype: torch.dtype | None,
     needs_x: bool,
     params_need: tuple[bool, ...],
-    chunks: list[slice],
 ) -> tuple[Tensor | None, list[Tensor | None]]:
-    """dL/dx and the synapse parameters' gradients, weight gradient first (each chunk of the
-    input unpacked for its chunk alone), then dL/dx (which may take dL/dy's memory)."""
+    """dL/dx and the synapse parameters' gradients, weight gradient first: the input is
+    restored (unpacked) for it alone and freed before dL/dx is allocated. dL/dy is [1, B, ...]
+    for an input repeated over time (its steps' gradients summed), else [T, B, ...]."""
     synapse = block.synapse
     dtype = autocast_dtype or synapse.weight.dtype
     has_bias = len(params_need) > 1
     grad_w: Tensor | None = None
     grad_b: Tensor | None = None
     if any(params_need):  # both gradients in one call (a bias gradient alone is rare)
-        need_b = has_bias and params_need[1]
-        parts = chunks
-        if grad_y.shape[0] == 1 or isinstance(kept, Tensor) and repeated_over_time(kept):
-            # one step's input, the steps' gradients summed
-            parts, grad_y_parts = [slice(0, 1)], [grad_y.sum(0, keepdim=True)]
-        else:
-            grad_y_parts = [grad_y[steps] for steps in chunks]
-        for steps, g in zip(parts, grad_y_parts, strict=True):
-            x = block._merged(expand_steps(kept, steps))
-            w, b = synapse_param_grads(synapse, x, g.flatten(0, 1), dtype, need_b)
-            del x
-            grad_w = w if grad_w is None else grad_w.add_(w)
-            grad_b = b if grad_b is None or b is None else grad_b.add_(b)
-    grad_x = _input_grad(synapse, shape, grad_y, dtype, x_dtype, chunks) if needs_x else None
+        x = expand(kept)
+        x_merged, g_merged = block._merged(x), grad_y.flatten(0, 1)
+        if grad_y.shape[0] == 1 or repeated_over_time(x):  # one step's input, steps summed
+            x_merged, g_merged = block._merged(x[:1]), grad_y.sum(0)
+        del x
+        grad_w, grad_b = synapse_param_grads(
+            synapse, x_merged, g_merged, dtype, has_bias and params_need[1]
+        )
+        del x_merged, g_merged
+    grad_x = None
+    if needs_x:  # never for an input repeated over time (it needs no gradient)
+        merged_shape = torch.Size((shape[0] * shape[1], *shape[2:]))
+        merged_x = synapse_input_grad(synapse, merged_shape, grad_y.flatten(0, 1), dtype)
+        grad_x = merged_x.unflatten(0, shape[:2]).to(x_dtype)
     grad_w = grad_w if params_need[0] else None
     return grad_x, [grad_w, *([grad_b] if has_bias else [])]
-
-
-def _input_grad(
-    synapse: Synapse,
-    shape: torch.Size,
-    grad_y: Tensor,
-    dtype: torch.dtype,
-    x_dtype: torch.dtype,
-    chunks: list[slice],
-) -> Tensor:
-    """dL/dx [T, B, ...] in ``x_dtype`` from dL/dy [T, B, ...], chunk by chunk. Where a step of
-    dL/dx takes exactly a step of dL/dy's memory, it is written over dL/dy (consumed): chunk k
-    of dL/dx then lands on chunk k of dL/dy, which its own chunk has already been read from."""
-    assert grad_y.shape[0] == shape[0]  # an input repeated over time needs no gradient
-    out = None
-    for steps in chunks:
-        n = steps.stop - steps.start
-        merged = torch.Size((n * shape[1], *shape[2:]))
-        part = synapse_input_grad(synapse, merged, grad_y[steps].flatten(0, 1), dtype)
-        part = part.unflatten(0, (n, shape[1])).to(x_dtype)
-        if len(chunks) == 1:
-            return part
-        out = _over(grad_y, part) if out is None else out
-        out[steps] = part
-    assert out is not None  # at least one chunk
-    return out
-
-
-def _over(grad_y: Tensor, part: Tensor) -> Tensor:
-    """An uninitialised [T, *part.shape[1:]] over dL/dy's memory when a step of each is the
-    same dense block of bytes (steps outermost), else a new one (see :func:`_input_grad`)."""
-    steps = grad_y.shape[0]
-    fits = (
-        part.dtype == grad_y.dtype
-        and part[0].numel() == grad_y[0].numel()
-        and grad_y.stride(0) == grad_y[0].numel()
-        and part.stride(0) == part[0].numel()
-        and is_dense(grad_y)
-        and is_dense(part)
-    )
-    if not fits:
-        return _steps_empty(part, steps)
-    return grad_y.as_strided((steps, *part.shape[1:]), part.stride(), grad_y.storage_offset())

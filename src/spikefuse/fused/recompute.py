@@ -58,7 +58,7 @@ def recipe_of(t: Tensor) -> Recipe | None:
     return lambda: _strided(base_recipe(), shape, stride)
 
 
-def is_dense(t: Tensor) -> bool:
+def _dense(t: Tensor) -> bool:
     """Whether t's elements fill its memory span exactly once, in any dimension order."""
     expected = 1
     for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda p: p[1]):
@@ -74,7 +74,7 @@ def _memory_key(t: Tensor) -> tuple:
 
 def _same_memory(a: Tensor, b: Tensor) -> bool:
     """Whether a and b are dense views of exactly the same elements (any shape or order)."""
-    return _memory_key(a) == _memory_key(b) and is_dense(a) and is_dense(b)
+    return _memory_key(a) == _memory_key(b) and _dense(a) and _dense(b)
 
 
 def _strided(source: Tensor, shape: torch.Size, stride: tuple[int, ...]) -> Tensor:
@@ -91,14 +91,14 @@ def saving_recomputed(x: Tensor, recipe: Recipe | None = None) -> Iterator[None]
     are saved as they are.
     """
     recipe = recipe or recipe_of(x)
-    if recipe is None or not is_dense(x):
+    if recipe is None or not _dense(x):
         yield
         return
     # Autograd keeps the pack hook as long as what it saved: it must not hold x itself.
     memory = _memory_key(x)
 
     def pack(t: Tensor) -> object:
-        return _Restore(recipe, t) if is_dense(t) and _memory_key(t) == memory else t
+        return _Restore(recipe, t) if _dense(t) and _memory_key(t) == memory else t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         yield

@@ -76,26 +76,19 @@ def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
 
 
 def unpack_bits(
-    packed: Tensor,
-    shape: torch.Size,
-    dtype: torch.dtype,
-    order: tuple[int, ...],
-    first: int = 0,
+    packed: Tensor, shape: torch.Size, dtype: torch.dtype, order: tuple[int, ...]
 ) -> Tensor:
     """The inverse of :func:`pack_bits` (NaN everywhere if a NaN was packed): a tensor of
-    ``shape`` with the packed tensor's memory layout (a dense ``order``), from the packed
-    elements ``first`` onwards (0: all of it; the
-    steps t0.. of a tensor with T outermost in memory start at t0 times a step's elements)."""
+    ``shape`` with the packed tensor's memory layout (a dense ``order``)."""
     n = shape.numel()
     flat = torch.empty(n, dtype=dtype, device=packed.device)
     weights = _bit_weights(packed.device)
     poison = torch.where(packed[-1] != 0, float("nan"), 0.0).to(dtype)  # NaN: a NaN was packed
     for start in range(0, n, _PACK_STEP):
         part = flat[start : start + _PACK_STEP]
-        bit = first + start  # of the packed tensor
-        byte = packed[bit // 8 : -(-(bit + part.numel()) // 8)]
+        byte = packed[start // 8 : start // 8 + -(-part.numel() // 8)]
         bits = (byte[:, None] & weights) != 0
-        torch.add(bits.view(-1)[bit % 8 : bit % 8 + part.numel()], poison, out=part)
+        torch.add(bits.view(-1)[: part.numel()], poison, out=part)
     dense = flat.view([shape[d] for d in order])
     inverse = sorted(range(len(order)), key=lambda d: order[d])
     return dense.permute(inverse)
@@ -119,16 +112,6 @@ class PackedSpikes:
     def unpack(self) -> Tensor:
         return unpack_bits(self.bits, self.shape, self.dtype, self.order)
 
-    def unpack_steps(self, steps: slice) -> Tensor:
-        """``unpack()[steps]`` of a [T, ...] tensor (``steps`` over T, step 1), unpacking only
-        those steps where T is outermost in memory (a fused block's spikes)."""
-        if self.order[0] != 0:
-            return self.unpack()[steps]
-        start, stop, _ = steps.indices(self.shape[0])
-        shape = torch.Size((max(stop - start, 0), *self.shape[1:]))
-        first = start * self.shape[1:].numel()
-        return unpack_bits(self.bits, shape, self.dtype, self.order, first)
-
 
 #: A tensor kept for backward: itself, or its packing when it is spikes (:func:`compact`).
 Compact = Tensor | PackedSpikes
@@ -143,12 +126,6 @@ def compact(t: Tensor) -> Compact:
 def expand(kept: Compact) -> Tensor:
     """The tensor :func:`compact` kept."""
     return kept.unpack() if isinstance(kept, PackedSpikes) else kept
-
-
-def expand_steps(kept: Compact, steps: slice) -> Tensor:
-    """``expand(kept)[steps]`` for a kept [T, ...] tensor, unpacking only those steps where it
-    can (:meth:`PackedSpikes.unpack_steps`)."""
-    return kept.unpack_steps(steps) if isinstance(kept, PackedSpikes) else kept[steps]
 
 
 #: How a packing lays its bits out: (shape, dtype, memory order) of the packed tensor.
