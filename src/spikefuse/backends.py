@@ -32,6 +32,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def repeats_one_step(t: torch.Tensor) -> bool:
+    """Whether ``t`` [T, ...] (T > 1) views one step at every step (stride 0 over T, as
+    ``expand`` gives): an input image, or its synapse output, repeated over time."""
+    return t.shape[0] > 1 and t.stride(0) == 0
+
+
 def channels_innermost(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     """Whether a [T, B, C, *S] tensor of this geometry is dense with channels innermost in
     memory (the [T, B, C, H, W] view of a channels-last convolution output; a contiguous [T, B,

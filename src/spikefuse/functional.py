@@ -9,7 +9,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from .backends import BACKEND_NAMES
+from .backends import BACKEND_NAMES, repeats_one_step
 from .errors import SpikefuseError
 from .neuron import STEP_MODES
 
@@ -39,7 +39,7 @@ def repeated_over_time(x: Tensor) -> bool:
     """Whether ``x`` [T, B, ...] (T > 1) is one [B, ...] tensor viewed at every step (stride 0
     over T, as ``images.unsqueeze(0).expand(T, ...)`` gives) that needs no gradient (a gradient
     asked of the view itself must keep its T slices apart)."""
-    return x.shape[0] > 1 and x.stride(0) == 0 and not x.requires_grad
+    return repeats_one_step(x) and not x.requires_grad
 
 
 def repeat_over_time(y0: Tensor, steps: int) -> Tensor:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ..backends import channels_innermost
+from ..backends import channels_innermost, repeats_one_step
 from ..program import NeuronProgram
 from .codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, BLOCK_THREADS, POOLS, VEC
 from .runtime import (
@@ -53,7 +53,7 @@ def _memory(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], int | None]
     :func:`channel_layout` gives it and x_step None (N), or for a y repeated over time (stride
     0 over T, T > 1: an input image's synapse output at every step) its one step [1, B, C, *S]
     and x_step 0."""
-    if y.shape[0] > 1 and y.stride(0) == 0:
+    if repeats_one_step(y):
         one, layout = channel_layout(y[:1])
         return one, layout, 0
     y, layout = channel_layout(y)

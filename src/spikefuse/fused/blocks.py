@@ -267,6 +267,17 @@ class FusedBlock(nn.Module):
         """The synapse output [1, B, ...] of one step of an input repeated over time."""
         return self._kind.forward(self.synapse, self._merged(x[:1])).unsqueeze(0)
 
+    def _repeat(self, x: Tensor) -> int:
+        """T where the block keeps one step of its synapse output for an input repeated over
+        time (with BatchNorm: the BN-folded kernels read one step; a plain neuron would copy
+        it), else 1."""
+        return x.shape[0] if self.bn is not None and repeated_over_time(x) else 1
+
+    def _synapse_kept(self, x: Tensor, repeat: int) -> Tensor:
+        """The synapse output the block keeps: of one step [1, B, ...] (``repeat`` > 1), else
+        [T, B, ...] (:meth:`_synapse_call`)."""
+        return self._synapse_step(x) if repeat > 1 else self._synapse_call(x)
+
     def _synapse_forward(self, x: Tensor) -> Tensor:
         """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe."""
         merged = x.flatten(0, 1)
@@ -300,9 +311,9 @@ class FusedBlock(nn.Module):
     def _forward_min_memory(self, x: Tensor, residual: Tensor | None) -> Tensor:
         """memory="min": y is computed without autograd here and recomputed in backward (of
         an input repeated over time, as in :meth:`forward`, only one step)."""
-        repeat = x.shape[0] if self.bn is not None and repeated_over_time(x) else 1
+        repeat = self._repeat(x)
         with torch.no_grad():
-            kept_y = self._synapse_step(x) if repeat > 1 else self._synapse_call(x)
+            kept_y = self._synapse_kept(x, repeat)
         y = repeated(kept_y, repeat)
         self._check_residual(residual, y)
         neuron, learnable, bn, stats = self._prepare(y)
@@ -368,10 +379,8 @@ class FusedBlock(nn.Module):
         if self.memory == "min" and torch.is_grad_enabled():
             return self._forward_min_memory(x, residual)
         # An input repeated over time: the synapse output of one step [1, B, ...], which the
-        # block reads at every step (as y, its expanded view) and keeps alone for backward
-        # (with BatchNorm: the BN-folded kernels read one step; a plain neuron would copy it).
-        one_step = self.bn is not None and repeated_over_time(x)
-        repeat = x.shape[0] if one_step else 1
+        # block reads at every step (as y, its expanded view) and keeps alone for backward.
+        repeat = self._repeat(x)
         kept_y = self._synapse_step(x) if repeat > 1 else self._synapse_forward(x)
         y = repeated(kept_y, repeat)
         self._check_residual(residual, y)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..backends import AffineKernels, compute_dtype
+from ..backends import AffineKernels, compute_dtype, repeats_one_step
 from ..ops import forbid_double_backward
 from .neuron_call import Kept, NeuronCall
 from .spike_bits import Compact, expand, join, split
@@ -293,7 +293,8 @@ def bn_neuron_grads(
     pass 2 (:func:`bn_input_grad`); ``saved`` is what the forward kept (see
     :meth:`NeuronCall.forward`); ``pool``, ``residual``: the forward's (grad_spikes then of
     the pooled map); ``overwrite_y``: y is the caller's temporary, which pass 2 may overwrite
-    with dL/dy (see :func:`bn_input_grad`)."""
+    with dL/dy (see :func:`bn_input_grad`). A y that repeats one step over time (see
+    :func:`repeated`) gets the gradient of that step [1, B, C, *], summed over T."""
     g, sums, grad_learnable = bn_neuron_backward(
         y, stats, neuron, learnable, grad_spikes, saved, pool, residual
     )
@@ -302,7 +303,7 @@ def bn_neuron_grads(
         assert g is not None
         grad_residual = None if residual is None else g.to(residual.dtype)
         grad_y = g.to(y.dtype, copy=residual is not None)  # never the residual's tensor too
-        return grad_y, None, None, grad_learnable, grad_residual
+        return _summed_if_repeated(grad_y, y), None, None, grad_learnable, grad_residual
     grad_weight = sums[1] * stats.invstd if needs[0] else None
     grad_bias = sums[0] if needs[1] else None
     totals, inv_count = None, 0.0
@@ -327,7 +328,14 @@ def bn_neuron_grads(
         residual,
         overwrite_y,
     )
-    return grad_y, grad_weight, grad_bias, grad_learnable, grad_residual
+    return _summed_if_repeated(grad_y, y), grad_weight, grad_bias, grad_learnable, grad_residual
+
+
+def _summed_if_repeated(grad_y: Tensor, y: Tensor) -> Tensor:
+    """dL/dy of y's memory: for a y that repeats one step over time, the steps' gradients
+    summed [1, B, C, *] (the BN-folded kernels sum them themselves; torch ops give them per
+    step), else dL/dy as it is."""
+    return grad_y.sum(0, keepdim=True) if repeats_one_step(y) and grad_y.shape[0] != 1 else grad_y
 
 
 def _as_dtype(grad: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
@@ -459,8 +467,6 @@ class BNNeuronFunction(torch.autograd.Function):
             ctx.pool,
             residual,
         )
-        if grad_y.shape[0] != y.shape[0]:  # torch ops' dL/dy per step (the kernels sum it)
-            grad_y = grad_y.sum(0, keepdim=True)
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         grads = (grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None, None)
         return *grads, grad_residual, None, None

@@ -180,13 +180,17 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         device, dtype, enabled = ctx.autocast
         autocast = torch.autocast(device, dtype, enabled=enabled, cache_enabled=False)
         explicit = explicit_backward(block.synapse)
+        # y in one call, as forward made it: the same shapes give the same convolution
+        # algorithm and so the same y to the bit (in chunks, cuDNN may pick another algorithm
+        # and round differently, and a potential on the threshold would then spike in one pass
+        # and not in the other)
         if explicit:
             with torch.no_grad(), autocast:
-                y = _recompute(block, kept, repeat)
+                y = block._synapse_kept(expand(kept), repeat)  # the unpacked input freed here
         else:  # autograd on the recomputed graph (which keeps x)
             with torch.enable_grad(), autocast:
                 x = expand(kept).detach().requires_grad_(needs_x)
-                y = block._synapse_step(x) if repeat > 1 else block._synapse_call(x)
+                y = block._synapse_kept(x, repeat)
         residual = None if kept_residual is None else expand(kept_residual)
         grad_y, grad_weight, grad_bias, grad_learnable, grad_residual = bn_neuron_grads(
             y=repeated(y.detach(), repeat),
@@ -202,8 +206,6 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             overwrite_y=explicit,  # y is ours: dL/dy may take its memory
         )
         del residual
-        if grad_y.shape[0] != y.shape[0]:  # torch ops' dL/dy per step (the kernels sum it)
-            grad_y = grad_y.sum(0, keepdim=True)
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         if explicit:
             del y
@@ -231,18 +233,6 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         return *grads, grad_residual, None, None, None, None, *grad_params
 
 
-def _recompute(block: FusedBlock, kept: Compact, repeat: int) -> Tensor:
-    """The synapse output of the kept input: its one step [1, B, ...] for an input repeated
-    over time (``repeat`` > 1), else [T, B, ...]. In one call, as forward made it: the same
-    shapes give the same convolution algorithm and so the same y to the bit (in chunks, cuDNN
-    may pick another algorithm and round differently, and a potential on the threshold would
-    then spike in one pass and not in the other)."""
-    if repeat > 1:
-        assert isinstance(kept, Tensor)  # kept as it is (a view)
-        return block._synapse_step(kept)
-    return block._synapse_call(expand(kept))
-
-
 def _explicit_grads(
     block: FusedBlock,
     kept: Compact,
@@ -263,9 +253,10 @@ def _explicit_grads(
     grad_b: Tensor | None = None
     if any(params_need):  # both gradients in one call (a bias gradient alone is rare)
         x = expand(kept)
-        x_merged, g_merged = block._merged(x), grad_y.flatten(0, 1)
         if grad_y.shape[0] == 1 or repeated_over_time(x):  # one step's input, steps summed
             x_merged, g_merged = block._merged(x[:1]), grad_y.sum(0)
+        else:
+            x_merged, g_merged = block._merged(x), grad_y.flatten(0, 1)
         del x
         grad_w, grad_b = synapse_param_grads(
             synapse, x_merged, g_merged, dtype, has_bias and params_need[1]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends import channels_innermost, compute_dtype, unavailable_reason
+from ..backends import channels_innermost, compute_dtype, repeats_one_step, unavailable_reason
 from ..errors import SpikefuseError
 from .device_constants import device_constant
 
@@ -140,7 +140,7 @@ def one_step_if_repeated(y: Tensor) -> Tensor:
     """y [T, B, C, *S], or its first step [1, B, C, *S] when y repeats it over time (stride 0
     over T: an input image's synapse output at every step): the same per-channel mean and
     variance, from T times fewer elements. Counts stay those of y."""
-    return y[:1] if y.shape[0] > 1 and y.stride(0) == 0 else y
+    return y[:1] if repeats_one_step(y) else y
 
 
 def _eager_cuda(y: Tensor) -> bool:
