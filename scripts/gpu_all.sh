@@ -2,7 +2,7 @@
 # Everything that needs a GPU, in one go, logs under ${OUT:-gpu_results}:
 #   scripts/gpu_all.sh check   the GPU tests (pytest -m gpu, via scripts/gpu_check.py: kernels vs
 #                              reference, fused blocks, graphs, compile, training), DDP equivalence
-#   scripts/gpu_all.sh bench   neuron, BN-folded kernel and end-to-end benchmarks
+#   scripts/gpu_all.sh bench   neuron, BN-folded kernel, spike packing and end-to-end benchmarks
 # Arguments after check/all go to scripts/gpu_check.py (e.g. --quick, or pytest's -k EXPR).
 set -uo pipefail
 OUT="${OUT:-gpu_results}"
@@ -33,6 +33,7 @@ case "$task" in
   bench|all)
     python3 -m spikefuse bench neuron --out "$OUT/bench" || status=1
     python3 scripts/bench_bn_kernels.py | tee "$OUT/bench/bn_kernels.txt" || status=1
+    python3 scripts/bench_spike_bits.py | tee "$OUT/bench/spike_bits.txt" || status=1
     for model in medium small large; do
       python3 -m spikefuse bench e2e --model "$model" --out "$OUT/bench" || status=1
     done ;;

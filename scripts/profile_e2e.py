@@ -107,7 +107,7 @@ def gpu_gaps(step, rows: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="medium", choices=sorted(e2e.MODELS))
+    parser.add_argument("--model", default="medium", choices=sorted(e2e.MODELS) + sorted(e2e.ZOO))
     parser.add_argument("--variants", nargs="+", default=["fused"], choices=e2e.VARIANTS)
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(e2e.DTYPES))
     parser.add_argument("--rows", type=int, default=25, help="kernel table rows")
@@ -117,10 +117,12 @@ def main() -> None:
     parser.add_argument("--gaps", action="store_true", help="GPU idle gaps in a synced step")
     args = parser.parse_args()
     device = torch.device("cuda")
+    zoo = e2e.ZOO.get(args.model)
+    T, batch = (zoo.T, zoo.batch) if zoo else (10, 64)  # as bench e2e runs them
     for dtype in args.dtypes:
         for variant in args.variants:
             torch.manual_seed(0)
-            step = e2e.setup_variant(variant, args.model, device, 10, 64, e2e.DTYPES[dtype])
+            step = e2e.setup_variant(variant, args.model, device, T, batch, e2e.DTYPES[dtype])
             t = time_step(step, device, warmup=5, iters=20)
             torch.cuda.reset_peak_memory_stats()
             step()

@@ -37,8 +37,18 @@ def test_pack_bits_round_trip(n, dtype, step, monkeypatch):
     monkeypatch.setattr(spike_bits, "_PACK_STEP", step)  # several steps and a partial last one
     spikes = (torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5).to(dtype)
     packed = pack_bits(spikes, (0,))
-    assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8) + 1  # + the NaN flag
+    assert packed.dtype == torch.uint8 and packed.numel() == 4 * -(-n // 32) + 1  # + NaN flag
     assert torch.equal(unpack_bits(packed, spikes.shape, dtype, (0,)), spikes)
+    bits = packed[:-1, None].bitwise_right_shift(torch.arange(8, dtype=torch.uint8)) & 1
+    assert torch.equal(bits.flatten()[:n], spikes.to(torch.uint8))  # bit k of byte i: 8 i + k
+    assert not bits.flatten()[n:].any() and packed[-1] == 0  # zero past n; no NaN
+
+
+def test_pack_bits_layout():
+    """Little-endian 32-bit words: the bytes of the first 8 values, then the next 8, ..."""
+    spikes = torch.zeros(40)
+    spikes[[0, 9, 10, 39]] = 1
+    assert pack_bits(spikes, (0,)).tolist() == [1, 6, 0, 0, 128, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

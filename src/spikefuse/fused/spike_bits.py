@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..cuda import CUPY_PROBLEM, SUPPORTED_DTYPES
+from ..cuda import spike_bits as cuda_bits
 from .device_constants import device_constant
 
 _SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
@@ -47,32 +49,24 @@ def memory_order(t: Tensor) -> tuple[int, ...]:
     return order if t.permute(order).is_contiguous() else tuple(range(t.dim()))
 
 
-# Elements packed or unpacked per step (a multiple of 8): the temporaries stay this size
-# (16 MiB of bool) instead of growing with the block, at a handful of launches per step.
+# Elements the torch composites pack or unpack per step (a multiple of 32): their temporaries
+# stay this size (16 MiB of bool) instead of growing with the block.
 _PACK_STEP = 1 << 24
 
 
+def _on_kernels(t: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the CUDA kernels pack and unpack values of ``dtype`` where ``t`` lives."""
+    return t.is_cuda and dtype in SUPPORTED_DTYPES and CUPY_PROBLEM is None
+
+
 def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
-    """0/1 values → uint8 [ceil(n / 8) + 1] (bit k of byte i: element 8 i + k), read in ``order``
-    (:func:`memory_order`: no copy). The last byte is 1 when a value was NaN (a neuron's input
-    was NaN): 1 bit cannot hold it, so :func:`unpack_bits` then gives NaN everywhere rather
-    than a valid-looking 1 there."""
+    """0/1 values → uint8 [4 ceil(n / 32) + 1], read in ``order`` (:func:`memory_order`: no
+    copy): ceil(n / 32) little-endian 32-bit words (bit k of byte i: element 8 i + k), then a
+    byte that is 1 when a value was NaN (a neuron's input was NaN): 1 bit cannot hold it, so
+    :func:`unpack_bits` then gives NaN everywhere rather than a valid-looking 1 there. One
+    kernel on CUDA (:mod:`spikefuse.cuda.spike_bits`), torch ops elsewhere: the same bytes."""
     flat = spikes.permute(order).reshape(-1)
-    n = flat.numel()
-    packed = torch.empty(-(-n // 8) + 1, dtype=torch.uint8, device=flat.device)
-    weights = _bit_weights(flat.device)
-    total = flat.new_zeros(())  # NaN when any value is (spikes hold no infinities)
-    for start in range(0, n, _PACK_STEP):
-        values = flat[start : start + _PACK_STEP]
-        total += values.sum()
-        part = values != 0
-        pad = -part.numel() % 8  # only in the last, partial byte
-        if pad:
-            part = torch.cat([part, part.new_zeros(pad)])
-        bits = part.view(-1, 8).to(torch.uint8) * weights
-        packed[start // 8 : start // 8 + bits.shape[0]] = bits.sum(dim=1, dtype=torch.uint8)
-    packed[-1] = total.isnan()
-    return packed
+    return cuda_bits.pack(flat) if _on_kernels(flat, flat.dtype) else _pack_torch(flat)
 
 
 def unpack_bits(
@@ -81,6 +75,37 @@ def unpack_bits(
     """The inverse of :func:`pack_bits` (NaN everywhere if a NaN was packed): a tensor of
     ``shape`` with the packed tensor's memory layout (a dense ``order``)."""
     n = shape.numel()
+    if _on_kernels(packed, dtype):
+        flat = cuda_bits.unpack(packed, n, dtype)
+    else:
+        flat = _unpack_torch(packed, n, dtype)
+    dense = flat.view([shape[d] for d in order])
+    inverse = sorted(range(len(order)), key=lambda d: order[d])
+    return dense.permute(inverse)
+
+
+def _pack_torch(flat: Tensor) -> Tensor:
+    """:func:`pack_bits` of a 1-D tensor with torch ops, in steps of :data:`_PACK_STEP`."""
+    n = flat.numel()
+    packed = torch.empty(cuda_bits.packed_bytes(n), dtype=torch.uint8, device=flat.device)
+    packed[-(-n // 8) : -1].zero_()  # the last word's bytes past the last value's
+    weights = _bit_weights(flat.device)
+    total = flat.new_zeros(())  # NaN when any value is (spikes hold no infinities)
+    for start in range(0, n, _PACK_STEP):
+        values = flat[start : start + _PACK_STEP]
+        total += values.sum()
+        bits = (values != 0).to(torch.uint8)
+        pad = -bits.numel() % 8  # only in the last, partial byte
+        if pad:
+            bits = torch.cat([bits, bits.new_zeros(pad)])
+        part = (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+        packed[start // 8 : start // 8 + part.shape[0]] = part
+    packed[-1] = total.isnan()
+    return packed
+
+
+def _unpack_torch(packed: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    """:func:`unpack_bits`' n values, flat, with torch ops in steps of :data:`_PACK_STEP`."""
     flat = torch.empty(n, dtype=dtype, device=packed.device)
     weights = _bit_weights(packed.device)
     poison = torch.where(packed[-1] != 0, float("nan"), 0.0).to(dtype)  # NaN: a NaN was packed
@@ -89,9 +114,7 @@ def unpack_bits(
         byte = packed[start // 8 : start // 8 + -(-part.numel() // 8)]
         bits = (byte[:, None] & weights) != 0
         torch.add(bits.view(-1)[: part.numel()], poison, out=part)
-    dense = flat.view([shape[d] for d in order])
-    inverse = sorted(range(len(order)), key=lambda d: order[d])
-    return dense.permute(inverse)
+    return flat
 
 
 @dataclass(frozen=True)
@@ -99,7 +122,7 @@ class PackedSpikes:
     """A binary tensor kept at 1 bit per element: :meth:`unpack` gives it back (same values,
     shape, dtype and memory layout)."""
 
-    bits: Tensor  # uint8 [ceil(n / 8) + 1]: the bits, then whether a NaN was packed
+    bits: Tensor  # uint8 [4 ceil(n / 32) + 1]: the bits, then whether a NaN was packed
     shape: torch.Size
     dtype: torch.dtype
     order: tuple[int, ...]  # the dimension order of the tensor's memory (memory_order)
