@@ -12,12 +12,12 @@
 // flag is set gives NaN in every element: 1 bit cannot say which element was NaN, and a NaN must
 // not come back as a valid 0 or 1 (backward would then turn a NaN forward into finite gradients).
 //
-// Both kernels: blocks of BLOCK_THREADS threads over BLOCK_THREADS * UNROLL consecutive elements,
+// PACK_KERNEL: blocks of BLOCK_THREADS threads over BLOCK_THREADS * UNROLL consecutive elements,
 // thread t handling elements t, t + BLOCK_THREADS, ... (coalesced; UNROLL loads in flight before
 // any is used). A warp's 32 lanes hold 32 consecutive elements, so one __ballot_sync is one word.
 
 constexpr int BLOCK_THREADS = 256;
-constexpr int UNROLL = 4;
+constexpr int UNROLL = 4;  // PACK_KERNEL's elements per thread
 
 // The one argument of both kernels (packed by spike_bits.py's ARGS; same field order).
 struct Args {
@@ -51,15 +51,28 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) PACK_KERNEL(const Ar
     if (__any_sync(0xffffffffu, nan) && (threadIdx.x & 31) == 0) *a.flag = 1;
 }
 
+// UNPACK_KERNEL: each thread writes VEC consecutive values (16 bytes: one vector store; VEC
+// divides 32, so they come from one word), the last thread's tail one by one. The values'
+// address must be 16-byte aligned (spike_bits.py allocates them).
+constexpr int VEC = 16 / sizeof(scalar_t);
+struct alignas(16) vector_t {
+    scalar_t e[VEC];
+};
+
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) UNPACK_KERNEL(const Args a) {
-    const long long base = (long long)blockIdx.x * BLOCK_THREADS * UNROLL + threadIdx.x;
-    const bool nan = *a.flag != 0;
+    const long long first = ((long long)blockIdx.x * BLOCK_THREADS + threadIdx.x) * VEC;
+    if (first >= a.n) return;
+    const float nan = __int_as_float(0x7fc00000);
+    const bool poisoned = *a.flag != 0;
+    const unsigned int bits = a.words[first >> 5] >> (first & 31);  // 8 or 4 lanes share a word
+    if (first + VEC <= a.n) {
+        vector_t out;
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const long long i = base + (long long)u * BLOCK_THREADS;
-        if (i < a.n) {
-            const unsigned int bit = (a.words[i >> 5] >> (i & 31)) & 1u;  // a warp reads one word
-            a.values[i] = from_float(nan ? __int_as_float(0x7fc00000) : (float)bit);
-        }
+        for (int k = 0; k < VEC; ++k)
+            out.e[k] = from_float(poisoned ? nan : (float)((bits >> k) & 1u));
+        *reinterpret_cast<vector_t*>(a.values + first) = out;
+    } else {
+        for (int k = 0; first + k < a.n; ++k)
+            a.values[first + k] = from_float(poisoned ? nan : (float)((bits >> k) & 1u));
     }
 }

@@ -4,7 +4,7 @@
 :mod:`spikefuse.fused.spike_bits` defines (ceil(n / 32) little-endian 32-bit words of bits, then
 a NaN flag byte); the kernels are in ``spike_bits.cuh`` next to this file. Packing reads the
 values once and writes n / 8 bytes (the torch composite it replaces took six passes); unpacking
-reads the bits and writes the values once. Compiled once per storage dtype and device with NVRTC
+reads the bits and writes the values once, 16 bytes per thread. Compiled once per storage dtype and device with NVRTC
 through :mod:`.runtime`, launched on PyTorch's current stream, no host sync: CUDA-graph
 capturable once loaded.
 """
@@ -22,7 +22,7 @@ from .runtime import launch_named
 
 SOURCE_PATH = Path(__file__).with_name("spike_bits.cuh")
 SOURCE_NAME = "spikefuse/cuda/spike_bits.cuh"
-BLOCK_THREADS, UNROLL = 256, 4  # as in spike_bits.cuh
+BLOCK_THREADS, UNROLL = 256, 4  # as in spike_bits.cuh (UNROLL: values per thread of pack)
 
 #: The kernels' one argument, ``Args`` in spike_bits.cuh: values, words, flag, n.
 ARGS = struct.Struct("=3Qq")
@@ -57,7 +57,8 @@ def _launch(direction: str, values: torch.Tensor, packed: torch.Tensor) -> None:
     tag = _STORAGE[values.dtype].ctype.strip("_")
     flag = packed.data_ptr() + packed.numel() - 1
     args = ARGS.pack(values.data_ptr(), packed.data_ptr(), flag, n)
-    grid = (-(-n // (BLOCK_THREADS * UNROLL)), 1, 1)
+    per_thread = UNROLL if direction == "pack" else 16 // values.element_size()  # unpack: VEC
+    grid = (-(-n // (BLOCK_THREADS * per_thread)), 1, 1)
     name = f"spikefuse_{direction}_spikes_{tag}"
     launch_named(_source(values.dtype), name, values.device, grid, (BLOCK_THREADS, 1, 1), args)
 
