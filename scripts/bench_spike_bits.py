@@ -23,13 +23,13 @@ def main(repeats: int = 20) -> None:
     print(f"{'dtype':<10}{'direction':<10}{'torch us':>10}{'kernel us':>10}{'GB/s':>8}")
     for dtype in (torch.float32, torch.bfloat16):
         spikes = (torch.rand(n, device="cuda") > 0.8).to(dtype)
-        packed = kernels.pack(spikes)
+        packed, out = kernels.pack(spikes), torch.empty_like(spikes)
         gigabytes = n * spikes.element_size() / 1e9
         calls = {
             "pack": (partial(composites._pack_torch, spikes), partial(kernels.pack, spikes)),
             "unpack": (
-                partial(composites._unpack_torch, packed, n, dtype),
-                partial(kernels.unpack, packed, n, dtype),
+                partial(composites._unpack_torch, packed, out),
+                partial(kernels.unpack, packed, out),
             ),
         }
         for direction, (theirs, ours) in calls.items():

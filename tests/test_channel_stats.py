@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from spikefuse.cuda import channel_stats as cs
-from spikefuse.cuda.codegen import NVRTC_OPTIONS
 from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.fused import statistics
-from test_codegen import NVCC, needs_nvcc
+from test_codegen import assert_compiles_without_spills, needs_nvcc
 
 
 # ---- which layouts go to the kernel --------------------------------------------------------------
@@ -241,24 +240,8 @@ VARIANTS = [(torch.float32, v) for v in (4, 2, 1)] + [
 def test_every_channel_stats_variant_compiles_with_nvcc(tmp_path):
     """Every (dtype, vector width) compiles for sm_80 and sm_90, optimised as NVRTC compiles it,
     without spilling registers (a spill in the streaming loop would cost bandwidth)."""
-    parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"]
-    for i, (dtype, vec) in enumerate(VARIANTS):  # each variant in its own namespace
-        body = cs.kernels_for(dtype, vec).source.replace('extern "C" ', "")
-        undefine = "#undef PARTIAL_KERNEL\n#undef MERGE_KERNEL\n"  # each prelude defines them
-        parts.append(f"namespace variant{i} {{\n{body}\n}}\n{undefine}")
-    source = tmp_path / "channel_stats_variants.cu"
-    source.write_text("".join(parts))
-    for arch in ("80", "90"):
-        cmd = [NVCC, "-c", *NVRTC_OPTIONS, f"-arch=sm_{arch}", "-Xptxas", "-v"]
-        r = subprocess.run(
-            [*cmd, "-o", str(tmp_path / f"{arch}.o"), str(source)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert r.returncode == 0, f"sm_{arch}: {r.stderr[-3000:]}"
-        spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
-        assert spills and all(s == "0" for s in spills), f"sm_{arch} spills registers: {r.stderr}"
+    sources = [cs.kernels_for(dtype, vec).source for dtype, vec in VARIANTS]
+    assert_compiles_without_spills(tmp_path, sources, ("PARTIAL_KERNEL", "MERGE_KERNEL"))
 
 
 # ---- the kernel source, run on the CPU -----------------------------------------------------------

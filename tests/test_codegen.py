@@ -30,6 +30,31 @@ from spikefuse.cuda.codegen import (
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH: compile test not run")
+
+
+def assert_compiles_without_spills(
+    tmp_path: Path, sources: list[str], macros: tuple[str, ...]
+) -> None:
+    """One translation unit of kernel sources (each prelude + template, in its own namespace,
+    its ``macros`` undefined after it) compiles for sm_80 and sm_90, optimised as NVRTC
+    compiles it, without spilling registers (a spill in a streaming loop costs bandwidth)."""
+    parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"]
+    undefine = "".join(f"#undef {m}\n" for m in macros)  # each prelude defines them
+    for i, source in enumerate(sources):
+        body = source.replace('extern "C" ', "")
+        parts.append(f"namespace variant{i} {{\n{body}\n}}\n{undefine}")
+    unit = tmp_path / "variants.cu"
+    unit.write_text("".join(parts))
+    for arch in ("80", "90"):
+        cmd = [NVCC, "-c", *NVRTC_OPTIONS, f"-arch=sm_{arch}", "-Xptxas", "-v", str(unit)]
+        r = subprocess.run(
+            [*cmd, "-o", str(tmp_path / f"{arch}.o")], capture_output=True, text=True, timeout=600
+        )
+        assert r.returncode == 0, f"sm_{arch}: {r.stderr[-3000:]}"
+        spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+        assert spills and all(s == "0" for s in spills), f"sm_{arch} spills registers: {r.stderr}"
+
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NODES = (
     neuron.IFNode,

@@ -4,8 +4,6 @@ synapse in backward; everything else equals the default mode."""
 from __future__ import annotations
 
 import copy
-import re
-import subprocess
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from torch import nn
 from conftest import gen
 from spikefuse import fuse, layer
 from spikefuse.cuda import spike_bits as cuda_bits
-from spikefuse.cuda.codegen import NVRTC_OPTIONS
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock, spike_bits
 from spikefuse.fused.spike_bits import (
@@ -24,7 +21,7 @@ from spikefuse.fused.spike_bits import (
     pack_bits,
     unpack_bits,
 )
-from test_codegen import NVCC, needs_nvcc
+from test_codegen import assert_compiles_without_spills, needs_nvcc
 from test_fused import (
     FP64_TOL,
     assert_same_training_step,
@@ -73,22 +70,9 @@ def test_a_packed_nan_comes_back_as_nan(dtype, monkeypatch):
 def test_the_packing_kernels_compile_with_nvcc(tmp_path):
     """Both kernels of every storage dtype compile for sm_80 and sm_90 as NVRTC compiles them,
     without spilling registers."""
-    parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"]
-    for i, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16)):
-        body = cuda_bits._source(dtype).replace('extern "C" ', "")
-        parts.append(
-            f"namespace variant{i} {{\n{body}\n}}\n#undef PACK_KERNEL\n#undef UNPACK_KERNEL\n"
-        )
-    source = tmp_path / "spike_bits_variants.cu"
-    source.write_text("".join(parts))
-    for arch in ("80", "90"):
-        cmd = [NVCC, "-c", *NVRTC_OPTIONS, f"-arch=sm_{arch}", "-Xptxas", "-v", str(source)]
-        r = subprocess.run(
-            [*cmd, "-o", str(tmp_path / f"{arch}.o")], capture_output=True, text=True
-        )
-        assert r.returncode == 0, f"sm_{arch}: {r.stderr[-3000:]}"
-        spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
-        assert spills and all(s == "0" for s in spills), f"sm_{arch} spills registers: {r.stderr}"
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    sources = [cuda_bits.kernels_for(dtype).source for dtype in dtypes]
+    assert_compiles_without_spills(tmp_path, sources, ("PACK_KERNEL", "UNPACK_KERNEL"))
 
 
 def test_min_memory_keeps_a_nan_in_its_input_spikes(monkeypatch):

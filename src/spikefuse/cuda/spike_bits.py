@@ -4,15 +4,16 @@
 :mod:`spikefuse.fused.spike_bits` defines (ceil(n / 32) little-endian 32-bit words of bits, then
 a NaN flag byte); the kernels are in ``spike_bits.cuh`` next to this file. Packing reads the
 values once and writes n / 8 bytes (the torch composite it replaces took six passes); unpacking
-reads the bits and writes the values once, 16 bytes per thread. Compiled once per storage dtype and device with NVRTC
-through :mod:`.runtime`, launched on PyTorch's current stream, no host sync: CUDA-graph
-capturable once loaded.
+reads the bits and writes the values once, 16 bytes per thread. Compiled once per storage
+dtype and device with NVRTC through :mod:`.runtime`, launched on PyTorch's current stream, no
+host sync: CUDA-graph capturable once loaded.
 """
 
 from __future__ import annotations
 
 import functools
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,34 +34,47 @@ def packed_bytes(n: int) -> int:
     return 4 * -(-n // 32) + 1
 
 
-@functools.cache
-def _source(dtype: torch.dtype) -> str:
-    """The prelude (storage type, kernel names), then ``spike_bits.cuh``."""
+@dataclass(frozen=True)
+class SpikeBitsKernels:
+    """The two kernels of one storage dtype: their source (the prelude, then ``spike_bits.cuh``)
+    and names."""
+
+    source: str
+    pack_name: str
+    unpack_name: str
+
+
+@functools.cache  # per call: one lookup (source and names built, and hashed, once)
+def kernels_for(dtype: torch.dtype) -> SpikeBitsKernels:
+    """The kernels of a storage dtype."""
     storage = _STORAGE[dtype]
     tag = storage.ctype.strip("_")
+    pack_name, unpack_name = f"spikefuse_pack_spikes_{tag}", f"spikefuse_unpack_spikes_{tag}"
     prelude = "\n".join(
         [
             f"// spikefuse 1-bit spike packing: {storage.ctype} storage",
             *storage.declarations(),
-            f"#define PACK_KERNEL spikefuse_pack_spikes_{tag}",
-            f"#define UNPACK_KERNEL spikefuse_unpack_spikes_{tag}",
+            f"#define PACK_KERNEL {pack_name}",
+            f"#define UNPACK_KERNEL {unpack_name}",
         ]
     )
     template = SOURCE_PATH.read_text(encoding="utf-8")
-    return f'{prelude}\n#line 1 "{SOURCE_NAME}"\n{template}'
+    source = f'{prelude}\n#line 1 "{SOURCE_NAME}"\n{template}'
+    return SpikeBitsKernels(source, pack_name, unpack_name)
 
 
-def _launch(direction: str, values: torch.Tensor, packed: torch.Tensor) -> None:
+def _launch(
+    source: str, name: str, values: torch.Tensor, packed: torch.Tensor, per_thread: int
+) -> None:
+    """Launch kernel ``name`` of ``source`` on n = values.numel() values (none: nothing to do),
+    each thread taking ``per_thread`` of them."""
     n = values.numel()
     if n == 0:
         return
-    tag = _STORAGE[values.dtype].ctype.strip("_")
     flag = packed.data_ptr() + packed.numel() - 1
     args = ARGS.pack(values.data_ptr(), packed.data_ptr(), flag, n)
-    per_thread = UNROLL if direction == "pack" else 16 // values.element_size()  # unpack: VEC
     grid = (-(-n // (BLOCK_THREADS * per_thread)), 1, 1)
-    name = f"spikefuse_{direction}_spikes_{tag}"
-    launch_named(_source(values.dtype), name, values.device, grid, (BLOCK_THREADS, 1, 1), args)
+    launch_named(source, name, values.device, grid, (BLOCK_THREADS, 1, 1), args)
 
 
 def pack(flat: torch.Tensor) -> torch.Tensor:
@@ -68,13 +82,15 @@ def pack(flat: torch.Tensor) -> torch.Tensor:
     of 0/1 values (NaN allowed) in float32, float16 or bfloat16."""
     packed = torch.empty(packed_bytes(flat.numel()), dtype=torch.uint8, device=flat.device)
     packed[-1:].zero_()  # the kernel only sets the flag
-    _launch("pack", flat, packed)
+    kernels = kernels_for(flat.dtype)
+    _launch(kernels.source, kernels.pack_name, flat, packed, UNROLL)
     return packed
 
 
-def unpack(packed: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """The n values (a contiguous 1-D tensor of ``dtype``) that :func:`pack` packed: NaN in
-    every element when a NaN was packed."""
-    flat = torch.empty(n, dtype=dtype, device=packed.device)
-    _launch("unpack", flat, packed)
-    return flat
+def unpack(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the values that :func:`pack` packed into ``out`` (a new, so 16-byte aligned,
+    contiguous 1-D CUDA tensor of their number, float32, float16 or bfloat16) and return it:
+    NaN in every element when a NaN was packed."""
+    kernels, vec = kernels_for(out.dtype), 16 // out.element_size()  # VEC values per thread
+    _launch(kernels.source, kernels.unpack_name, out, packed, vec)
+    return out

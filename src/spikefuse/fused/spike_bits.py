@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..cuda import CUPY_PROBLEM, SUPPORTED_DTYPES
 from ..cuda import spike_bits as cuda_bits
+from ..cuda import unavailable_reason
 from .device_constants import device_constant
 
 _SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
@@ -49,14 +49,9 @@ def memory_order(t: Tensor) -> tuple[int, ...]:
     return order if t.permute(order).is_contiguous() else tuple(range(t.dim()))
 
 
-# Elements the torch composites pack or unpack per step (a multiple of 32): their temporaries
+# Elements the torch composites pack or unpack per step (a multiple of 8): their temporaries
 # stay this size (16 MiB of bool) instead of growing with the block.
 _PACK_STEP = 1 << 24
-
-
-def _on_kernels(t: Tensor, dtype: torch.dtype) -> bool:
-    """Whether the CUDA kernels pack and unpack values of ``dtype`` where ``t`` lives."""
-    return t.is_cuda and dtype in SUPPORTED_DTYPES and CUPY_PROBLEM is None
 
 
 def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
@@ -66,7 +61,7 @@ def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
     :func:`unpack_bits` then gives NaN everywhere rather than a valid-looking 1 there. One
     kernel on CUDA (:mod:`spikefuse.cuda.spike_bits`), torch ops elsewhere: the same bytes."""
     flat = spikes.permute(order).reshape(-1)
-    return cuda_bits.pack(flat) if _on_kernels(flat, flat.dtype) else _pack_torch(flat)
+    return cuda_bits.pack(flat) if unavailable_reason(flat) is None else _pack_torch(flat)
 
 
 def unpack_bits(
@@ -74,12 +69,9 @@ def unpack_bits(
 ) -> Tensor:
     """The inverse of :func:`pack_bits` (NaN everywhere if a NaN was packed): a tensor of
     ``shape`` with the packed tensor's memory layout (a dense ``order``)."""
-    n = shape.numel()
-    if _on_kernels(packed, dtype):
-        flat = cuda_bits.unpack(packed, n, dtype)
-    else:
-        flat = _unpack_torch(packed, n, dtype)
-    dense = flat.view([shape[d] for d in order])
+    flat = torch.empty(shape.numel(), dtype=dtype, device=packed.device)
+    unpack = cuda_bits.unpack if unavailable_reason(flat) is None else _unpack_torch
+    dense = unpack(packed, flat).view([shape[d] for d in order])
     inverse = sorted(range(len(order)), key=lambda d: order[d])
     return dense.permute(inverse)
 
@@ -104,9 +96,10 @@ def _pack_torch(flat: Tensor) -> Tensor:
     return packed
 
 
-def _unpack_torch(packed: Tensor, n: int, dtype: torch.dtype) -> Tensor:
-    """:func:`unpack_bits`' n values, flat, with torch ops in steps of :data:`_PACK_STEP`."""
-    flat = torch.empty(n, dtype=dtype, device=packed.device)
+def _unpack_torch(packed: Tensor, flat: Tensor) -> Tensor:
+    """:func:`unpack_bits`' values written into ``flat`` (1-D) with torch ops in steps of
+    :data:`_PACK_STEP`; returns flat."""
+    n, dtype = flat.numel(), flat.dtype
     weights = _bit_weights(packed.device)
     poison = torch.where(packed[-1] != 0, float("nan"), 0.0).to(dtype)  # NaN: a NaN was packed
     for start in range(0, n, _PACK_STEP):
