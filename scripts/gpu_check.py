@@ -2,7 +2,7 @@
 
 The tests: every generated kernel variant against the reference backend (neuron x surrogate x
 dtype x reset x detach_reset on awkward shapes and layouts), the channel-affine (BatchNorm-
-folded) kernels, fused vs unfused models (both memory modes), the NaN/Inf policy, determinism,
+folded) kernels, fused vs unfused models (every memory mode), the NaN/Inf policy, determinism,
 placement on a second GPU, register use, CUDA-graph replay and torch.compile vs eager, and
 ``spikefuse train`` on the GPU.
 

@@ -2,7 +2,7 @@
 
 Runs the DDP check ``scripts/ddp_check.py`` (DDP-wrapped fused model vs a whole-batch reference,
 several SGD steps) as a program in two processes, the way torchrun starts it, on a free
-loopback port: the small CNN and SEW-ResNet-18 (both memory modes). ResNet-19, whose unfused
+loopback port: the small CNN and SEW-ResNet-18 (every memory mode). ResNet-19, whose unfused
 BatchNorms need torch's CUDA-only SyncBatchNorm, is checked on GPUs (scripts/gpu_all.sh); here
 its refusal and its BatchNorm conversion are.
 """
@@ -80,9 +80,9 @@ def test_two_processes_match_one_process_on_an_input_repeated_over_time():
     _assert_all_pass(_run_ddp_check("--dtype", "float64", "--repeated"), checks=1)
 
 
-@pytest.mark.parametrize("memory", ["default", "min"])
+@pytest.mark.parametrize("memory", ["default", "min", "auto"])
 def test_fused_sew_resnet18_two_processes_match_one_process(memory):
-    """SEW-ResNet-18 (every BatchNorm fused and synchronised), both memory modes."""
+    """SEW-ResNet-18 (every BatchNorm fused and synchronised), every memory mode."""
     args = ["--model", "sew_resnet18", "--memory", memory, "--dtype", "float64"]
     _assert_all_pass(_run_ddp_check(*args, "--steps", "2", "--batch", "2"), checks=1)
 

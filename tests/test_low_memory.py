@@ -224,3 +224,101 @@ def test_min_memory_equals_the_default_mode_for_every_synapse(make, spikes):
     (out_d.sum() + out_l.sum()).backward()
     for p_d, p_l in zip(default.parameters(), low.parameters(), strict=True):
         torch.testing.assert_close(p_l.grad, p_d.grad, **FP64_TOL)
+
+
+def _choices(model: nn.Module) -> list[str]:
+    return [b.memory_choice for b in model.modules() if isinstance(b, FusedBlock)]
+
+
+def test_auto_memory_recomputes_where_it_pays(monkeypatch):
+    """memory="auto": a block recomputes where that costs at most AUTO_MAX_MACS_PER_SAVED_ELEMENT
+    multiply-adds per element saved. Limit 200: the first conv (3 x 9 = 27 per output element)
+    recomputes, the next two (8 x 9 = 72 per element, but the second's input is a min block's
+    pooled map, which both modes keep: 72 per element saved; the third's is spikes that the
+    default mode recomputes: 72 / (1 - 1/32) per element) recompute, the Linear (8 x 4 x 4 =
+    128 inputs: y is 8 per step and sample, its input spikes cost 128 / 32 = 4) too."""
+    from spikefuse.fused import blocks
+
+    monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 200)
+    auto = fuse(conv_stack(torch.float64), memory="auto")
+    x = torch.rand(3, 2, 3, 8, 8, dtype=torch.float64)
+    assert _choices(auto) == ["auto"] * 4  # chosen on the first training call
+    auto(x).sum().backward()
+    assert _choices(auto) == ["min"] * 4
+    monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
+    auto(x).sum().backward()
+    assert _choices(auto) == ["min", "default", "default", "default"]
+    with torch.no_grad():  # no training call: no choice
+        monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 1)
+        auto(x)
+    assert _choices(auto) == ["min", "default", "default", "default"]
+
+
+def test_auto_memory_keeps_outputs_larger_inputs_would_replace():
+    """A Linear whose input spikes (recomputed in the default mode) take more memory packed
+    than its output keeps the output, however cheap the Linear."""
+    linear = nn.Linear(64 * 16, 2, bias=False), nn.BatchNorm1d(2), lif()
+    auto = nn.Sequential(
+        FusedBlock(*_parts(3, 64)), layer.Flatten(step_mode="m"), FusedBlock(*linear, memory="auto")
+    )
+    auto(torch.rand(2, 3, 3, 4, 4)).sum().backward()
+    assert _choices(auto) == ["default", "default"]
+
+
+def test_auto_memory_equals_the_default_mode(monkeypatch):
+    """Blocks of both modes in one model (and an input repeated over time): outputs, input and
+    parameter gradients and running statistics equal the default mode's, float64."""
+    from spikefuse.fused import blocks
+
+    monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
+    default = fuse(conv_stack(torch.float64))
+    auto = fuse(conv_stack(torch.float64), memory="auto")
+    x = torch.rand(5, 2, 3, 8, 8, dtype=torch.float64) * 2
+    for _ in range(2):
+        assert_same_training_step(default, auto, x, FP64_TOL)
+    assert _choices(auto) == ["min", "default", "default", "default"]
+    images = torch.rand(2, 3, 8, 8, dtype=torch.float64).unsqueeze(0).expand(4, -1, -1, -1, -1)
+    outputs = [model(images) for model in (default, auto)]
+    torch.testing.assert_close(outputs[1], outputs[0], **FP64_TOL)
+    for out in outputs:
+        out.sum().backward()
+    for p_d, p_a in zip(default.parameters(), auto.parameters(), strict=True):
+        torch.testing.assert_close(p_a.grad, p_d.grad, **FP64_TOL)
+
+
+def test_spikes_of_a_min_block_are_saved_packed_by_the_next_layers(monkeypatch):
+    """A min block's output spikes have no recipe (it keeps no synapse output): the default
+    block after it and a max pooling save them at 1 bit per element, not as float32."""
+    from spikefuse.fused.blocks import SpikePool
+
+    packed = []
+    pack = PackedSpikes.of
+    monkeypatch.setattr(PackedSpikes, "of", lambda t: packed.append(t.shape) or pack(t))
+    t, b, c, h, w = 4, 8, 16, 8, 8
+    spikes = t * b * c * h * w
+    vectors = 2 * c * 4  # mean, invstd
+    first = FusedBlock(*_parts(3, c), memory="min")
+    x = torch.randn(t, b, 3, h, w)
+    # what the saving hook holds (the packing) is not counted: the float32 s1 is not there
+    assert (
+        saved_bytes(nn.Sequential(first, FusedBlock(*_parts(c, c))), x) == 2 * vectors + 4 * spikes
+    )
+    assert packed == [(t * b, c, h, w)]
+    out = nn.Sequential(first, SpikePool(nn.MaxPool2d(2)))(x)
+    assert packed[1:] == [(t * b, c, h, w)] and out.shape == (t, b, c, h // 2, w // 2)
+
+
+def _parts(c_in: int, c_out: int) -> tuple[nn.Module, nn.Module, nn.Module]:
+    return nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), lif()
+
+
+def test_packed_saved_spikes_keep_their_values():
+    """The default block after a min block trains as with float32 spikes (float64 here)."""
+    torch.manual_seed(0)
+    parts = [_parts(3, 8), _parts(8, 8)]
+    ref = nn.Sequential(*(FusedBlock(*copy.deepcopy(p)) for p in parts)).double()
+    mixed = nn.Sequential(
+        FusedBlock(*copy.deepcopy(parts[0]), memory="min"), FusedBlock(*copy.deepcopy(parts[1]))
+    ).double()
+    x = torch.rand(4, 2, 3, 6, 6, dtype=torch.float64) * 2
+    assert_same_training_step(ref, mixed, x, FP64_TOL)

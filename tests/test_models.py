@@ -103,7 +103,8 @@ RESIDUAL = ("spiking_resnet18", "sew_resnet18_ADD", "sew_resnet18_IAND", "spikin
 
 @pytest.mark.parametrize(
     ("name", "memory"),
-    [(name, "default") for name in CASES] + [(name, "min") for name in RESIDUAL],
+    [(name, "default") for name in CASES]
+    + [(name, memory) for name in RESIDUAL for memory in ("min", "auto")],
 )
 def test_fused_model_equals_unfused(name, memory):
     model, size, chains = build(name)

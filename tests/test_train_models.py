@@ -448,14 +448,15 @@ def test_a_checkpoint_named_like_its_log_is_refused(
     assert not path.exists()
 
 
-def test_min_memory_training_matches_default_fused(tmp_path):
-    """--fuse --memory min trains exactly like --fuse (same gradients, recomputed)."""
+@pytest.mark.parametrize("memory", ["min", "auto"])
+def test_memory_mode_training_matches_default_fused(tmp_path, memory):
+    """--fuse --memory min (or auto) trains exactly like --fuse (same gradients, recomputed)."""
     from spikefuse.cli import main
 
     options = "--limit 200 --batch-size 50 --T 2 --device cpu --quiet --epochs 1 --fuse"
     common = ["train", *options.split()]
     assert main([*common, "--checkpoint", str(tmp_path / "a.pt")]) == 0
-    assert main([*common, "--memory", "min", "--checkpoint", str(tmp_path / "b.pt")]) == 0
+    assert main([*common, "--memory", memory, "--checkpoint", str(tmp_path / "b.pt")]) == 0
     a = torch.load(tmp_path / "a.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "b.pt", weights_only=True)["model"]
     for key in a:

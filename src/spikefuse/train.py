@@ -1394,7 +1394,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=MEMORY_MODES,
         default=d.memory,
         help="with --fuse: 'min' keeps only each block's (1-bit packed) input and recomputes "
-        "its Conv/Linear in backward",
+        "its Conv/Linear in backward; 'auto' does so in the blocks where it pays",
     )
     p.add_argument(
         "--amp",

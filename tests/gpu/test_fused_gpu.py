@@ -385,7 +385,7 @@ def residual_net(name: str) -> nn.Module:
 @pytest.mark.parametrize("memory", MEMORY_MODES)
 @pytest.mark.parametrize(("name", "size"), [("spiking_resnet19", 16), ("sew_resnet18", 32)])
 def test_fused_residual_network_matches_unfused(name, size, memory, no_tf32, record_property):
-    """ResNet-19 and SEW-ResNet-18 fused (both memory modes) equal the unfused network in fp32:
+    """ResNet-19 and SEW-ResNet-18 fused (every memory mode) equal the unfused network in fp32:
     output, input and parameter gradients and running statistics, within 1e-4."""
     model = residual_net(name)
     fused, report = fuse(model, memory=memory, return_report=True)

@@ -16,7 +16,8 @@ of it), ``spikefuse`` (the network as a SpikingJelly user writes it: ``layer.Con
 surrogate_function=surrogate.Sigmoid())``, ``layer.AvgPool2d``, ...; cuda backend on GPUs) and
 ``fused`` (:func:`spikefuse.fuse` of that model); ``+graph`` replays the whole training step
 captured in a CUDA graph, ``+compile`` runs ``torch.compile(model)``; ``fused-min`` is
-``fuse(model, memory="min")`` (blocks keep only their input and recompute the synapse).
+``fuse(model, memory="min")`` (blocks keep only their input and recompute the synapse),
+``fused-auto`` ``fuse(model, memory="auto")`` (blocks choose one of the two where it pays).
 Reports ms per step (synchronised, back to back, host issue time; see
 :mod:`spikefuse.bench.common`) and peak
 allocated MiB, for fp32 and bf16 autocast; writes ``e2e_<model>.csv`` and ``.png``.
@@ -97,6 +98,8 @@ VARIANTS = (
     "fused+compile",
     "fused-min",
     "fused-min+graph",
+    "fused-auto",
+    "fused-auto+graph",
 )
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -249,11 +252,11 @@ def build(variant: str, model: str, device: torch.device) -> nn.Module:
     if base in ("vanilla", "vanilla-compile"):
         net = zoo_model(model, None) if model in ZOO else vanilla_model(model)
         return compiled(net) if variant == "vanilla-compile" else net
-    if base not in ("spikefuse", "fused", "fused-min"):
+    if base not in ("spikefuse", "fused", "fused-min", "fused-auto"):
         raise ValueError(f"unknown variant {variant!r}")
     net = zoo_model(model, backend) if model in ZOO else spikefuse_model(model, backend)
     if base.startswith("fused"):
-        memory = "min" if base == "fused-min" else "default"
+        memory = base.removeprefix("fused-") if base != "fused" else "default"
         net, report = fuse(net, inplace=True, return_report=True, memory=memory)
         print(f"  {variant}: fused {len(report.fused)} of {report.chains} chains", flush=True)
     return compiled(net) if mode == "compile" else net

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any, cast
 
 import torch
@@ -20,12 +22,20 @@ from .bn_neuron import BNNeuronFunction, bn_neuron_forward, kernels_pool, repeat
 from .low_memory import SynapseRecomputeFunction
 from .neuron_call import NeuronCall
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
-from .spike_bits import compact, expand, mark_spikes
+from .spike_bits import compact, expand, is_spikes, mark_spikes
 from .statistics import BNSpec, BNStats, bn_statistics, is_distributed, refuse_join
 from .traced import traced_bn_neuron
 
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
-MEMORY_MODES = ("default", "min")
+MEMORY_MODES = ("default", "min", "auto")
+# memory="auto": a block recomputes its synapse in backward (as memory="min") where that costs
+# at most this many multiply-adds per element of memory it saves. Recomputing adds one synapse
+# forward, a third of the synapse's training work whatever its size, so the rule drops the
+# outputs that save the most memory per recomputed multiply-add: a 3 x 3 convolution qualifies
+# up to 227 input channels, a Linear up to 2048 inputs (large early maps go, small deep ones
+# whose recomputation costs the most stay).
+AUTO_MAX_MACS_PER_SAVED_ELEMENT = 2048
+log = logging.getLogger("spikefuse.fuse")
 POOLS = (nn.AvgPool2d, nn.MaxPool2d)
 # Windows (k x k) of the average pooling a Conv2d block folds in: the mean of 2 x 2 spikes is
 # exact in every dtype, so folded and unfolded pooling give the same bits.
@@ -113,7 +123,10 @@ class FusedBlock(nn.Module):
         memory: ``"default"`` keeps the synapse output y for backward (the DATE'22 blocks);
             ``"min"`` keeps only the block's input, 1-bit packed when it is the spike output
             of another fused block, and recomputes y in backward (one more synapse forward per
-            block; the same gradients; see :mod:`spikefuse.fused.low_memory`).
+            block; the same gradients; see :mod:`spikefuse.fused.low_memory`); ``"auto"``
+            chooses between the two on every training call (:meth:`recomputes`): "min" where
+            recomputing costs at most :data:`AUTO_MAX_MACS_PER_SAVED_ELEMENT` multiply-adds
+            per element of memory saved. ``memory_choice`` holds the last call's choice.
         pool: an ``nn.AvgPool2d`` (or ``layer.AvgPool2d``) averaging 2 x 2 windows with kernel =
             stride, no padding, ceil_mode or divisor_override, applied to the spikes; or None.
         residual: the block adds a residual to the BatchNorm output before the neuron (Spiking
@@ -205,6 +218,8 @@ class FusedBlock(nn.Module):
         self._kind = kind
         self.process_group = process_group
         self.memory = memory
+        # the mode of the last training call: memory itself, or what "auto" chose
+        self.memory_choice = memory
         self.residual = residual
 
     def _check_input(self, x: Tensor) -> None:
@@ -279,14 +294,19 @@ class FusedBlock(nn.Module):
         return self._synapse_step(x) if repeat > 1 else self._synapse_call(x)
 
     def _synapse_forward(self, x: Tensor) -> Tensor:
-        """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe."""
+        """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe, or
+        packed at 1 bit per element where it has none (a min-memory block's output)."""
         merged = x.flatten(0, 1)
         recipe = recipe_of(merged)
-        if recipe is None:  # nothing to recompute (e.g. the network's input)
+        spikes = recipe is None and is_spikes(merged)
+        if recipe is None and not spikes:  # nothing to recompute (e.g. the network's input)
             return self._synapse_call(x)
         if self._runs_channels_last(merged):  # recompute in the conv's layout
-            recipe = _channels_last(recipe)
+            recipe = None if recipe is None else _channels_last(recipe)
+            was = merged
             merged = merged.contiguous(memory_format=torch.channels_last)
+            if spikes and merged is not was:  # the copy holds the same spikes
+                mark_spikes(merged)
         with saving_recomputed(merged, recipe):  # the very tensor the synapse saves
             return self._kind.forward(self.synapse, merged).unflatten(0, x.shape[:2])
 
@@ -307,6 +327,55 @@ class FusedBlock(nn.Module):
         learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
         bn = self._bn_spec()
         return neuron, learnable, bn, None if bn is None else bn_statistics(y, bn)
+
+    def recomputes(self, x: Tensor) -> bool:
+        """Whether a training call on ``x`` keeps only the input and recomputes the synapse
+        output in backward: always with ``memory="min"``, never with ``"default"``; with
+        ``"auto"`` where it pays (:meth:`_recompute_pays`). Sets ``memory_choice``, and logs
+        (logger ``spikefuse.fuse``, INFO) when "auto" changes its choice."""
+        if self.memory != "auto":
+            return self.memory == "min"
+        choice = "min" if self._recompute_pays(x) else "default"
+        if choice != self.memory_choice:
+            log.info("FusedBlock(memory='auto', %r): %s", self.synapse, choice)
+            self.memory_choice = choice
+        return choice == "min"
+
+    def _recompute_pays(self, x: Tensor) -> bool:
+        """Whether recomputing the synapse costs at most
+        :data:`AUTO_MAX_MACS_PER_SAVED_ELEMENT` multiply-adds per element it saves.
+
+        Saved: the synapse output the default mode keeps (one step of it for an input
+        repeated over time), less the input the minimal mode keeps where the default mode
+        keeps none (fused-block spikes recomputed from their block; packed spikes count 1/8
+        byte per element). Cost: one synapse forward on the steps it runs on."""
+        images = repeated_over_time(x)  # kept by the caller in either mode
+        steps = 1 if images else x.shape[0]
+        kept_steps = 1 if self._repeat(x) > 1 else x.shape[0]
+        per_step, fan_in = self._synapse_geometry(x.shape[1:])
+        saved = float(per_step * kept_steps)
+        if not images and recipe_of(x.flatten(0, 1)) is not None:  # min keeps, default not
+            saved -= x.numel() / (8 * x.element_size()) if is_spikes(x) else x.numel()
+        return saved > 0 and per_step * steps * fan_in <= AUTO_MAX_MACS_PER_SAVED_ELEMENT * saved
+
+    def _synapse_geometry(self, step_shape: torch.Size) -> tuple[int, int]:
+        """(output elements of one step, multiply-adds per output element) of the synapse on
+        one step's input [B, C_in, *] (Linear: [B, F_in])."""
+        synapse = self.synapse
+        if isinstance(synapse, nn.Linear):
+            return step_shape[0] * synapse.out_features, synapse.in_features
+        spatial = []
+        for d, size in enumerate(step_shape[2:]):
+            if isinstance(synapse.padding, str):  # "valid", or "same" (stride 1)
+                pad = 0 if synapse.padding == "valid" else None
+            else:
+                pad = synapse.padding[d]
+            reach = synapse.dilation[d] * (synapse.kernel_size[d] - 1)
+            spatial.append(
+                size if pad is None else (size + 2 * pad - reach - 1) // synapse.stride[d] + 1
+            )
+        fan_in = synapse.in_channels // synapse.groups * math.prod(synapse.kernel_size)
+        return step_shape[0] * synapse.out_channels * math.prod(spatial), fan_in
 
     def _forward_min_memory(self, x: Tensor, residual: Tensor | None) -> Tensor:
         """memory="min": y is computed without autograd here and recomputed in backward (of
@@ -376,7 +445,7 @@ class FusedBlock(nn.Module):
             )
         if torch.compiler.is_compiling():
             return self._traced_forward(x, residual)
-        if self.memory == "min" and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.recomputes(x):
             return self._forward_min_memory(x, residual)
         # An input repeated over time: the synapse output of one step [1, B, ...], which the
         # block reads at every step (as y, its expanded view) and keeps alone for backward.
@@ -554,8 +623,9 @@ class SpikePool(nn.Module):
 
     On the spike output of a fused block, what the pooling saves (max pooling: its input) is
     recomputed in backward, and its output is tagged so that the next fused block recomputes
-    it too (the pooling applied to the recomputed spikes) instead of saving it. Any other
-    input is pooled plainly. ``pool``: an ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse
+    it too (the pooling applied to the recomputed spikes) instead of saving it; spikes of a
+    block that keeps no synapse output (``memory="min"``) are saved at 1 bit per element. Any
+    other input is pooled plainly. ``pool``: an ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse
     ``layer`` version); average pooling with kernel = stride and no padding runs as
     :class:`WindowAvgPool`.
     """
@@ -583,12 +653,14 @@ class SpikePool(nn.Module):
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise SpikefuseError(f"SpikePool: expected input [T, B, C, H, W], got {shape}")
         merged = x.flatten(0, 1)
-        recipe = None if torch.compiler.is_compiling() else recipe_of(merged)
-        if recipe is None:
+        if torch.compiler.is_compiling():
             return self._pool(merged).unflatten(0, x.shape[:2])
-        with saving_recomputed(merged, recipe):
+        recipe = recipe_of(merged)
+        with saving_recomputed(merged, recipe):  # without a recipe: spikes packed, if spikes
             out = self._pool(merged)
-        return mark_recomputable(out, lambda: self._pool(recipe())).unflatten(0, x.shape[:2])
+        if recipe is not None:
+            mark_recomputable(out, lambda: self._pool(recipe()))
+        return out.unflatten(0, x.shape[:2])
 
 
 class FusedConvBNNeuron(FusedBlock):

@@ -5,7 +5,9 @@ input is the spike output of a fused block, it is a function of what the block k
 (its synapse output and per-channel vectors), so, as in the DATE'22 paper, it is recomputed in
 backward (one forward kernel launch) instead of being stored. :func:`saving_recomputed`
 intercepts the save; the tensor's *recipe* (a function returning a tensor equal to it, element
-for element and with the same strides) is set by :func:`mark_recomputable`.
+for element and with the same strides) is set by :func:`mark_recomputable`. Spikes without a
+recipe (the output of a block in the minimal-memory mode, which keeps no synapse output) are
+saved packed at 1 bit per element instead (:mod:`.spike_bits`).
 
 Fused blocks tag their spikes; :class:`~spikefuse.fused.SpikePool` tags its output with the
 pooling applied to the recipe. Views that cover the same memory (flatten, unflatten) use the
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .spike_bits import PackedSpikes, is_spikes
 
 Recipe = Callable[[], Tensor]
 _TAG = "_spikefuse_recipe"
@@ -86,19 +90,22 @@ def _strided(source: Tensor, shape: torch.Size, stride: tuple[int, ...]) -> Tens
 def saving_recomputed(x: Tensor, recipe: Recipe | None = None) -> Iterator[None]:
     """While active, autograd saves ``x`` (or a same-memory view of it) as ``recipe``.
 
-    ``recipe`` defaults to x's own (see :func:`recipe_of`); without one the context does
-    nothing. Other saved tensors (weights) and copies made by an op (e.g. an autocast cast)
-    are saved as they are.
+    ``recipe`` defaults to x's own (see :func:`recipe_of`); without one, x is saved packed at
+    1 bit per element if it is tagged spikes (:func:`~.spike_bits.is_spikes`), else the context
+    does nothing. Other saved tensors (weights) and copies made by an op (e.g. an autocast
+    cast) are saved as they are.
     """
     recipe = recipe or recipe_of(x)
-    if recipe is None or not _dense(x):
+    if not _dense(x) or (recipe is None and not is_spikes(x)):
         yield
         return
     # Autograd keeps the pack hook as long as what it saved: it must not hold x itself.
     memory = _memory_key(x)
 
     def pack(t: Tensor) -> object:
-        return _Restore(recipe, t) if _dense(t) and _memory_key(t) == memory else t
+        if not (_dense(t) and _memory_key(t) == memory):
+            return t
+        return PackedSpikes.of(t) if recipe is None else _Restore(recipe, t)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         yield
@@ -116,8 +123,8 @@ class _Restore:
         return _strided(self.recipe(), self.shape, self.stride)
 
 
-def _unpack(saved: _Restore | Tensor) -> Tensor:
-    return saved.unpack() if isinstance(saved, _Restore) else saved
+def _unpack(saved: _Restore | PackedSpikes | Tensor) -> Tensor:
+    return saved.unpack() if isinstance(saved, (_Restore, PackedSpikes)) else saved
 
 
 class RecomputedInput:
