@@ -232,11 +232,12 @@ def _choices(model: nn.Module) -> list[str]:
 
 def test_auto_memory_recomputes_where_it_pays(monkeypatch):
     """memory="auto": a block recomputes where that costs at most AUTO_MAX_MACS_PER_SAVED_ELEMENT
-    multiply-adds per element saved. Limit 200: the first conv (3 x 9 = 27 per output element)
-    recomputes, the next two (8 x 9 = 72 per element, but the second's input is a min block's
-    pooled map, which both modes keep: 72 per element saved; the third's is spikes that the
-    default mode recomputes: 72 / (1 - 1/32) per element) recompute, the Linear (8 x 4 x 4 =
-    128 inputs: y is 8 per step and sample, its input spikes cost 128 / 32 = 4) too."""
+    multiply-adds per element saved. conv_stack, T=3, float64 (a packed spike: 1/64 element):
+    the first conv pools its spikes (27 per output element; saved: y less the pooled map the
+    next layer then keeps, 3/4 of y: 36 per element saved); the next two convs (72 per output
+    element) save y less their packed spikes, and less their packed input where the block before
+    kept y (74): limit 200 recomputes all three, limit 70 only the first; the Linear (128 per
+    output element, 130 or 174 per element saved) follows the block before it."""
     from spikefuse.fused import blocks
 
     monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 200)
@@ -322,3 +323,68 @@ def test_packed_saved_spikes_keep_their_values():
     ).double()
     x = torch.rand(4, 2, 3, 6, 6, dtype=torch.float64) * 2
     assert_same_training_step(ref, mixed, x, FP64_TOL)
+
+
+@pytest.mark.parametrize(
+    "synapse",
+    [
+        nn.Conv2d(6, 4, 3, stride=2, padding=2, dilation=2, groups=2),
+        nn.Conv2d(6, 4, (3, 1), stride=(1, 2), padding=(0, 1)),
+        nn.Conv2d(6, 4, 3, padding="same"),
+        nn.Conv2d(6, 4, 5, padding="valid"),
+        nn.Conv1d(6, 4, 4, stride=3, padding=1, dilation=2),
+        nn.Linear(6, 4),
+    ],
+    ids=["2d-strided-dilated-groups", "2d-asymmetric", "2d-same", "2d-valid", "1d", "linear"],
+)
+def test_auto_memory_counts_the_synapse_output_and_its_cost(synapse):
+    """The elements of one step's output and the multiply-adds per output element, as the
+    synapse computes them."""
+    block = FusedBlock(synapse, None, lif(), memory="auto")
+    step = torch.rand(2, 6, 11) if isinstance(synapse, nn.Conv1d) else torch.rand(2, 6, 9, 10)
+    if isinstance(synapse, nn.Linear):
+        step = torch.rand(2, 6)
+    per_step, fan_in = block._synapse_geometry(step.shape)
+    assert per_step == synapse(step).numel()
+    weight = synapse.weight
+    assert fan_in == weight[0].numel()  # in_channels / groups x kernel, or in_features
+
+
+def test_auto_memory_counts_the_map_a_pooling_block_leaves_to_the_next_layer(monkeypatch):
+    """A block that pools its spikes saves y less the pooled map (which, with no recipe left,
+    the next layer keeps whole): 3/4 of y for 2 x 2 windows."""
+    from spikefuse.fused import blocks
+
+    x = torch.rand(2, 2, 3, 8, 8, dtype=torch.float64)
+    for limit, choice in ((27 / 0.75 + 0.01, "min"), (27 / 0.75 - 0.01, "default")):
+        monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", limit)
+        block = FusedBlock(*_parts(3, 8), memory="auto", pool=nn.AvgPool2d(2)).double()
+        block(x).sum().backward()
+        assert block.memory_choice == choice
+
+
+def test_max_pooling_of_spikes_gives_spikes():
+    """SpikePool(MaxPool2d) tags the maximum of spikes as spikes (the next min block packs it);
+    average pooling does not (its windows' means are not 0 or 1)."""
+    from spikefuse.fused.blocks import SpikePool
+    from spikefuse.fused.spike_bits import is_spikes
+
+    spikes = mark_spikes((torch.rand(2, 3, 4, 6, 6) > 0.5).float())
+    assert is_spikes(SpikePool(nn.MaxPool2d(2))(spikes))
+    assert not is_spikes(SpikePool(nn.AvgPool2d(2))(spikes))
+
+
+def test_an_unfused_conv_saves_a_min_blocks_spikes_packed(monkeypatch):
+    """fuse() hooks the Conv/Linear layers it leaves unfused (a ResNet's downsample): after a
+    min block they save its spikes at 1 bit per element, and train as with float32 spikes."""
+    packed = []
+    pack = PackedSpikes.of
+    monkeypatch.setattr(PackedSpikes, "of", lambda t: packed.append(t.shape) or pack(t))
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *conv_bn_lif(3, 4), layer.Conv2d(4, 2, 3, padding=1, step_mode="m")
+    ).double()
+    x = torch.rand(3, 2, 3, 6, 6, dtype=torch.float64) * 2
+    low = fuse(copy.deepcopy(model), memory="min")
+    assert_same_training_step(fuse(model), low, x, FP64_TOL)
+    assert packed == [(6, 4, 6, 6)]  # the unfused conv's merged input [T*B, C, H, W]

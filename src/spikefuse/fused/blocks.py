@@ -31,9 +31,9 @@ MEMORY_MODES = ("default", "min", "auto")
 # memory="auto": a block recomputes its synapse in backward (as memory="min") where that costs
 # at most this many multiply-adds per element of memory it saves. Recomputing adds one synapse
 # forward, a third of the synapse's training work whatever its size, so the rule drops the
-# outputs that save the most memory per recomputed multiply-add: a 3 x 3 convolution qualifies
-# up to 227 input channels, a Linear up to 2048 inputs (large early maps go, small deep ones
-# whose recomputation costs the most stay).
+# outputs that save the most memory per recomputed multiply-add: roughly, a 3 x 3 convolution
+# qualifies up to 227 input channels, a Linear up to 2048 inputs (the narrow early layers go,
+# the wide deep ones whose recomputation costs the most stay).
 AUTO_MAX_MACS_PER_SAVED_ELEMENT = 2048
 log = logging.getLogger("spikefuse.fuse")
 POOLS = (nn.AvgPool2d, nn.MaxPool2d)
@@ -346,16 +346,21 @@ class FusedBlock(nn.Module):
         :data:`AUTO_MAX_MACS_PER_SAVED_ELEMENT` multiply-adds per element it saves.
 
         Saved: the synapse output the default mode keeps (one step of it for an input
-        repeated over time), less the input the minimal mode keeps where the default mode
-        keeps none (fused-block spikes recomputed from their block; packed spikes count 1/8
-        byte per element). Cost: one synapse forward on the steps it runs on."""
+        repeated over time), less what the minimal mode makes the network keep and the
+        default mode does not: the block's input where the default mode recomputes it (fused-
+        block spikes), and the block's output, which then has no recipe, so the next layer
+        keeps it (its spikes packed, a pooled map whole). Packed spikes count 1 bit per
+        element. Cost: one synapse forward on the steps it runs on."""
         images = repeated_over_time(x)  # kept by the caller in either mode
-        steps = 1 if images else x.shape[0]
-        kept_steps = 1 if self._repeat(x) > 1 else x.shape[0]
+        T = x.shape[0]
+        steps = 1 if images else T
+        kept_steps = 1 if self._repeat(x) > 1 else T
         per_step, fan_in = self._synapse_geometry(x.shape[1:])
-        saved = float(per_step * kept_steps)
+        packed = 1 / (8 * x.element_size())  # elements per packed spike
+        out = per_step * T
+        saved = per_step * kept_steps - (out / self._window**2 if self.pool else out * packed)
         if not images and recipe_of(x.flatten(0, 1)) is not None:  # min keeps, default not
-            saved -= x.numel() / (8 * x.element_size()) if is_spikes(x) else x.numel()
+            saved -= x.numel() * (packed if is_spikes(x) else 1)
         return saved > 0 and per_step * steps * fan_in <= AUTO_MAX_MACS_PER_SAVED_ELEMENT * saved
 
     def _synapse_geometry(self, step_shape: torch.Size) -> tuple[int, int]:
@@ -624,8 +629,8 @@ class SpikePool(nn.Module):
     On the spike output of a fused block, what the pooling saves (max pooling: its input) is
     recomputed in backward, and its output is tagged so that the next fused block recomputes
     it too (the pooling applied to the recomputed spikes) instead of saving it; spikes of a
-    block that keeps no synapse output (``memory="min"``) are saved at 1 bit per element. Any
-    other input is pooled plainly. ``pool``: an ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse
+    block that keeps no synapse output (``memory="min"``) are saved at 1 bit per element, and
+    max pooling tags its output as spikes. Any other input is pooled plainly. ``pool``: an ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse
     ``layer`` version); average pooling with kernel = stride and no padding runs as
     :class:`WindowAvgPool`.
     """
@@ -660,6 +665,8 @@ class SpikePool(nn.Module):
             out = self._pool(merged)
         if recipe is not None:
             mark_recomputable(out, lambda: self._pool(recipe()))
+        if self._kind is nn.MaxPool2d and is_spikes(merged):  # the maximum of spikes: spikes
+            mark_spikes(out)
         return out.unflatten(0, x.shape[:2])
 
 

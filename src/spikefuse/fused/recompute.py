@@ -93,7 +93,9 @@ def saving_recomputed(x: Tensor, recipe: Recipe | None = None) -> Iterator[None]
     ``recipe`` defaults to x's own (see :func:`recipe_of`); without one, x is saved packed at
     1 bit per element if it is tagged spikes (:func:`~.spike_bits.is_spikes`), else the context
     does nothing. Other saved tensors (weights) and copies made by an op (e.g. an autocast
-    cast) are saved as they are.
+    cast) are saved as they are. PyTorch applies only the innermost saved-tensor hooks, so
+    while this context is active a caller's own (``torch.autograd.graph.save_on_cpu``, ...)
+    do not see what the layer inside saves.
     """
     recipe = recipe or recipe_of(x)
     if not _dense(x) or (recipe is None and not is_spikes(x)):

@@ -1,8 +1,9 @@
 """Binary spikes: the tag fused blocks put on their output, and 1-bit packing of tagged spikes.
 
 A fused block's output holds only 0 and 1 (or NaN where the neuron's input was NaN); what keeps
-such a tensor for backward (the minimal-memory mode's block input, a residual block's shortcut)
-keeps it at 1 bit per element (8 per byte: 1/32 of float32) as a :class:`PackedSpikes`, plus
+such a tensor for backward (the minimal-memory mode's block input, a residual block's shortcut,
+a layer's saved input where no recipe recomputes it: see :mod:`.recompute`) keeps it at 1 bit
+per element (8 per byte: 1/32 of float32) as a :class:`PackedSpikes`, plus
 one flag: a packed NaN comes back as NaN in every element, so backward sees it.
 """
 
