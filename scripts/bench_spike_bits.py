@@ -12,9 +12,14 @@ from functools import partial
 
 import torch
 
+from spikefuse.bench.common import time_step
 from spikefuse.cuda import spike_bits as kernels
-from spikefuse.cuda.channel_stats import _microseconds
 from spikefuse.fused import spike_bits as composites
+
+
+def _microseconds(fn, repeats: int) -> float:
+    """Median GPU time of ``fn()`` in microseconds over ``repeats`` calls queued back to back."""
+    return 1000.0 * time_step(fn, torch.device("cuda"), warmup=3, iters=repeats).queued
 
 
 def main(repeats: int = 20) -> None:

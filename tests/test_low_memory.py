@@ -13,9 +13,11 @@ from conftest import gen
 from spikefuse import fuse, layer
 from spikefuse.cuda import spike_bits as cuda_bits
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, spike_bits
+from spikefuse.fused import FusedBlock, blocks, spike_bits
+from spikefuse.fused.blocks import SpikePool
 from spikefuse.fused.spike_bits import (
     PackedSpikes,
+    is_spikes,
     mark_spikes,
     memory_order,
     pack_bits,
@@ -132,8 +134,6 @@ def test_only_tagged_spikes_are_packed():
 
 
 def _packs(x: torch.Tensor) -> bool:
-    from spikefuse.fused.spike_bits import is_spikes
-
     return is_spikes(x)
 
 
@@ -162,8 +162,6 @@ def test_min_memory_recomputes_under_the_forwards_autocast():
 def test_min_memory_recomputes_one_step_of_an_input_repeated_over_time(monkeypatch):
     """images.expand(T, ...): backward recomputes the first convolution on the B images, as
     forward ran it (not on T * B samples), and neither copies its output to T steps."""
-    from spikefuse.fused import blocks
-
     batches, copies = [], []
     monkeypatch.setattr(blocks, "repeat_over_time", lambda *a: copies.append(a))
     conv2d = torch.nn.functional.conv2d
@@ -226,6 +224,15 @@ def test_min_memory_equals_the_default_mode_for_every_synapse(make, spikes):
         torch.testing.assert_close(p_l.grad, p_d.grad, **FP64_TOL)
 
 
+@pytest.fixture
+def packed(monkeypatch) -> list[torch.Size]:
+    """The shapes of the tensors packed (PackedSpikes.of) while the test runs, in order."""
+    shapes: list[torch.Size] = []
+    pack = PackedSpikes.of
+    monkeypatch.setattr(PackedSpikes, "of", lambda t: shapes.append(t.shape) or pack(t))
+    return shapes
+
+
 def _choices(model: nn.Module) -> list[str]:
     return [b.memory_choice for b in model.modules() if isinstance(b, FusedBlock)]
 
@@ -238,8 +245,6 @@ def test_auto_memory_recomputes_where_it_pays(monkeypatch):
     element) save y less their packed spikes, and less their packed input where the block before
     kept y (74): limit 200 recomputes all three, limit 70 only the first; the Linear (128 per
     output element, 130 or 174 per element saved) follows the block before it."""
-    from spikefuse.fused import blocks
-
     monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 200)
     auto = fuse(conv_stack(torch.float64), memory="auto")
     x = torch.rand(3, 2, 3, 8, 8, dtype=torch.float64)
@@ -269,8 +274,6 @@ def test_auto_memory_keeps_outputs_larger_inputs_would_replace():
 def test_auto_memory_equals_the_default_mode(monkeypatch):
     """Blocks of both modes in one model (and an input repeated over time): outputs, input and
     parameter gradients and running statistics equal the default mode's, float64."""
-    from spikefuse.fused import blocks
-
     monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
     default = fuse(conv_stack(torch.float64))
     auto = fuse(conv_stack(torch.float64), memory="auto")
@@ -287,14 +290,9 @@ def test_auto_memory_equals_the_default_mode(monkeypatch):
         torch.testing.assert_close(p_a.grad, p_d.grad, **FP64_TOL)
 
 
-def test_spikes_of_a_min_block_are_saved_packed_by_the_next_layers(monkeypatch):
+def test_spikes_of_a_min_block_are_saved_packed_by_the_next_layers(packed):
     """A min block's output spikes have no recipe (it keeps no synapse output): the default
     block after it and a max pooling save them at 1 bit per element, not as float32."""
-    from spikefuse.fused.blocks import SpikePool
-
-    packed = []
-    pack = PackedSpikes.of
-    monkeypatch.setattr(PackedSpikes, "of", lambda t: packed.append(t.shape) or pack(t))
     t, b, c, h, w = 4, 8, 16, 8, 8
     spikes = t * b * c * h * w
     vectors = 2 * c * 4  # mean, invstd
@@ -341,9 +339,8 @@ def test_auto_memory_counts_the_synapse_output_and_its_cost(synapse):
     """The elements of one step's output and the multiply-adds per output element, as the
     synapse computes them."""
     block = FusedBlock(synapse, None, lif(), memory="auto")
-    step = torch.rand(2, 6, 11) if isinstance(synapse, nn.Conv1d) else torch.rand(2, 6, 9, 10)
-    if isinstance(synapse, nn.Linear):
-        step = torch.rand(2, 6)
+    shapes = {nn.Conv1d: (2, 6, 11), nn.Conv2d: (2, 6, 9, 10), nn.Linear: (2, 6)}
+    step = torch.rand(shapes[type(synapse)])
     per_step, fan_in = block._synapse_geometry(step.shape)
     assert per_step == synapse(step).numel()
     weight = synapse.weight
@@ -353,8 +350,6 @@ def test_auto_memory_counts_the_synapse_output_and_its_cost(synapse):
 def test_auto_memory_counts_the_map_a_pooling_block_leaves_to_the_next_layer(monkeypatch):
     """A block that pools its spikes saves y less the pooled map (which, with no recipe left,
     the next layer keeps whole): 3/4 of y for 2 x 2 windows."""
-    from spikefuse.fused import blocks
-
     x = torch.rand(2, 2, 3, 8, 8, dtype=torch.float64)
     for limit, choice in ((27 / 0.75 + 0.01, "min"), (27 / 0.75 - 0.01, "default")):
         monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", limit)
@@ -366,20 +361,14 @@ def test_auto_memory_counts_the_map_a_pooling_block_leaves_to_the_next_layer(mon
 def test_max_pooling_of_spikes_gives_spikes():
     """SpikePool(MaxPool2d) tags the maximum of spikes as spikes (the next min block packs it);
     average pooling does not (its windows' means are not 0 or 1)."""
-    from spikefuse.fused.blocks import SpikePool
-    from spikefuse.fused.spike_bits import is_spikes
-
     spikes = mark_spikes((torch.rand(2, 3, 4, 6, 6) > 0.5).float())
     assert is_spikes(SpikePool(nn.MaxPool2d(2))(spikes))
     assert not is_spikes(SpikePool(nn.AvgPool2d(2))(spikes))
 
 
-def test_an_unfused_conv_saves_a_min_blocks_spikes_packed(monkeypatch):
+def test_an_unfused_conv_saves_a_min_blocks_spikes_packed(packed):
     """fuse() hooks the Conv/Linear layers it leaves unfused (a ResNet's downsample): after a
     min block they save its spikes at 1 bit per element, and train as with float32 spikes."""
-    packed = []
-    pack = PackedSpikes.of
-    monkeypatch.setattr(PackedSpikes, "of", lambda t: packed.append(t.shape) or pack(t))
     torch.manual_seed(0)
     model = nn.Sequential(
         *conv_bn_lif(3, 4), layer.Conv2d(4, 2, 3, padding=1, step_mode="m")

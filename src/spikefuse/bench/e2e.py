@@ -102,6 +102,8 @@ VARIANTS = (
     "fused-auto+graph",
 )
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+# fuse()'s memory mode of each fused variant (the part before any "+")
+FUSED_MEMORY = {"fused": "default", "fused-min": "min", "fused-auto": "auto"}
 
 
 # ---- the vanilla PyTorch baseline -------------------------------------------------------------
@@ -252,12 +254,11 @@ def build(variant: str, model: str, device: torch.device) -> nn.Module:
     if base in ("vanilla", "vanilla-compile"):
         net = zoo_model(model, None) if model in ZOO else vanilla_model(model)
         return compiled(net) if variant == "vanilla-compile" else net
-    if base not in ("spikefuse", "fused", "fused-min", "fused-auto"):
+    if base != "spikefuse" and base not in FUSED_MEMORY:
         raise ValueError(f"unknown variant {variant!r}")
     net = zoo_model(model, backend) if model in ZOO else spikefuse_model(model, backend)
-    if base.startswith("fused"):
-        memory = base.removeprefix("fused-") if base != "fused" else "default"
-        net, report = fuse(net, inplace=True, return_report=True, memory=memory)
+    if base in FUSED_MEMORY:
+        net, report = fuse(net, inplace=True, return_report=True, memory=FUSED_MEMORY[base])
         print(f"  {variant}: fused {len(report.fused)} of {report.chains} chains", flush=True)
     return compiled(net) if mode == "compile" else net
 

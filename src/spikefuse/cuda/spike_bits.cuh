@@ -4,6 +4,8 @@
 // spikefuse/cuda/spike_bits.py compiles this file once per storage dtype, after a prelude that
 // defines:
 //   scalar_t, to_float, from_float   storage type (float, __half, __nv_bfloat16) and conversions
+//   BLOCK_THREADS, UNROLL, VEC       threads per block, PACK_KERNEL's and UNPACK_KERNEL's
+//                                    elements per thread (VEC: 16 bytes of values)
 //   PACK_KERNEL, UNPACK_KERNEL       the names of the two entry points (at the end of this file)
 //
 // The packing (as spikefuse/fused/spike_bits.py's torch path writes it): ceil(n / 32) 32-bit
@@ -15,9 +17,6 @@
 // PACK_KERNEL: blocks of BLOCK_THREADS threads over BLOCK_THREADS * UNROLL consecutive elements,
 // thread t handling elements t, t + BLOCK_THREADS, ... (coalesced; UNROLL loads in flight before
 // any is used). A warp's 32 lanes hold 32 consecutive elements, so one __ballot_sync is one word.
-
-constexpr int BLOCK_THREADS = 256;
-constexpr int UNROLL = 4;  // PACK_KERNEL's elements per thread
 
 // The one argument of both kernels (packed by spike_bits.py's ARGS; same field order).
 struct Args {
@@ -54,7 +53,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) PACK_KERNEL(const Ar
 // UNPACK_KERNEL: each thread writes VEC consecutive values (16 bytes: one vector store; VEC
 // divides 32, so they come from one word), the last thread's tail one by one. The values'
 // address must be 16-byte aligned (spike_bits.py allocates them).
-constexpr int VEC = 16 / sizeof(scalar_t);
+static_assert(VEC * sizeof(scalar_t) == 16 && 32 % VEC == 0, "VEC: 16 bytes, within a word");
 struct alignas(16) vector_t {
     scalar_t e[VEC];
 };

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from .codegen import _STORAGE
+from .codegen import _STORAGE, BLOCK_THREADS
 from .runtime import launch_named
 
 SOURCE_PATH = Path(__file__).with_name("spike_bits.cuh")
 SOURCE_NAME = "spikefuse/cuda/spike_bits.cuh"
-BLOCK_THREADS, UNROLL = 256, 4  # as in spike_bits.cuh (UNROLL: values per thread of pack)
+UNROLL = 4  # values per thread of the pack kernel (loads in flight before any is used)
 
 #: The kernels' one argument, ``Args`` in spike_bits.cuh: values, words, flag, n.
 ARGS = struct.Struct("=3Qq")
@@ -36,12 +36,13 @@ def packed_bytes(n: int) -> int:
 
 @dataclass(frozen=True)
 class SpikeBitsKernels:
-    """The two kernels of one storage dtype: their source (the prelude, then ``spike_bits.cuh``)
-    and names."""
+    """The two kernels of one storage dtype: their source (the prelude, then ``spike_bits.cuh``),
+    names, and the unpack kernel's values per thread (16 bytes of them)."""
 
     source: str
     pack_name: str
     unpack_name: str
+    vec: int
 
 
 @functools.cache  # per call: one lookup (source and names built, and hashed, once)
@@ -50,17 +51,21 @@ def kernels_for(dtype: torch.dtype) -> SpikeBitsKernels:
     storage = _STORAGE[dtype]
     tag = storage.ctype.strip("_")
     pack_name, unpack_name = f"spikefuse_pack_spikes_{tag}", f"spikefuse_unpack_spikes_{tag}"
+    vec = 16 // dtype.itemsize
     prelude = "\n".join(
         [
             f"// spikefuse 1-bit spike packing: {storage.ctype} storage",
             *storage.declarations(),
+            f"constexpr int BLOCK_THREADS = {BLOCK_THREADS};",
+            f"constexpr int UNROLL = {UNROLL};",
+            f"constexpr int VEC = {vec};",
             f"#define PACK_KERNEL {pack_name}",
             f"#define UNPACK_KERNEL {unpack_name}",
         ]
     )
     template = SOURCE_PATH.read_text(encoding="utf-8")
     source = f'{prelude}\n#line 1 "{SOURCE_NAME}"\n{template}'
-    return SpikeBitsKernels(source, pack_name, unpack_name)
+    return SpikeBitsKernels(source, pack_name, unpack_name, vec)
 
 
 def _launch(
@@ -91,6 +96,6 @@ def unpack(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write the values that :func:`pack` packed into ``out`` (a new, so 16-byte aligned,
     contiguous 1-D CUDA tensor of their number, float32, float16 or bfloat16) and return it:
     NaN in every element when a NaN was packed."""
-    kernels, vec = kernels_for(out.dtype), 16 // out.element_size()  # VEC values per thread
-    _launch(kernels.source, kernels.unpack_name, out, packed, vec)
+    kernels = kernels_for(out.dtype)
+    _launch(kernels.source, kernels.unpack_name, out, packed, kernels.vec)
     return out

@@ -303,9 +303,8 @@ class FusedBlock(nn.Module):
             return self._synapse_call(x)
         if self._runs_channels_last(merged):  # recompute in the conv's layout
             recipe = None if recipe is None else _channels_last(recipe)
-            was = merged
             merged = merged.contiguous(memory_format=torch.channels_last)
-            if spikes and merged is not was:  # the copy holds the same spikes
+            if spikes:  # a copy, if one was made, holds the same spikes
                 mark_spikes(merged)
         with saving_recomputed(merged, recipe):  # the very tensor the synapse saves
             return self._kind.forward(self.synapse, merged).unflatten(0, x.shape[:2])

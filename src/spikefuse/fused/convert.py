@@ -912,8 +912,9 @@ def fuse(
     ``"min"`` (blocks keep only their input, 1-bit packed when it is spikes, and recompute the
     Conv/Linear in backward) or ``"auto"`` (each block chooses one of the two where it pays:
     narrow convolutions recompute, wide ones keep their output; see :class:`FusedBlock`).
-    ``fold_pools``: fold pooling layers into the blocks as above (False: they all become :class:`SpikePool`). Returns the converted model
-    (a deep copy unless ``inplace``), and with ``return_report`` also a :class:`FuseReport`;
+    ``fold_pools``: fold pooling layers into the blocks as above (False: they all become
+    :class:`SpikePool`). Returns the converted model (a deep copy unless ``inplace``), and with
+    ``return_report`` also a :class:`FuseReport`;
     the report is logged (logger ``spikefuse.fuse``: INFO, WARNING when a chain was left
     unfused). The model computes the same function, but each forward call is
     an independent sequence (fused neurons start from their reset state).
