@@ -381,6 +381,44 @@ def test_affine_kernels_are_their_own_module():
     assert channels == (4, 1) and y is channels_last  # used as it is, not copied
 
 
+LIF_PROGRAM = neuron.LIFNode().program
+
+
+def _plan_of(y: torch.Tensor, pool: int = 1, forward: bool = True, aligned: bool = True):
+    shape, strides = y.shape, y.stride()
+    return affine._plan(LIF_PROGRAM, y.dtype, shape, strides, pool, False, forward, aligned)
+
+
+def test_launch_plans_read_the_layout_once_per_geometry():
+    """A launch plan (what the affine launchers work out once per call signature) reads y's
+    memory as the launchers' layout helpers do: as it is where the kernels read that layout
+    (contiguous, channels innermost), one step of a y repeated over time, else a copy."""
+    contiguous = torch.zeros(10, 4, 8, 6, 6)
+    plan = _plan_of(contiguous)
+    assert (plan.T, plan.N, plan.layout, plan.x_step, plan.copy) == (10, 1152, (8, 36), None, False)
+    assert plan.memory == plan.steps == (contiguous.shape, contiguous.stride())
+    assert plan.kernel.vec == 4 and _plan_of(contiguous, aligned=False).kernel.vec == 1
+    assert _plan_of(contiguous) is plan  # cached
+    channels_last = torch.zeros(10, 4, 6, 6, 8).permute(0, 1, 4, 2, 3)
+    plan = _plan_of(channels_last)
+    assert (plan.layout, plan.copy, plan.steps[1]) == ((8, 1), False, channels_last.stride())
+    repeated = torch.zeros(1, 4, 8, 6, 6).expand(10, -1, -1, -1, -1)
+    plan = _plan_of(repeated)
+    assert (plan.x_step, plan.copy, plan.memory[0][0], plan.steps[0][0]) == (0, False, 1, 10)
+    repeated_strided = torch.zeros(1, 8, 4, 6, 6).transpose(1, 2).expand(10, -1, -1, -1, -1)
+    assert _plan_of(repeated_strided).copy  # neither layout: its one step is copied
+    strided = torch.zeros(10, 8, 4, 6, 6).transpose(1, 2)
+    plan = _plan_of(strided)
+    assert plan.copy and plan.memory == (strided.shape, strided.contiguous().stride())
+    pooled = _plan_of(channels_last, pool=2, forward=False)
+    assert (pooled.pool_width, pooled.steps[0], pooled.kernel.pool) == (3, (10, 4, 8, 3, 3), 2)
+    assert pooled.per_sum == 4 * 9 * 8  # one partial sum per window (channels not in warps)
+    with pytest.raises(ValueError, match="pooled affine kernels"):
+        _plan_of(contiguous, pool=2)
+    memory, layout, _ = affine._memory(strided)
+    assert layout == plan.layout and memory.stride() == plan.memory[1]
+
+
 def test_reserved_parameter_names_are_refused():
     with pytest.raises(ValueError, match="reserved"):
         HandWrittenIF("bad", ("N",), (), surrogate.Sigmoid(), True, False, torch.float32)

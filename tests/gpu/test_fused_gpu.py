@@ -349,6 +349,28 @@ def test_fused_model_matches_unfused(T, memory, no_tf32, record_property):
         record_property("worst_bf16_autocast", max(reldiff(got16[k], w) for k, w in want.items()))
 
 
+def fused_conv_weights(net: nn.Module) -> list[torch.Tensor]:
+    blocks = [m for m in net.modules() if isinstance(m, FusedBlock)]
+    return [b.synapse.weight for b in blocks if isinstance(b.synapse, nn.Conv2d)]
+
+
+@pytest.mark.quick
+def test_fused_conv_weights_are_kept_channels_last():
+    """On CUDA a fused Conv2d's weight is kept channels-last, the layout the convolution runs
+    in: fuse() of a CUDA model and .cuda() of a fused CPU model convert it (values unchanged),
+    and its gradient comes in that layout (no copy kernels around the convolutions)."""
+    cl = torch.channels_last
+    model = paper_net().to(memory_format=torch.contiguous_format)
+    values = [w.detach().clone() for w in fused_conv_weights(fuse(model.cpu()))]
+    assert values and not values[0].is_contiguous(memory_format=cl)  # CPU: as it was
+    for fused in (fuse(model.cuda()), fuse(model.cpu()).cuda()):
+        weights = fused_conv_weights(fused)
+        assert all(w.is_contiguous(memory_format=cl) for w in weights)
+        assert all(torch.equal(w.cpu(), v) for w, v in zip(weights, values, strict=True))
+        fused(torch.randn(4, 2, 3, 16, 16, device="cuda")).sum().backward()
+        assert all(w.grad.is_contiguous(memory_format=cl) for w in weights)
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize("memory", MEMORY_MODES)
 def test_fused_model_matches_unfused_on_an_input_repeated_over_time(memory, no_tf32):

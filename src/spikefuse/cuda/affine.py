@@ -12,14 +12,17 @@ the neuron's input is BN(y) + R, and backward pass 2 also returns dL/dR.
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..backends import channels_innermost, repeats_one_step
 from ..program import NeuronProgram
-from .codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, BLOCK_THREADS, POOLS, VEC
+from .codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, BLOCK_THREADS, POOLS, VEC, NeuronKernel
 from .runtime import (
+    aligned,
     blocks_for,
     check_checkpoints,
     check_input,
@@ -188,6 +191,88 @@ def affine_saved_like(program: NeuronProgram, y: torch.Tensor, save: bool) -> to
     return checkpoints_like(program, y, save, AFFINE_CHUNK[y.dtype])[0]
 
 
+Geometry = tuple[torch.Size, tuple[int, ...]]  # (shape, strides)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a launch needs that depends only on the call's signature (program, y's dtype,
+    shape and strides, pooling, residual, direction, alignment): worked out once per signature
+    by :func:`_plan`, so that a call only allocates its outputs, reads the pointers and launches.
+    """
+
+    kernel: NeuronKernel
+    T: int
+    N: int  # neurons per step
+    layout: tuple[int, int]  # (channels, inner), see channel_layout
+    pool_width: int  # pooled kernels: W / pool; else 0
+    x_step: int | None  # unpooled: y's step stride (None: N; 0: one step repeated over time)
+    copy: bool  # y is copied to contiguous memory first (a layout the kernels do not read)
+    memory: Geometry  # y's memory as the kernels read it ([1, B, C, *S] if repeated)
+    steps: Geometry  # a per-step sequence (spikes, dL/dS, residual): [T, B, C, *S] or pooled
+    grid: tuple[int, int]
+    channel_tiles: int  # backward: see _bptt_grid
+    per_sum: int  # backward pass 1: partial sums per sum
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(
+    program: NeuronProgram,
+    dtype: torch.dtype,
+    shape: torch.Size,
+    strides: tuple[int, ...],
+    pool: int,
+    residual: bool,
+    forward: bool,
+    aligned: bool,
+) -> _Plan:
+    """The plan of a call on y of this geometry, read with the launchers' own layout helpers
+    from a meta tensor of it. ``aligned``: the call's pointers allow vector access (see
+    :func:`~.runtime.aligned`; else one neuron per thread). Raises what those helpers raise
+    (e.g. for a map the pooled kernels cannot take)."""
+    y = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+    T, N = shape[0], y[:1].numel()
+    x_step = None
+    if pool > 1:
+        channels, pool_width = pooled_geometry(y, pool)
+        memory, layout, steps = y, (channels, 1), _pooled_empty(y, pool)
+    else:
+        memory, layout, x_step = _memory(y)
+        steps, pool_width = _sequence_empty(memory, T), 0
+    copy = memory is not y and memory._base is not y  # y.contiguous() copied (meta: no data)
+    vec = 1
+    if pool == 1 and aligned:
+        vec = vector_width(N, vec=VEC if forward else AFFINE_BPTT_VEC)
+    kernel = kernel_for(program, dtype, vec, True, pool, residual)
+    tiles, grid, per_sum = 0, (blocks_for(N // pool**2, vec), 1), 0
+    if not forward:
+        tiles, grid, per_sum = _bptt_grid(N // pool**2, layout, vec, pool)
+    return _Plan(
+        kernel,
+        T,
+        N,
+        layout,
+        pool_width,
+        x_step,
+        copy,
+        (memory.shape, memory.stride()),
+        (steps.shape, steps.stride()),
+        grid,
+        tiles,
+        per_sum,
+    )
+
+
+def _memory_of(y: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """y's memory as ``plan`` reads it: y itself, its one repeated step, or a contiguous copy."""
+    one = y[:1] if plan.x_step == 0 else y
+    return one.contiguous() if plan.copy else one
+
+
+def _empty(geometry: Geometry, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(*geometry, dtype=like.dtype, device=like.device)
+
+
 def affine_fptt(
     program: NeuronProgram,
     y: torch.Tensor,
@@ -221,18 +306,14 @@ def affine_fptt(
     """
     check_input(y)
     _check_residual(residual, y, pool)
-    T, N = y.shape[0], y[:1].numel()
-    x_step = None
-    if pool > 1:
-        channels, pool_width = pooled_geometry(y, pool)
-        layout, spikes = (channels, 1), _pooled_empty(y, pool)
-    else:
-        y, layout, x_step = _memory(y)
-        spikes, pool_width = _sequence_empty(y, T), 0
-    residual = None if residual is None else _laid_out(residual, spikes.stride(), y.dtype)
+    plan = _plan(
+        program, y.dtype, y.shape, y.stride(), pool, residual is not None, True, aligned(y)
+    )
+    y = _memory_of(y, plan)
+    spikes = _empty(plan.steps, y)
+    residual = None if residual is None else _laid_out(residual, plan.steps[1], y.dtype)
     v_ckpt = affine_saved_like(program, spikes if pool == 1 else y, save_for_backward)
-    if N:
-        vec = vector_width(N, y, vec=VEC) if pool == 1 else 1
+    if plan.N:
         pointers = {
             "x_seq": y.data_ptr(),
             "spike_seq": spikes.data_ptr(),
@@ -241,11 +322,18 @@ def affine_fptt(
             "residual_seq": pointer(residual),
             **_bn_pointers(mean, invstd, weight, bias),
         }
-        kernel = kernel_for(program, y.dtype, vec, True, pool, residual is not None)
-        args = kernel.pack_args(
-            pointers, T, N, v_init, 0.0, constants, layout, pool_width=pool_width, x_step=x_step
+        args = plan.kernel.pack_args(
+            pointers,
+            plan.T,
+            plan.N,
+            v_init,
+            0.0,
+            constants,
+            plan.layout,
+            pool_width=plan.pool_width,
+            x_step=plan.x_step,
         )
-        launch(kernel, True, y.device, blocks_for(N // pool**2, vec), args)
+        launch(plan.kernel, True, y.device, plan.grid, args)
     return spikes, v_ckpt
 
 
@@ -296,29 +384,26 @@ def affine_bptt(
     """
     check_input(y)
     _check_residual(residual, y, pool)
-    T, N = y.shape[0], y[:1].numel()
-    x_step = None
+    # dL/dS as given: a copy made below would be aligned anyway
+    vectors = aligned(y, grad_spikes)
+    plan = _plan(program, y.dtype, y.shape, y.stride(), pool, residual is not None, False, vectors)
+    y = _memory_of(y, plan)
     if pool > 1:
-        channels, pool_width = pooled_geometry(y, pool)
-        layout, grad_spikes = (channels, 1), _as_channels_innermost(grad_spikes, y.dtype)
+        grad_spikes = _as_channels_innermost(grad_spikes, y.dtype)
     else:
-        y, layout, x_step = _memory(y)
-        pool_width, grad_spikes = 0, _laid_out(grad_spikes, _step_strides(y), y.dtype)
-    residual = None if residual is None else _laid_out(residual, _step_strides(y), y.dtype)
-    slots = N // pool**2  # what the threads own: neurons, or (pooled) windows
-    check_checkpoints(T, saved_v, AFFINE_CHUNK[y.dtype])
+        grad_spikes = _laid_out(grad_spikes, plan.steps[1], y.dtype)
+    residual = None if residual is None else _laid_out(residual, plan.steps[1], y.dtype)
+    check_checkpoints(plan.T, saved_v, AFFINE_CHUNK[y.dtype])
     out = None  # dL/dy; repeated: the one step's
     if grad_y:
-        out = y if overwrite_y else torch.empty_like(y)
-    grad_residual = _sequence_empty(y, T) if grad_y and residual is not None else None
-    vec = vector_width(N, y, grad_spikes, vec=AFFINE_BPTT_VEC) if pool == 1 else 1
-    tiles, grid, per_sum = _bptt_grid(slots, layout, vec, pool)
-    sums = None if grad_y else y.new_empty((2, per_sum), dtype=torch.float32)
+        out = y if overwrite_y else _empty(plan.memory, y)
+    grad_residual = _empty(plan.steps, y) if grad_y and residual is not None else None
+    sums = None if grad_y else y.new_empty((2, plan.per_sum), dtype=torch.float32)
     partial = None
     if program.learnable and not grad_y:  # every block writes its column
-        shape = (len(program.learnable), grid[0] * grid[1])
-        partial = y.new_empty(shape, dtype=torch.float32) if N else y.new_zeros(shape)
-    if N:
+        shape = (len(program.learnable), plan.grid[0] * plan.grid[1])
+        partial = y.new_empty(shape, dtype=torch.float32) if plan.N else y.new_zeros(shape)
+    if plan.N:
         pointers = {
             "x_seq": y.data_ptr(),
             "v_ckpt": pointer(saved_v),
@@ -332,24 +417,23 @@ def affine_bptt(
             **_rows(("bn_total_g", "bn_total_gy"), totals),
             **_bn_pointers(mean, invstd, weight, bias),
         }
-        kernel = kernel_for(program, y.dtype, vec, True, pool, residual is not None)
-        args = kernel.pack_args(
+        args = plan.kernel.pack_args(
             pointers,
-            T,
-            N,
+            plan.T,
+            plan.N,
             v_init,
             0.0,
             constants,
-            layout,
+            plan.layout,
             inv_count,
-            channel_tiles=tiles,
-            pool_width=pool_width,
-            x_step=x_step,
+            channel_tiles=plan.channel_tiles,
+            pool_width=plan.pool_width,
+            x_step=plan.x_step,
         )
-        launch(kernel, False, y.device, grid, args)
+        launch(plan.kernel, False, y.device, plan.grid, args)
     if sums is None:  # pass 2
         return out, grad_residual, None
     grad_learnable = None
     if partial is not None and learnable is not None:
         grad_learnable = partial.sum(dim=1).view(learnable.shape)
-    return None, _per_channel_sum(sums, layout), grad_learnable
+    return None, _per_channel_sum(sums, plan.layout), grad_learnable

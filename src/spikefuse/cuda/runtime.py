@@ -161,11 +161,14 @@ def check_input(x: torch.Tensor) -> None:
         raise BackendUnavailableError(f"cuda backend: {reason}")
 
 
+def aligned(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor's address allows a vector load or store (16 bytes)."""
+    return not any(t is not None and t.data_ptr() % _ALIGN for t in tensors)
+
+
 def vector_width(n: int, *tensors: torch.Tensor | None, vec: int) -> int:
     """``vec`` neurons per thread where N and every pointer's alignment allow, else 1."""
-    if n % vec or any(t is not None and t.data_ptr() % _ALIGN for t in tensors):
-        return 1
-    return vec
+    return vec if n % vec == 0 and aligned(*tensors) else 1
 
 
 def checkpoints_like(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -98,7 +99,8 @@ class FusedBlock(nn.Module):
     recomputes it from that block's synapse output with one forward kernel launch.
 
     On CUDA a Conv2d runs channels-last (cuDNN's native layout: no transposes around each
-    convolution); the output spikes keep that memory layout, which the next fused block,
+    convolution), and its weight is kept channels-last (a block made or moved to CUDA converts
+    it); the output spikes keep that memory layout, which the next fused block,
     :class:`SpikePool` and ``flatten`` all accept.
 
     An input that repeats one [B, ...] tensor over T as a view (``images.unsqueeze(0).expand(T,
@@ -224,6 +226,28 @@ class FusedBlock(nn.Module):
         # in the input, so that a training call does not redo the arithmetic
         self._recompute_terms_of: dict[tuple[Any, ...], tuple[float, float]] = {}
         self.residual = residual
+        self._weight_in_run_layout()
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> FusedBlock:
+        """``.to()``, ``.cuda()``, ...; then the weight's layout (:meth:`_weight_in_run_layout`)."""
+        super()._apply(fn, recurse)
+        self._weight_in_run_layout()
+        return self
+
+    def _weight_in_run_layout(self) -> None:
+        """A Conv2d on CUDA keeps its weight channels-last, the layout it runs in (see
+        :meth:`_runs_channels_last`): cuDNN would otherwise copy the weight into that layout on
+        every forward and backward, and its gradient back. Done when the block is made or
+        moved, before an optimizer or DistributedDataParallel sees the parameter (DDP's
+        gradient buckets follow the parameters' layout); the values are unchanged."""
+        weight = self.synapse.weight
+        if self._kind is not nn.Conv2d or not weight.is_cuda:
+            return
+        layout = torch.channels_last
+        if not weight.is_contiguous(memory_format=layout):
+            weight.data = weight.data.contiguous(memory_format=layout)
+        if weight.grad is not None and not weight.grad.is_contiguous(memory_format=layout):
+            weight.grad = weight.grad.contiguous(memory_format=layout)
 
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
