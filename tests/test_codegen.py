@@ -419,6 +419,26 @@ def test_launch_plans_read_the_layout_once_per_geometry():
     assert layout == plan.layout and memory.stride() == plan.memory[1]
 
 
+def test_launch_plans_do_not_depend_on_the_grad_mode():
+    """Under inference_mode views have no _base: a repeated channels-innermost step is still
+    read as it is (and the plan, cached, is the same one training then uses)."""
+    affine._plan.cache_clear()
+    step = torch.zeros(1, 4, 6, 6, 8).permute(0, 1, 4, 2, 3)
+    with torch.inference_mode():
+        plan = _plan_of(step.expand(10, -1, -1, -1, -1))
+    assert not plan.copy and plan.layout == (8, 1) and plan.memory[1][1:] == step.stride()[1:]
+
+
+def test_launch_plans_vectorise_what_is_aligned_or_copied():
+    flat = torch.zeros(10 * 4 * 8 * 36 + 1)
+    unaligned = flat[1:].view(10, 4, 8, 6, 6)  # 4 bytes past an aligned address
+    assert affine._plan_for(LIF_PROGRAM, unaligned, 1, None, True).kernel.vec == 1
+    strided = flat[1:].view(10, 8, 4, 6, 6).transpose(1, 2)  # copied by the call: aligned
+    assert affine._plan_for(LIF_PROGRAM, strided, 1, None, True).kernel.vec == 4
+    aligned = torch.zeros(10, 4, 8, 6, 6)
+    assert affine._plan_for(LIF_PROGRAM, aligned, 1, None, True, unaligned).kernel.vec == 1
+
+
 def test_reserved_parameter_names_are_refused():
     with pytest.raises(ValueError, match="reserved"):
         HandWrittenIF("bad", ("N",), (), surrogate.Sigmoid(), True, False, torch.float32)

@@ -24,6 +24,7 @@ from spikefuse.fused import (
     WindowAvgPool,
     bn_neuron,
     fuse,
+    match_optimizer_state,
     paper_lif,
     recompute,
 )
@@ -675,3 +676,21 @@ def test_input_repeated_over_time_that_needs_a_gradient_runs_every_step():
     with _ConvBatchSizes() as convs:
         fused(base.expand(T, -1, -1, -1, -1))
     assert convs.batches[0] == T * B
+
+
+def test_optimizer_state_is_laid_out_like_its_parameters():
+    """match_optimizer_state: momentum saved for a contiguous weight, loaded for a channels-last
+    one (a fused Conv2d on CUDA), is copied into the parameter's layout, values unchanged."""
+    conv = nn.Conv2d(3, 8, 3)
+    optimizer = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
+    conv(torch.randn(2, 3, 5, 5)).sum().backward()
+    optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
+    optimizer.load_state_dict(saved)
+    momentum = optimizer.state[conv.weight]["momentum_buffer"]
+    assert momentum.stride() != conv.weight.stride()
+    assert match_optimizer_state(optimizer) == 1  # the bias's is 1-D: nothing to lay out
+    moved = optimizer.state[conv.weight]["momentum_buffer"]
+    assert moved.stride() == conv.weight.stride() and torch.equal(moved, momentum)
+    assert match_optimizer_state(optimizer) == 0

@@ -33,7 +33,7 @@ from torch import nn
 from spikefuse import backends, functional, layer, models, neuron
 from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.extras import require
-from spikefuse.fused import fuse
+from spikefuse.fused import fuse, match_optimizer_state
 from spikefuse.fused.blocks import MEMORY_MODES
 
 CHECKPOINT_FORMAT = "spikefuse.train.digits"
@@ -698,6 +698,7 @@ def restore(
     try:
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
+        match_optimizer_state(optimizer)  # fused conv weights are channels-last on CUDA
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint '{path}' does not fit the model: {exc}") from exc
     # load_state_dict checks neither the optimizer's settings nor its buffers' shapes; a

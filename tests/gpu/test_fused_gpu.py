@@ -369,6 +369,9 @@ def test_fused_conv_weights_are_kept_channels_last():
         assert all(torch.equal(w.cpu(), v) for w, v in zip(weights, values, strict=True))
         fused(torch.randn(4, 2, 3, 16, 16, device="cuda")).sum().backward()
         assert all(w.grad.is_contiguous(memory_format=cl) for w in weights)
+    state = {k: v.contiguous() for k, v in fused.state_dict().items()}
+    fused.load_state_dict(state, assign=True)  # replaces the parameters: laid out again
+    assert all(w.is_contiguous(memory_format=cl) for w in fused_conv_weights(fused))
 
 
 @pytest.mark.quick

@@ -224,10 +224,10 @@ def _plan(
     pool: int,
     residual: bool,
     forward: bool,
-    aligned: bool,
+    vectors: bool,
 ) -> _Plan:
     """The plan of a call on y of this geometry, read with the launchers' own layout helpers
-    from a meta tensor of it. ``aligned``: the call's pointers allow vector access (see
+    from a meta tensor of it. ``vectors``: the call's pointers allow vector access (see
     :func:`~.runtime.aligned`; else one neuron per thread). Raises what those helpers raise
     (e.g. for a map the pooled kernels cannot take)."""
     y = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
@@ -239,9 +239,11 @@ def _plan(
     else:
         memory, layout, x_step = _memory(y)
         steps, pool_width = _sequence_empty(memory, T), 0
-    copy = memory is not y and memory._base is not y  # y.contiguous() copied (meta: no data)
+    # .contiguous() copies exactly when the strides differ (read from the geometry: tensor
+    # identity fails under inference_mode, where views have no _base)
+    copy = memory.stride() != (y[:1] if x_step == 0 else y).stride()
     vec = 1
-    if pool == 1 and aligned:
+    if pool == 1 and vectors:
         vec = vector_width(N, vec=VEC if forward else AFFINE_BPTT_VEC)
     kernel = kernel_for(program, dtype, vec, True, pool, residual)
     tiles, grid, per_sum = 0, (blocks_for(N // pool**2, vec), 1), 0
@@ -261,6 +263,23 @@ def _plan(
         tiles,
         per_sum,
     )
+
+
+def _plan_for(
+    program: NeuronProgram,
+    y: torch.Tensor,
+    pool: int,
+    residual: torch.Tensor | None,
+    forward: bool,
+    *read: torch.Tensor | None,
+) -> _Plan:
+    """The plan of a call on y, with vector access where y (unless the call copies it: a copy
+    is aligned) and the other tensors the kernel reads as given (``read``) are aligned."""
+    key = (program, y.dtype, y.shape, y.stride(), pool, residual is not None, forward)
+    plan = _plan(*key, True)
+    if not aligned(*read) or (not plan.copy and not aligned(y)):
+        plan = _plan(*key, False)
+    return plan
 
 
 def _memory_of(y: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -306,9 +325,7 @@ def affine_fptt(
     """
     check_input(y)
     _check_residual(residual, y, pool)
-    plan = _plan(
-        program, y.dtype, y.shape, y.stride(), pool, residual is not None, True, aligned(y)
-    )
+    plan = _plan_for(program, y, pool, residual, True, residual)
     y = _memory_of(y, plan)
     spikes = _empty(plan.steps, y)
     residual = None if residual is None else _laid_out(residual, plan.steps[1], y.dtype)
@@ -384,9 +401,8 @@ def affine_bptt(
     """
     check_input(y)
     _check_residual(residual, y, pool)
-    # dL/dS as given: a copy made below would be aligned anyway
-    vectors = aligned(y, grad_spikes)
-    plan = _plan(program, y.dtype, y.shape, y.stride(), pool, residual is not None, False, vectors)
+    # dL/dS and the residual as given: a copy made below would be aligned anyway
+    plan = _plan_for(program, y, pool, residual, False, grad_spikes, residual)
     y = _memory_of(y, plan)
     if pool > 1:
         grad_spikes = _as_channels_innermost(grad_spikes, y.dtype)

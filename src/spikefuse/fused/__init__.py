@@ -18,6 +18,7 @@ from .blocks import (
     FusedLinearBNNeuron,
     SpikePool,
     WindowAvgPool,
+    match_optimizer_state,
     paper_lif,
 )
 from .bn_neuron import BNNeuronFunction, bn_input_grad, bn_neuron_backward, bn_neuron_forward
@@ -37,5 +38,6 @@ __all__ = [
     "bn_neuron_backward",
     "bn_neuron_forward",
     "fuse",
+    "match_optimizer_state",
     "paper_lif",
 ]

@@ -227,6 +227,8 @@ class FusedBlock(nn.Module):
         self._recompute_terms_of: dict[tuple[Any, ...], tuple[float, float]] = {}
         self.residual = residual
         self._weight_in_run_layout()
+        # load_state_dict(assign=True) replaces the weight without _apply
+        self.register_load_state_dict_post_hook(lambda block, _: block._weight_in_run_layout())
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> FusedBlock:
         """``.to()``, ``.cuda()``, ...; then the weight's layout (:meth:`_weight_in_run_layout`)."""
@@ -239,9 +241,13 @@ class FusedBlock(nn.Module):
         :meth:`_runs_channels_last`): cuDNN would otherwise copy the weight into that layout on
         every forward and backward, and its gradient back. Done when the block is made or
         moved, before an optimizer or DistributedDataParallel sees the parameter (DDP's
-        gradient buckets follow the parameters' layout); the values are unchanged."""
+        gradient buckets follow the parameters' layout); the values are unchanged. Optimizer
+        state made for the other layout (loaded from an unfused model's checkpoint, or made
+        before ``fuse(model, inplace=True)``): see :func:`match_optimizer_state`. A
+        parametrized weight (e.g. weight norm) or a tensor subclass is left as it is."""
         weight = self.synapse.weight
-        if self._kind is not nn.Conv2d or not weight.is_cuda:
+        plain = isinstance(weight, nn.Parameter) and type(weight.data) is torch.Tensor
+        if self._kind is not nn.Conv2d or not weight.is_cuda or not plain:
             return
         layout = torch.channels_last
         if not weight.is_contiguous(memory_format=layout):
@@ -701,6 +707,31 @@ class SpikePool(nn.Module):
         if self._kind is nn.MaxPool2d and is_spikes(merged):  # the maximum of spikes: spikes
             mark_spikes(out)
         return out.unflatten(0, x.shape[:2])
+
+
+def match_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+    """Lay each per-parameter optimizer buffer (momentum, Adam's moments, ...) out like its
+    parameter; returns how many were copied.
+
+    Fused Conv2d blocks keep their weights channels-last on CUDA. Optimizer state loaded from
+    a checkpoint of the unfused model (``optimizer.load_state_dict`` keeps the saved layout),
+    or made before ``fuse(model, inplace=True)``, is then laid out differently from its
+    parameter: foreach optimizers fall back to their slow path and ``fused=True`` Adam/AdamW
+    refuse the mix. Call this after loading. Values are unchanged."""
+    copied = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for name, buffer in state.items():
+                if (
+                    isinstance(buffer, Tensor)
+                    and buffer.shape == param.shape
+                    and buffer.dim() > 1
+                    and buffer.stride() != param.stride()
+                ):
+                    state[name] = torch.empty_like(param, dtype=buffer.dtype).copy_(buffer)
+                    copied += 1
+    return copied
 
 
 class FusedConvBNNeuron(FusedBlock):
