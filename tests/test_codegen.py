@@ -399,6 +399,10 @@ def test_launch_plans_read_the_layout_once_per_geometry():
     assert plan.memory == plan.steps == (contiguous.shape, contiguous.stride())
     assert plan.kernel.vec == 4 and _plan_of(contiguous, aligned=False).kernel.vec == 1
     assert _plan_of(contiguous) is plan  # cached
+    assert plan.channel_tiles == 0  # forward: the packed Args are those the old call packed
+    constants = [0.25] * len(plan.kernel.constant_names)
+    want = plan.kernel.pack_args({"x_seq": 16}, 10, 1152, 0.5, 0.0, constants, (8, 36))
+    assert plan.args({"x_seq": 16}, 0.5, constants) == want
     channels_last = torch.zeros(10, 4, 6, 6, 8).permute(0, 1, 4, 2, 3)
     plan = _plan_of(channels_last)
     assert (plan.layout, plan.copy, plan.steps[1]) == ((8, 1), False, channels_last.stride())

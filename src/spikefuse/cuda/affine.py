@@ -214,6 +214,28 @@ class _Plan:
     channel_tiles: int  # backward: see _bptt_grid
     per_sum: int  # backward pass 1: partial sums per sum
 
+    def args(
+        self,
+        pointers: dict[str, int],
+        v_init: float,
+        constants: list[float],
+        inv_count: float = 0.0,
+    ) -> bytes:
+        """The kernel's packed ``Args`` for this call's pointers and values."""
+        return self.kernel.pack_args(
+            pointers,
+            self.T,
+            self.N,
+            v_init,
+            0.0,  # w_init: one-state neurons
+            constants,
+            self.layout,
+            inv_count,
+            channel_tiles=self.channel_tiles,
+            pool_width=self.pool_width,
+            x_step=self.x_step,
+        )
+
 
 @functools.lru_cache(maxsize=256)
 def _plan(
@@ -339,18 +361,7 @@ def affine_fptt(
             "residual_seq": pointer(residual),
             **_bn_pointers(mean, invstd, weight, bias),
         }
-        args = plan.kernel.pack_args(
-            pointers,
-            plan.T,
-            plan.N,
-            v_init,
-            0.0,
-            constants,
-            plan.layout,
-            pool_width=plan.pool_width,
-            x_step=plan.x_step,
-        )
-        launch(plan.kernel, True, y.device, plan.grid, args)
+        launch(plan.kernel, True, y.device, plan.grid, plan.args(pointers, v_init, constants))
     return spikes, v_ckpt
 
 
@@ -433,19 +444,7 @@ def affine_bptt(
             **_rows(("bn_total_g", "bn_total_gy"), totals),
             **_bn_pointers(mean, invstd, weight, bias),
         }
-        args = plan.kernel.pack_args(
-            pointers,
-            plan.T,
-            plan.N,
-            v_init,
-            0.0,
-            constants,
-            plan.layout,
-            inv_count,
-            channel_tiles=plan.channel_tiles,
-            pool_width=plan.pool_width,
-            x_step=plan.x_step,
-        )
+        args = plan.args(pointers, v_init, constants, inv_count)
         launch(plan.kernel, False, y.device, plan.grid, args)
     if sums is None:  # pass 2
         return out, grad_residual, None
