@@ -227,8 +227,9 @@ class FusedBlock(nn.Module):
         self._recompute_terms_of: dict[tuple[Any, ...], tuple[float, float]] = {}
         self.residual = residual
         self._weight_in_run_layout()
-        # load_state_dict(assign=True) replaces the weight without _apply
-        self.register_load_state_dict_post_hook(lambda block, _: block._weight_in_run_layout())
+        # load_state_dict(assign=True) replaces the weight without _apply (a module-level
+        # function: the hook is pickled with the block)
+        self.register_load_state_dict_post_hook(_weight_layout_after_load)
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> FusedBlock:
         """``.to()``, ``.cuda()``, ...; then the weight's layout (:meth:`_weight_in_run_layout`)."""
@@ -707,6 +708,10 @@ class SpikePool(nn.Module):
         if self._kind is nn.MaxPool2d and is_spikes(merged):  # the maximum of spikes: spikes
             mark_spikes(out)
         return out.unflatten(0, x.shape[:2])
+
+
+def _weight_layout_after_load(block: FusedBlock, incompatible_keys: Any) -> None:
+    block._weight_in_run_layout()
 
 
 def match_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
