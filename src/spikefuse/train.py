@@ -1014,6 +1014,9 @@ class GraphedTrainStep:
     def __init__(self) -> None:
         self.warmed_up: set[tuple] = set()
         self.graphs: dict[tuple, tuple] = {}
+        # Warm-ups and captures share one side stream: cuBLAS keeps a workspace per stream
+        # (32 MiB on Hopper), which a capture on another stream would allocate again.
+        self.stream = torch.cuda.Stream()
 
     def invalidate(self) -> None:
         self.graphs.clear()
@@ -1023,16 +1026,15 @@ class GraphedTrainStep:
         key = (tuple(x.shape), tuple(y.shape))
         if key not in self.warmed_up:
             self.warmed_up.add(key)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
                 loss = step(x, y)
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(self.stream)
             return loss
         entry = self.graphs.get(key)
         if entry is None:  # capture records the step without running it: replayed below
             static_x, static_y, graph = x.clone(), y.clone(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=self.stream):
                 static_loss = step(static_x, static_y)
             entry = self.graphs[key] = (graph, static_x, static_y, static_loss)
         graph, static_x, static_y, static_loss = entry

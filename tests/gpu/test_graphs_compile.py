@@ -143,6 +143,45 @@ def test_cuda_graph_replay_matches_eager(case, fused, amp):
     assert err <= 1e-5, f"worst normalised error {err:.2e} over the loss and the gradients"
 
 
+def peak_growth(run) -> int:
+    """Bytes ``run()`` allocated at its peak above what was allocated before, starting with no
+    cuBLAS workspaces (cuBLAS keeps one per stream it ran on, for the life of the process)."""
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+@AMP
+def test_capture_needs_no_more_memory_than_eager_steps(case, amp):
+    """capture_step captures on its warm-up stream, so the capture reuses the cuBLAS workspace
+    the warm-up made there; captured on another stream, the graph's pool gets one more (32 MiB
+    on Hopper: the medium network's graphed step peaked 65 MiB above its eager step)."""
+    base, x, labels = case
+    net = fuse(base)
+
+    def step():
+        for p in net.parameters():
+            p.grad = None
+        loss_and_grads(net, x, labels, amp)
+
+    def eager_steps():
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            for _ in range(4):
+                step()
+
+    eager_peak = peak_growth(eager_steps)
+    graphed_peak = peak_growth(lambda: capture_step(step))
+    assert graphed_peak <= 1.05 * eager_peak + 2**20, (
+        f"capture peaked {graphed_peak / 2**20:.1f} MiB above what was allocated before, "
+        f"eager steps {eager_peak / 2**20:.1f} MiB"
+    )
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @AMP
 @FUSED

@@ -149,6 +149,10 @@ def measure(
         result.error = f"{type(exc).__name__}: {message[0] if message else ''}"[:200]
     finally:
         if device.type == "cuda":
+            # cuBLAS keeps a workspace per stream it ran on (32 MiB on Hopper) for the life of
+            # the process: a variant's peak would count the ones its predecessors' side streams
+            # left behind (as PyTorch's own memory-leak checks do, drop them between variants).
+            torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
     return result
 
