@@ -4,8 +4,10 @@ the report, argument checks and state_dicts that load between fused and unfused 
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -190,6 +192,24 @@ def test_copies_keep_the_unfused_keys(duplicate, tmp_path):
         again = torch.load(tmp_path / "m.pt", weights_only=False)
     assert list(again.state_dict()) == list(fused.state_dict())
     again.load_state_dict(fused.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_dropped_model_is_freed_at_once(inplace):
+    """fx's tracer sits in reference cycles; fuse lets go of the model it traced, so a model
+    the user drops (its parameters, a CUDA graph captured from it) is freed at once, not at
+    the next full garbage collection: session 16 found a dropped fused model's graph pool
+    held until then."""
+    gc.collect()
+    gc.disable()
+    try:
+        net = Net()
+        fused = fuse(net, inplace=inplace)
+        refs = [weakref.ref(net), weakref.ref(fused)]
+        del net, fused
+        assert all(ref() is None for ref in refs)
+    finally:
+        gc.enable()
 
 
 def test_report_names_every_reason_a_chain_is_left_unfused(caplog):

@@ -496,6 +496,21 @@ class _Tracer(fx.Tracer):
         return isinstance(m, _LEAVES) or super().is_leaf_module(m, module_qualified_name)
 
 
+def _traced(module: nn.Module, **kwargs: Any) -> fx.Graph:
+    """``module``'s forward graph, by a tracer that lets go of the module afterwards.
+
+    fx's tracer ends up in reference cycles of its own (recursive closures, proxies), so only
+    a full garbage collection frees it. It refers to the module, its submodules and their
+    tensors. Left as it is, the tracer would keep a model that the user has dropped alive, with
+    its parameters and any CUDA graph captured from it, until that collection.
+    """
+    tracer = _Tracer()
+    try:
+        return tracer.trace(module, **kwargs)
+    finally:
+        tracer.__dict__.clear()
+
+
 def _trace(module: nn.Module) -> list[tuple[str, fx.Graph]]:
     """The forward's graphs in training and in eval mode (``training`` flags are restored),
     each also with the forward's optional arguments at their defaults if it has any (traced
@@ -509,9 +524,9 @@ def _trace(module: nn.Module) -> list[tuple[str, fx.Graph]]:
             for m, _ in flags:
                 m.training = training
             mode = "training mode" if training else "eval mode"
-            graphs.append((mode, _Tracer().trace(module)))
+            graphs.append((mode, _traced(module)))
             if defaults:
-                graph = _Tracer().trace(module, concrete_args=defaults)
+                graph = _traced(module, concrete_args=defaults)
                 graphs.append((f"{mode} with default arguments", graph))
     finally:
         for m, was_training in flags:
