@@ -194,20 +194,24 @@ def test_copies_keep_the_unfused_keys(duplicate, tmp_path):
     again.load_state_dict(fused.state_dict(), strict=True)
 
 
+@pytest.mark.parametrize("copied", [False, True], ids=["fused", "deepcopy"])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_a_dropped_model_is_freed_at_once(inplace):
-    """fx's tracer sits in reference cycles; fuse lets go of the model it traced, so a model
-    the user drops (its parameters, a CUDA graph captured from it) is freed at once, not at
-    the next full garbage collection: session 16 found a dropped fused model's graph pool
-    held until then."""
+def test_a_dropped_model_is_freed_at_once(inplace, copied):
+    """fx's tracer and a rewritten forward's GraphModule sit in reference cycles; fuse breaks
+    them, so a model the user drops (its modules and parameters, a CUDA graph captured from
+    it) is freed at once, not at the next full garbage collection: session 16 found a dropped
+    fused model's graph pool held until then. Net's blocks have rewritten forwards."""
     gc.collect()
     gc.disable()
     try:
         net = Net()
         fused = fuse(net, inplace=inplace)
-        refs = [weakref.ref(net), weakref.ref(fused)]
+        if copied:
+            net = fused = copy.deepcopy(fused)
+        refs = [weakref.ref(t) for t in (net, *fused.modules(), *fused.parameters())]
         del net, fused
-        assert all(ref() is None for ref in refs)
+        alive = sum(ref() is not None for ref in refs)
+        assert alive == 0, f"{alive} of {len(refs)} modules and parameters outlive the model"
     finally:
         gc.enable()
 

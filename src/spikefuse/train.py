@@ -35,6 +35,7 @@ from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.extras import require
 from spikefuse.fused import fuse, match_optimizer_state
 from spikefuse.fused.blocks import MEMORY_MODES
+from spikefuse.graphs import capturing
 
 CHECKPOINT_FORMAT = "spikefuse.train.digits"
 # Version 2 added the "sha256" checksum of the payload; version 3 the model and data set to
@@ -1014,8 +1015,7 @@ class GraphedTrainStep:
     def __init__(self) -> None:
         self.warmed_up: set[tuple] = set()
         self.graphs: dict[tuple, tuple] = {}
-        # Warm-ups and captures share one side stream: cuBLAS keeps a workspace per stream
-        # (32 MiB on Hopper), which a capture on another stream would allocate again.
+        # Warm-ups and captures share one side stream (see spikefuse.graphs.capturing).
         self.stream = torch.cuda.Stream()
 
     def invalidate(self) -> None:
@@ -1034,7 +1034,7 @@ class GraphedTrainStep:
         entry = self.graphs.get(key)
         if entry is None:  # capture records the step without running it: replayed below
             static_x, static_y, graph = x.clone(), y.clone(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream):
+            with capturing(graph, self.stream):
                 static_loss = step(static_x, static_y)
             entry = self.graphs[key] = (graph, static_x, static_y, static_loss)
         graph, static_x, static_y, static_loss = entry

@@ -659,8 +659,18 @@ def _rewrite_forward(module: nn.Module, path: str, synapses: set[str]) -> tuple[
     rewritten = fx.GraphModule(module, graph, class_name=type(module).__name__)
     for attribute in ("_modules", "_parameters", "_buffers"):  # the module's own, shared
         rewritten.__dict__[attribute] = module.__dict__[attribute]
+    _drop_graph_owner(rewritten)
+    rewritten._register_deepcopy_hook(_drop_graph_owner)
     module.forward = rewritten.forward
     return "", chains
+
+
+def _drop_graph_owner(rewritten: fx.GraphModule) -> None:
+    """Break the cycle between a GraphModule and its graph (``graph.owning_module``), which
+    would keep the module's children alive after the model is dropped, until a full garbage
+    collection. The generated forward does not use it. Run on the original and on deep copies.
+    A pickled copy is rebuilt by tracing its code again, which brings back such cycles."""
+    rewritten.graph.owning_module = None
 
 
 class FusedAttributeError(SpikefuseError, AttributeError):
