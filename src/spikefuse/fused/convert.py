@@ -669,7 +669,8 @@ def _drop_graph_owner(rewritten: fx.GraphModule) -> None:
     """Break the cycle between a GraphModule and its graph (``graph.owning_module``), which
     would keep the module's children alive after the model is dropped, until a full garbage
     collection. The generated forward does not use it. Run on the original and on deep copies.
-    A pickled copy is rebuilt by tracing its code again, which brings back such cycles."""
+    A pickled copy is rebuilt by tracing its code again, which brings back such cycles.
+    ``graph.eliminate_dead_code()`` needs the owner: nothing here calls it."""
     rewritten.graph.owning_module = None
 
 
