@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+R = TypeVar("R")
+
+
+def run_on(stream: torch.cuda.Stream, fn: Callable[[], R]) -> R:
+    """``fn()`` on ``stream``, after the current stream's queued work and before its later
+    work: how a warm-up before a capture runs on the side stream."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        result = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return result
 
 
 def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> torch.cuda.graph:
@@ -34,12 +47,13 @@ def capture_step(step: Callable[[], object], warmup: int = 3) -> Callable[[], No
     The capture runs through :func:`capturing`, on the warm-up stream: its peak memory is the
     eager step's.
     """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+
+    def warm_up() -> None:
         for _ in range(warmup):
             step()
-    torch.cuda.current_stream().wait_stream(stream)
+
+    stream = torch.cuda.Stream()
+    run_on(stream, warm_up)
     graph = torch.cuda.CUDAGraph()
     with capturing(graph, stream):
         step()

@@ -35,7 +35,7 @@ from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.extras import require
 from spikefuse.fused import fuse, match_optimizer_state
 from spikefuse.fused.blocks import MEMORY_MODES
-from spikefuse.graphs import capturing
+from spikefuse.graphs import capturing, run_on
 
 CHECKPOINT_FORMAT = "spikefuse.train.digits"
 # Version 2 added the "sha256" checksum of the payload; version 3 the model and data set to
@@ -1026,11 +1026,7 @@ class GraphedTrainStep:
         key = (tuple(x.shape), tuple(y.shape))
         if key not in self.warmed_up:
             self.warmed_up.add(key)
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                loss = step(x, y)
-            torch.cuda.current_stream().wait_stream(self.stream)
-            return loss
+            return run_on(self.stream, lambda: step(x, y))
         entry = self.graphs.get(key)
         if entry is None:  # capture records the step without running it: replayed below
             static_x, static_y, graph = x.clone(), y.clone(), torch.cuda.CUDAGraph()
