@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 scripts/ddp_check.py --dtype float32 --steps 5
     torchrun --nproc_per_node=2 scripts/ddp_check.py --model sew_resnet18 --memory min
     torchrun --nproc_per_node=2 scripts/ddp_check.py --repeated   # input images.expand(T, ...)
+    torchrun --nproc_per_node=2 scripts/ddp_check.py --share-gpu  # a 1-GPU machine: gloo on cuda:0
 
 Every rank trains the DDP-wrapped fused model on its slice of a global batch and, alongside, a
 copy that sees the whole batch with BatchNorm synchronised over a group of itself only (the
@@ -26,6 +27,11 @@ chains) would be per-process under plain DDP, so they become
 subclasses). torch's SyncBatchNorm runs on CUDA only, so such a model (``spiking_resnet19``) is
 refused on CPU; ``cnn`` and ``sew_resnet18`` (every BN fused) run on CPU with gloo too. cuDNN's
 TF32 is switched off: both sides must run the same float32 arithmetic.
+
+``--share-gpu`` runs every rank on cuda:0 and communicates through gloo (NCCL refuses two ranks on
+one device): on a machine with one GPU this checks the same synchronisation (the fused blocks'
+all-reduces, DDP's gradient buckets, SyncBatchNorm's gloo path) with the same CUDA kernels; only
+the transport differs from NCCL.
 """
 
 from __future__ import annotations
@@ -161,7 +167,8 @@ def build_model(
         raise SystemExit(
             f"{network} keeps BatchNorms outside fused blocks ({', '.join(unfused)}), which DDP "
             "needs synchronised, and torch.nn.SyncBatchNorm runs on CUDA only: run this check "
-            "on GPUs (torchrun --nproc_per_node=2 on a machine with 2 GPUs)"
+            "on GPUs (torchrun --nproc_per_node=2 on a machine with 2 GPUs, or with --share-gpu "
+            "on one)"
         )
     synchronise_unfused_batchnorms(fused, group)
     return fused.to(device=device, dtype=dtype)
@@ -272,12 +279,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="default: float32 on GPUs (fused CUDA kernels), float64 on CPU",
     )
+    parser.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="every rank on cuda:0, communicating through gloo (a machine with one GPU)",
+    )
     args = parser.parse_args(argv)
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(
-        os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if args.share_gpu and not torch.cuda.is_available():
+        parser.error("--share-gpu needs a CUDA GPU, and PyTorch sees none")
+    use_cuda = args.share_gpu or (
+        torch.cuda.is_available()
+        and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     )
     if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        rank = 0 if args.share_gpu else int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -285,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     # Both sides run the same float32 arithmetic; cuDNN's TF32 would round convolution inputs
     # to 10 mantissa bits, its algorithms (chosen per batch size) differently, flipping spikes.
     torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dist.init_process_group("nccl" if use_cuda and not args.share_gpu else "gloo")
     ok = True
     try:
         for dtype in dtypes:

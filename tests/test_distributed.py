@@ -96,14 +96,31 @@ def test_resnet19_is_refused_on_cpu_naming_its_unfused_batchnorms():
         assert "SyncBatchNorm runs on CUDA only" in output, output
 
 
-def test_unfused_batchnorms_become_multi_step_sync_batchnorms_computing_the_same(monkeypatch):
-    """Without a process group torch's SyncBatchNorm is BatchNorm: the converted ResNet-19
-    computes what the fused one does, with the same parameters and buffers (shared)."""
+def _ddp_check_module(monkeypatch: pytest.MonkeyPatch):
+    """scripts/ddp_check.py imported as a module."""
     spec = importlib.util.spec_from_file_location("ddp_check", SCRIPT)
     assert spec is not None and spec.loader is not None
     ddp_check = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "ddp_check", ddp_check)  # its dataclasses look it up
     spec.loader.exec_module(ddp_check)
+    return ddp_check
+
+
+def test_sharing_a_gpu_needs_one(monkeypatch, capsys):
+    """--share-gpu (every rank on cuda:0 through gloo) refuses to run without a GPU, before
+    any process group is set up."""
+    ddp_check = _ddp_check_module(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stopped:
+        ddp_check.main(["--share-gpu"])
+    assert stopped.value.code == 2
+    assert "--share-gpu needs a CUDA GPU, and PyTorch sees none" in capsys.readouterr().err
+
+
+def test_unfused_batchnorms_become_multi_step_sync_batchnorms_computing_the_same(monkeypatch):
+    """Without a process group torch's SyncBatchNorm is BatchNorm: the converted ResNet-19
+    computes what the fused one does, with the same parameters and buffers (shared)."""
+    ddp_check = _ddp_check_module(monkeypatch)
     torch.manual_seed(0)
     fused = fuse(ddp_check.NETWORKS["spiking_resnet19"].build()).double()
     synced = copy.deepcopy(fused)
