@@ -29,9 +29,10 @@ refused on CPU; ``cnn`` and ``sew_resnet18`` (every BN fused) run on CPU with gl
 TF32 is switched off: both sides must run the same float32 arithmetic.
 
 ``--share-gpu`` runs every rank on cuda:0 and communicates through gloo (NCCL refuses two ranks on
-one device): on a machine with one GPU this checks the same synchronisation (the fused blocks'
-all-reduces, DDP's gradient buckets, SyncBatchNorm's gloo path) with the same CUDA kernels; only
-the transport differs from NCCL.
+one device): on a machine with one GPU this checks the fused blocks' synchronisation (their
+all-reduces), DDP's gradient buckets and the CUDA kernels. It is not the NCCL run: SyncBatchNorm
+takes its gloo code path (``all_gather`` of a list), and gloo's CUDA collectives copy through the
+host and synchronise, so a stream-ordering fault that NCCL would expose goes unseen.
 """
 
 from __future__ import annotations
@@ -292,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     )
     if use_cuda:
-        rank = 0 if args.share_gpu else int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", rank)
+        index = 0 if args.share_gpu else int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

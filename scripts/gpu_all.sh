@@ -17,11 +17,12 @@ case "$task" in
     # DDP equivalence in float32: the CNN, then the ResNets in each memory mode. Two ranks on
     # two GPUs through NCCL; on one GPU both ranks share it through gloo (NCCL refuses that).
     gpus="$(python3 -c 'import torch; print(torch.cuda.device_count())')"
+    [[ $gpus =~ ^[0-9]+$ ]] || gpus=0  # torch did not say (the GPU check above failed too)
     share=""; [[ $gpus -lt 2 ]] && share="--share-gpu"
-    : > "$OUT/ddp_check.log"
     if [[ $gpus -lt 1 ]]; then
       echo "DDP check: SKIPPED (needs a GPU)" | tee "$OUT/ddp_check.log"
     else
+      : > "$OUT/ddp_check.log"
       for run in "cnn default" "cnn default --repeated" "sew_resnet18 default" \
                  "sew_resnet18 min" "sew_resnet18 auto" "spiking_resnet19 default" \
                  "spiking_resnet19 min" "spiking_resnet19 auto"; do

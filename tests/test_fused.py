@@ -28,7 +28,6 @@ from spikefuse.fused import (
     paper_lif,
     recompute,
 )
-from spikefuse.fused.blocks import _channels_last_strides
 from spikefuse.fused.neuron_call import NeuronCall
 
 T, B = 3, 4
@@ -677,20 +676,6 @@ def test_input_repeated_over_time_that_needs_a_gradient_runs_every_step():
     with _ConvBatchSizes() as convs:
         fused(base.expand(T, -1, -1, -1, -1))
     assert convs.batches[0] == T * B
-
-
-def test_conv_weights_get_the_channels_last_strides_of_their_gradients():
-    """The layout a fused Conv2d's weight is kept in on CUDA: channels-last with the strides
-    cuDNN gives its gradient, also for a 1x1 kernel, whose contiguous strides already count as
-    channels-last for ``is_contiguous`` (DDP compares the strides themselves)."""
-    one_by_one = torch.randn(8, 4, 1, 1)
-    assert one_by_one.is_contiguous(memory_format=torch.channels_last)
-    laid_out = _channels_last_strides(one_by_one)
-    assert laid_out.stride() == (4, 1, 4, 4) and torch.equal(laid_out, one_by_one)
-    assert _channels_last_strides(laid_out) is laid_out  # no copy once laid out
-    three_by_three = torch.randn(8, 4, 3, 3)
-    expected = torch.empty(8, 4, 3, 3, memory_format=torch.channels_last).stride()
-    assert _channels_last_strides(three_by_three).stride() == expected
 
 
 def test_optimizer_state_is_laid_out_like_its_parameters():

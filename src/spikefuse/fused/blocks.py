@@ -250,12 +250,11 @@ class FusedBlock(nn.Module):
         plain = isinstance(weight, nn.Parameter) and type(weight.data) is torch.Tensor
         if self._kind is not nn.Conv2d or not weight.is_cuda or not plain:
             return
-        for attribute in ("data", "grad"):
-            tensor = getattr(weight, attribute)
-            if tensor is not None:
-                laid_out = _channels_last_strides(tensor)
-                if laid_out is not tensor:
-                    setattr(weight, attribute, laid_out)
+        layout = torch.channels_last
+        if not weight.is_contiguous(memory_format=layout):
+            weight.data = weight.data.contiguous(memory_format=layout)
+        if weight.grad is not None and not weight.grad.is_contiguous(memory_format=layout):
+            weight.grad = weight.grad.contiguous(memory_format=layout)
 
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
@@ -590,18 +589,6 @@ class FusedBlock(nn.Module):
             store_v_seq=False,
         )
         return self._pooled(spikes, 1)
-
-
-def _channels_last_strides(t: Tensor) -> Tensor:
-    """``t`` [N, C, H, W] laid out channels-last with exactly the strides cuDNN gives the
-    gradient (a copy where they differ): ``is_contiguous`` ignores the strides of size-1
-    dimensions, so a 1x1 kernel's contiguous weight passes it, while its gradient comes with
-    channels-last strides and DistributedDataParallel then copies it into its bucket (and warns
-    "Grad strides do not match bucket view strides") at every step."""
-    n, c, h, w = t.shape
-    if t.stride() == (c * h * w, 1, w * c, c):
-        return t
-    return torch.empty_like(t, memory_format=torch.channels_last).copy_(t)
 
 
 def _channels_last(recipe: Recipe) -> Recipe:
