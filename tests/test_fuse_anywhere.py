@@ -194,19 +194,22 @@ def test_copies_keep_the_unfused_keys(duplicate, tmp_path):
     again.load_state_dict(fused.state_dict(), strict=True)
 
 
-@pytest.mark.parametrize("copied", [False, True], ids=["fused", "deepcopy"])
+@pytest.mark.parametrize("copied", ["fused", "deepcopy", "pickle", "pickle+deepcopy"])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_a_dropped_model_is_freed_at_once(inplace, copied):
     """fx's tracer and a rewritten forward's GraphModule sit in reference cycles; fuse breaks
     them, so a model the user drops (its modules and parameters, a CUDA graph captured from
     it) is freed at once, not at the next full garbage collection: session 16 found a dropped
-    fused model's graph pool held until then. Net's blocks have rewritten forwards."""
+    fused model's graph pool held until then. Net's blocks have rewritten forwards. A copy
+    unpickled (torch.load of a whole model) once traced its code again on load, in a cycle."""
     gc.collect()
     gc.disable()
     try:
         net = Net()
         fused = fuse(net, inplace=inplace)
-        if copied:
+        if "pickle" in copied:
+            net = fused = pickle.loads(pickle.dumps(fused))
+        if "deepcopy" in copied:
             net = fused = copy.deepcopy(fused)
         refs = [weakref.ref(t) for t in (net, *fused.modules(), *fused.parameters())]
         del net, fused

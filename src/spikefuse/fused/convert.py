@@ -656,22 +656,56 @@ def _rewrite_forward(module: nn.Module, path: str, synapses: set[str]) -> tuple[
     for node in graph.nodes:  # string annotations (postponed evaluation) would not pickle
         node.type = None
     graph.lint()
-    rewritten = fx.GraphModule(module, graph, class_name=type(module).__name__)
-    for attribute in ("_modules", "_parameters", "_buffers"):  # the module's own, shared
-        rewritten.__dict__[attribute] = module.__dict__[attribute]
-    _drop_graph_owner(rewritten)
-    rewritten._register_deepcopy_hook(_drop_graph_owner)
-    module.forward = rewritten.forward
+    module.forward = _rewritten_forward(module, graph, type(module).__name__).forward
     return "", chains
 
 
+class _RewrittenForward(fx.GraphModule):
+    """The GraphModule whose code a rewritten module's ``forward`` is, running on that module's
+    own children, parameters and buffers (the same dicts).
+
+    A GraphModule and its graph refer to each other (``graph.owning_module``): that cycle would
+    keep the module's children alive after the model is dropped, until a full garbage
+    collection. The generated forward does not use the owner, so it is dropped here and in deep
+    copies (``graph.eliminate_dead_code()`` needs the owner: nothing here calls it). Pickled
+    (``torch.save`` of a whole model), it keeps its graph: fx's own pickling would trace the
+    code again on load, through a tracer left in a reference cycle that holds the children."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        shared = tuple(self.__dict__[attribute] for attribute in _SHARED)
+        return _unpickled_forward, (*shared, self.graph, type(self).__name__)
+
+
+#: The module's own dicts that its rewritten forward's GraphModule shares.
+_SHARED = ("_modules", "_parameters", "_buffers")
+
+
+def _rewritten_forward(module: nn.Module, graph: fx.Graph, class_name: str) -> _RewrittenForward:
+    """A :class:`_RewrittenForward` of ``graph`` on ``module``'s own dicts."""
+    rewritten = _RewrittenForward(module, graph, class_name=class_name)
+    for attribute in _SHARED:
+        rewritten.__dict__[attribute] = module.__dict__[attribute]
+    _drop_graph_owner(rewritten)
+    rewritten._register_deepcopy_hook(_drop_graph_owner)
+    return rewritten
+
+
 def _drop_graph_owner(rewritten: fx.GraphModule) -> None:
-    """Break the cycle between a GraphModule and its graph (``graph.owning_module``), which
-    would keep the module's children alive after the model is dropped, until a full garbage
-    collection. The generated forward does not use it. Run on the original and on deep copies.
-    A pickled copy is rebuilt by tracing its code again, which brings back such cycles.
-    ``graph.eliminate_dead_code()`` needs the owner: nothing here calls it."""
     rewritten.graph.owning_module = None
+
+
+def _unpickled_forward(
+    modules: dict[str, Any],
+    parameters: dict[str, Any],
+    buffers: dict[str, Any],
+    graph: fx.Graph,
+    class_name: str,
+) -> _RewrittenForward:
+    """Unpickling a :class:`_RewrittenForward`: its graph on the module's dicts (unpickled as
+    the very dicts the module has), without tracing."""
+    root = nn.Module()
+    root.__dict__.update(_modules=modules, _parameters=parameters, _buffers=buffers)
+    return _rewritten_forward(root, graph, class_name)
 
 
 class FusedAttributeError(SpikefuseError, AttributeError):
