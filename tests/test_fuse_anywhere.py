@@ -219,6 +219,50 @@ def test_a_dropped_model_is_freed_at_once(inplace, copied):
         gc.enable()
 
 
+class Stages(nn.Module):
+    """Residual stages written out in the model's own forward, two more ops each."""
+
+    def __init__(self, stages: int) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(conv() for _ in range(stages))
+        self.bns = nn.ModuleList(bn() for _ in range(stages))
+        self.sns = nn.ModuleList(lif() for _ in range(stages))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for synapse, norm, node in zip(self.convs, self.bns, self.sns, strict=True):
+            x = node(norm(synapse(x)) + x) * 1.0 + 0.0
+        return x
+
+
+@pytest.mark.parametrize("duplicate", ["deepcopy", "pickle"])
+def test_copied_rewritten_forwards_run_on_their_own_modules(duplicate):
+    """A copy's rewritten forwards share its modules' dicts (a child replaced later is the one
+    they call) and keep their class names, as fuse made them."""
+    fused = fuse(Net())
+    twin = copy.deepcopy(fused) if duplicate == "deepcopy" else pickle.loads(pickle.dumps(fused))
+    rewritten = [m for m in twin.modules() if "forward" in m.__dict__]
+    assert len(rewritten) == 2
+    for module in rewritten:
+        graph_module = module.__dict__["forward"].__self__
+        for attribute in ("_modules", "_parameters", "_buffers"):
+            assert graph_module.__dict__[attribute] is module.__dict__[attribute]
+        assert type(graph_module).__name__ == type(module).__name__
+
+
+def test_a_long_rewritten_forward_pickles():
+    """A forward of a few hundred fx nodes (its own residual stages) pickles and loads: the
+    graph goes as a flat list of nodes, not as fx's linked nodes, which pickle would walk
+    recursively past Python's recursion limit."""
+
+    torch.manual_seed(0)
+    fused = fuse(randomized(Stages(120)), inplace=True)
+    assert len(fused.__dict__["forward"].__self__.graph.nodes) > 300
+    x = torch.randn(T, B, C, 6, 6, dtype=torch.float64)
+    want = fused(x)
+    functional.reset_net(fused)
+    torch.testing.assert_close(pickle.loads(pickle.dumps(fused))(x), want, **FP64_TOL)
+
+
 def test_report_names_every_reason_a_chain_is_left_unfused(caplog):
     """issue 10: store_v_seq, Izhikevich, 's' mode and Dropout between layers were skipped
     without a word; ModuleList models were not fused at all."""

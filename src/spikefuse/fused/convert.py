@@ -662,18 +662,27 @@ def _rewrite_forward(module: nn.Module, path: str, synapses: set[str]) -> tuple[
 
 class _RewrittenForward(fx.GraphModule):
     """The GraphModule whose code a rewritten module's ``forward`` is, running on that module's
-    own children, parameters and buffers (the same dicts).
+    own children, parameters and buffers (the same dicts, in copies too).
 
     A GraphModule and its graph refer to each other (``graph.owning_module``): that cycle would
     keep the module's children alive after the model is dropped, until a full garbage
-    collection. The generated forward does not use the owner, so it is dropped here and in deep
-    copies (``graph.eliminate_dead_code()`` needs the owner: nothing here calls it). Pickled
-    (``torch.save`` of a whole model), it keeps its graph: fx's own pickling would trace the
-    code again on load, through a tracer left in a reference cycle that holds the children."""
+    collection. The generated forward does not use the owner, so it is dropped
+    (``graph.eliminate_dead_code()`` needs it: nothing here calls it). Copies and pickles
+    (``torch.save`` of a whole model) rebuild the graph from its nodes (:func:`_node_list`):
+    fx's own pickling traces the code again on load, through a tracer left in a reference cycle
+    that holds the children, and its deep copy gives the forward dicts of its own."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         shared = tuple(self.__dict__[attribute] for attribute in _SHARED)
-        return _unpickled_forward, (*shared, self.graph, type(self).__name__)
+        return _rebuilt_forward, (*shared, _node_list(self.graph), type(self).__name__)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _RewrittenForward:
+        # the module's dicts as its own deep copy has them (memo)
+        modules, parameters, buffers = (copy.deepcopy(self.__dict__[a], memo) for a in _SHARED)
+        nodes = _node_list(self.graph)
+        copied = _rebuilt_forward(modules, parameters, buffers, nodes, type(self).__name__)
+        memo[id(self)] = copied
+        return copied
 
 
 #: The module's own dicts that its rewritten forward's GraphModule shares.
@@ -685,24 +694,53 @@ def _rewritten_forward(module: nn.Module, graph: fx.Graph, class_name: str) -> _
     rewritten = _RewrittenForward(module, graph, class_name=class_name)
     for attribute in _SHARED:
         rewritten.__dict__[attribute] = module.__dict__[attribute]
-    _drop_graph_owner(rewritten)
-    rewritten._register_deepcopy_hook(_drop_graph_owner)
+    rewritten.graph.owning_module = None
     return rewritten
 
 
-def _drop_graph_owner(rewritten: fx.GraphModule) -> None:
-    rewritten.graph.owning_module = None
+@dataclass(frozen=True)
+class _NodeRef:
+    """A graph node named in another node's arguments, in :func:`_node_list`."""
+
+    name: str
 
 
-def _unpickled_forward(
+#: (op, name, target, args, kwargs) of each node of a graph, in order.
+_NodeList = list[tuple[str, str, Any, Any, Any]]
+
+
+def _node_list(graph: fx.Graph) -> _NodeList:
+    """``graph``'s nodes as a flat list, the nodes in their arguments as :class:`_NodeRef`:
+    what a rewritten forward pickles and copies (the Graph itself would pickle fx's internals,
+    and recursively along its linked nodes: a few hundred exceed Python's recursion limit)."""
+
+    def ref(node: fx.Node) -> Any:  # a _NodeRef
+        return _NodeRef(node.name)
+
+    return [
+        (n.op, n.name, n.target, fx.node.map_arg(n.args, ref), fx.node.map_arg(n.kwargs, ref))
+        for n in graph.nodes
+    ]
+
+
+def _rebuilt_forward(
     modules: dict[str, Any],
     parameters: dict[str, Any],
     buffers: dict[str, Any],
-    graph: fx.Graph,
+    nodes: _NodeList,
     class_name: str,
 ) -> _RewrittenForward:
-    """Unpickling a :class:`_RewrittenForward`: its graph on the module's dicts (unpickled as
-    the very dicts the module has), without tracing."""
+    """A :class:`_RewrittenForward` rebuilt from :func:`_node_list` on the module's dicts
+    (unpickled or deep-copied as the very dicts the module has), without tracing."""
+    graph: fx.Graph = fx.Graph()
+    made: dict[str, fx.Node] = {}
+
+    def node(argument: Any) -> Any:
+        return made[argument.name] if isinstance(argument, _NodeRef) else argument
+
+    for op, name, target, args, kwargs in nodes:
+        args, kwargs = fx.node.map_aggregate(args, node), fx.node.map_aggregate(kwargs, node)
+        made[name] = graph.create_node(op, target, args, kwargs, name=name)
     root = nn.Module()
     root.__dict__.update(_modules=modules, _parameters=parameters, _buffers=buffers)
     return _rewritten_forward(root, graph, class_name)
