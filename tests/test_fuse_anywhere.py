@@ -626,6 +626,36 @@ def test_residual_chain_of_a_forward_that_differs_by_mode_stays_unfused():
     assert_equivalent(model, fused, torch.randn(T, B, C, 8, 8, dtype=torch.float64) * 2)
 
 
+@pytest.mark.parametrize("tensor", ["attribute", "constant"])
+def test_residual_chain_of_a_forward_reading_plain_tensors_stays_unfused(tensor):
+    """A forward that reads a tensor that is no parameter, buffer or submodule (a plain
+    attribute, or a constant it makes, which fx's tracer stores on the module) is not
+    rewritten: the rewritten forward runs on the module's parameters, buffers and submodules,
+    and failed on its first call. The tracer's constants do not stay on the model."""
+
+    class ReadsTensor(ResidualBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.tensor(0.5, dtype=torch.float64)
+
+        def forward(self, x):
+            out = self.bn2(self.conv2(self.sn1(self.bn1(self.conv1(x)))))
+            scale = self.scale if tensor == "attribute" else torch.tensor(0.5, dtype=torch.float64)
+            return self.sn2(out + x * scale)
+
+    torch.manual_seed(0)
+    model = randomized(ReadsTensor())
+    attributes = set(model.__dict__)
+    fused, report = fuse(model, return_report=True)
+    skipped = {s.modules: s.reason for s in report.skipped}
+    assert (
+        "reads tensors that are no parameter, buffer or submodule"
+        in skipped[("conv2", "bn2", "sn2")]
+    )
+    assert not report.rewritten and set(fused.__dict__) == set(model.__dict__) == attributes
+    assert_equivalent(model, fused, torch.randn(T, B, C, 8, 8, dtype=torch.float64) * 2)
+
+
 def test_residual_blocks_check_their_call_before_any_state_changes():
     block = FusedBlock(conv(), bn(), lif(), residual=True).double()
     x = torch.rand(T, B, C, 6, 6, dtype=torch.float64)

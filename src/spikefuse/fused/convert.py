@@ -503,12 +503,31 @@ def _traced(module: nn.Module, **kwargs: Any) -> fx.Graph:
     a full garbage collection frees it. It refers to the module, its submodules and their
     tensors. Left as it is, the tracer would keep a model that the user has dropped alive, with
     its parameters and any CUDA graph captured from it, until that collection.
+
+    fx stores each tensor the forward makes itself (``torch.tensor(2.0)``) on the module as a
+    ``_tensor_constant<i>`` attribute; those are removed again: the model stays as it was (a
+    graph that reads them is not run: see :func:`_plain_attributes`).
     """
     tracer = _Tracer()
+    before = set(module.__dict__)
     try:
         return tracer.trace(module, **kwargs)
     finally:
         tracer.__dict__.clear()
+        for name in set(module.__dict__) - before:
+            delattr(module, name)
+
+
+def _plain_attributes(graph: fx.Graph, module: nn.Module) -> list[str]:
+    """The attributes of ``module`` that ``graph`` reads (``get_attr``) and that are no
+    parameter, buffer or submodule: a plain tensor attribute, or a constant the forward made.
+    A rewritten forward runs on the module's parameters, buffers and submodules only."""
+    names = {
+        *(name for name, _ in module.named_parameters()),
+        *(name for name, _ in module.named_buffers()),
+        *(name for name, _ in module.named_modules()),
+    }
+    return [n.target for n in graph.nodes if n.op == "get_attr" and n.target not in names]
 
 
 def _trace(module: nn.Module) -> list[tuple[str, fx.Graph]]:
@@ -630,6 +649,14 @@ def _rewrite_forward(module: nn.Module, path: str, synapses: set[str]) -> tuple[
         return (
             f"the forward of {_display(path)} differs between training and eval mode or with its "
             "optional arguments; residual chains fuse where it does not",
+            [],
+        )
+    plain = _plain_attributes(graphs[0][1], module)
+    if plain:
+        return (
+            f"the forward of {_display(path)} reads tensors that are no parameter, buffer or "
+            f"submodule ({', '.join(map(str, plain))}: a plain attribute, or a constant it makes); "
+            "register them as buffers for residual chains to fuse",
             [],
         )
     findings = _merge([(label, _examine(graph, module, path)) for label, graph in graphs], path)
