@@ -157,9 +157,10 @@ def peak_growth(run) -> int:
 
 @AMP
 def test_capture_needs_no_more_memory_than_eager_steps(case, amp):
-    """capture_step captures on its warm-up stream, so the capture reuses the cuBLAS workspace
-    the warm-up made there; captured on another stream, the graph's pool gets one more (32 MiB
-    on Hopper: the medium network's graphed step peaked 65 MiB above its eager step)."""
+    """capture_step warms up and captures on one side stream, through capturing(): the
+    warm-up's cuBLAS workspace is dropped and the capture allocates its own in the graph's
+    pool. Captured on a fresh stream without the drop, the graph's pool got one workspace more
+    (32 MiB on Hopper: the medium network's graphed step peaked 65 MiB above its eager step)."""
     base, x, labels = case
     net = fuse(base)
 

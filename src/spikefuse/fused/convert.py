@@ -704,10 +704,9 @@ class _RewrittenForward(fx.GraphModule):
         return _rebuilt_forward, (*shared, _node_list(self.graph), type(self).__name__)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _RewrittenForward:
-        # the module's dicts as its own deep copy has them (memo)
-        modules, parameters, buffers = (copy.deepcopy(self.__dict__[a], memo) for a in _SHARED)
-        nodes = _node_list(self.graph)
-        copied = _rebuilt_forward(modules, parameters, buffers, nodes, type(self).__name__)
+        # what pickling keeps, with the module's dicts as its own deep copy has them (memo)
+        rebuild, (*shared, nodes, class_name) = self.__reduce__()
+        copied = rebuild(*copy.deepcopy(shared, memo), nodes, class_name)
         memo[id(self)] = copied
         return copied
 
