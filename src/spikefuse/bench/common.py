@@ -16,7 +16,7 @@ import csv
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -113,6 +113,36 @@ def time_step(fn: Callable[[], object], device: torch.device, *, warmup: int, it
     torch.cuda.synchronize(device)
     queued = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
     return Timing(statistics.median(synced), statistics.median(queued), statistics.median(host))
+
+
+def time_interleaved(
+    steps: Mapping[str, Callable[[], object]],
+    device: torch.device,
+    *,
+    warmup: int,
+    iters: int,
+    rounds: int,
+) -> dict[str, Timing]:
+    """:func:`time_step` of several steps in ``rounds`` rounds, each timing every step once
+    (``iters`` calls after ``warmup``), in turn; per step the median of its rounds' medians.
+
+    For comparing steps with each other: the host's pace drifts within a process (clock,
+    caches, other work on the machine) by more than the differences between neurons, and one
+    step timed after another would carry that drift into their ratio."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    runs: dict[str, list[Timing]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            runs[name].append(time_step(fn, device, warmup=warmup, iters=iters))
+    return {
+        name: Timing(
+            statistics.median(t.synced for t in timings),
+            statistics.median(t.queued for t in timings),
+            statistics.median(t.host for t in timings),
+        )
+        for name, timings in runs.items()
+    }
 
 
 def measure(

@@ -17,7 +17,9 @@ mode="reduce-overhead")`` (inductor replays it from CUDA graphs); "autograd floo
 launches nothing (PyTorch's host floor for any eager module's forward + backward), "compiled
 floor" the same op under ``torch.compile`` (the floor of any compiled module: its runtime
 wrappers). A second table compares every one-state neuron and Izhikevich with LIF on the cuda
-backend.
+backend, timed in interleaved rounds (``--rounds``; each round times every neuron in turn, a
+neuron's figure is the median of its rounds) and given as ratios to LIF: the host's pace drifts
+within a process by more than the neurons differ.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .common import (
     BenchResult,
     format_table,
     require_plots,
+    time_interleaved,
     time_step,
     write_csv,
 )
@@ -151,6 +154,20 @@ class _KernelsOnly:
         return out.spikes
 
 
+def _peak_mib(step: Callable[[], None], device: torch.device) -> float:
+    """The peak allocation of one ``step()`` above what was allocated before it, in MiB."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / MIB
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}"
+
+
 def _measure(
     bench: str,
     variant: str,
@@ -174,16 +191,55 @@ def _measure(
             step = capture_step(step)
         timing = time_step(step, device, warmup=warmup, iters=iters)
         r.ms, r.queued_ms, r.host_ms = timing.synced, timing.queued, timing.host
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        r.peak_mib = (torch.cuda.max_memory_allocated(device) - base) / MIB
+        r.peak_mib = _peak_mib(step, device)
         r.note = f"{floor_bytes / r.queued_ms / 1e6:.0f} GB/s"
     except Exception as exc:  # one failing variant must not end the run
-        r.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}"
+        r.error = _error(exc)
     return r
+
+
+def _compare_neurons(
+    makers: dict[str, Callable[[], neuron.BaseNode]],
+    dtype: str,
+    T: int,
+    x: torch.Tensor,
+    g: torch.Tensor,
+    device: torch.device,
+    floor_bytes: int,
+    *,
+    warmup: int,
+    iters: int,
+    rounds: int,
+) -> list[BenchResult]:
+    """One row per neuron (the first is the baseline the others' ratio is to), timed in
+    interleaved rounds (:func:`~spikefuse.bench.common.time_interleaved`): their ratios are
+    what the table is for."""
+    rows = {label: BenchResult(bench=f"T={T}", variant=label, dtype=dtype) for label in makers}
+    steps: dict[str, Callable[[], None]] = {}
+    for label, make in makers.items():
+        node = make().to(device)
+
+        def run(x: torch.Tensor, node: neuron.BaseNode = node) -> torch.Tensor:
+            node.reset()
+            return node(x)
+
+        step = _step(run, x, g)
+        try:
+            step()  # compiles and loads the kernels: a neuron that cannot run fails alone
+        except Exception as exc:
+            rows[label].error = _error(exc)
+            continue
+        steps[label] = step
+    timings = time_interleaved(steps, device, warmup=warmup, iters=iters, rounds=rounds)
+    baseline = next(iter(makers))
+    for label, step in steps.items():
+        r, timing = rows[label], timings[label]
+        r.ms, r.queued_ms, r.host_ms = timing.synced, timing.queued, timing.host
+        r.peak_mib = _peak_mib(step, device)
+        r.note = f"{floor_bytes / r.queued_ms / 1e6:.0f} GB/s"
+        if baseline in timings:
+            r.note += f", {r.ms / timings[baseline].synced:.2f}x {baseline}"
+    return list(rows.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,8 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="interleaved rounds of the neuron comparison (each times every neuron --iters steps)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     require_plots()
     if not torch.cuda.is_available():
         parser.error("the neuron benchmark needs a CUDA GPU")
@@ -279,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     neuron_results: list[BenchResult] = []
-    nodes = {
+    makers: dict[str, Callable[[], neuron.BaseNode]] = {
         "LIF": lambda: neuron.LIFNode(step_mode="m", backend="cuda"),
         "IF": lambda: neuron.IFNode(step_mode="m", backend="cuda"),
         "PLIF": lambda: neuron.ParametricLIFNode(step_mode="m", backend="cuda"),
@@ -293,28 +357,21 @@ def main(argv: list[str] | None = None) -> int:
             x = x.to(DTYPES[dtype_name]).requires_grad_(True)
             g = torch.randn_like(x)
             floor = 5 * x.numel() * x.element_size()
-            for label, make in nodes.items():
-                compared = make()
-                if isinstance(compared, neuron.ParametricLIFNode):
-                    compared = compared.to(device)
-
-                def run(x, node=compared):
-                    node.reset()
-                    return node(x)
-
-                r = _measure(
-                    f"T={T}",
-                    label,
-                    dtype_name,
-                    run,
-                    x,
-                    g,
-                    device,
-                    floor,
-                    warmup=args.warmup,
-                    iters=args.iters,
-                )
-                neuron_results.append(r)
+            rows = _compare_neurons(
+                makers,
+                dtype_name,
+                T,
+                x,
+                g,
+                device,
+                floor,
+                warmup=args.warmup,
+                iters=args.iters,
+                rounds=args.rounds,
+            )
+            neuron_results += rows
+            for r in rows:
+                print(format_table([r]).splitlines()[-1], r.note, flush=True)
             del x, g
             torch.cuda.empty_cache()
 
@@ -322,7 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(results)
     table_neurons = format_table(neuron_results)
     notes = "\n".join(f"{r.bench} {r.variant} {r.dtype}: {r.note}" for r in results if r.ok)
-    text = f"{header}\n{table}\n\nfloor-traffic bandwidth:\n{notes}\n\nneurons (cuda backend):\n{table_neurons}\n"
+    neuron_notes = "\n".join(
+        f"{r.bench} {r.variant} {r.dtype}: {r.note}" for r in neuron_results if r.ok
+    )
+    text = (
+        f"{header}\n{table}\n\nfloor-traffic bandwidth:\n{notes}\n\n"
+        f"neurons (cuda backend, {args.rounds} interleaved rounds):\n{table_neurons}\n"
+        f"\nfloor-traffic bandwidth, ratio to LIF (synchronised):\n{neuron_notes}\n"
+    )
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "neuron.txt").write_text(text)
