@@ -198,7 +198,8 @@ def _bptt(
     )
     grad_learnable = out.grad_learnable
     if grad_learnable is not None and learnable is not None:
-        grad_learnable = grad_learnable.to(learnable.dtype).view(learnable.shape)
+        if grad_learnable.dtype != learnable.dtype or grad_learnable.shape != learnable.shape:
+            grad_learnable = grad_learnable.to(learnable.dtype).view(learnable.shape)
     return out.grad_x, out.grad_v0, out.grad_w0, grad_learnable
 
 

@@ -29,6 +29,7 @@ from .runtime import (
     checkpoints_like,
     kernel_for,
     launch,
+    learnable_grad_buffers,
     pointer,
     vector_width,
 )
@@ -426,10 +427,13 @@ def affine_bptt(
         out = y if overwrite_y else _empty(plan.memory, y)
     grad_residual = _empty(plan.steps, y) if grad_y and residual is not None else None
     sums = None if grad_y else y.new_empty((2, plan.per_sum), dtype=torch.float32)
-    partial = None
-    if program.learnable and not grad_y:  # every block writes its column
-        shape = (len(program.learnable), plan.grid[0] * plan.grid[1])
-        partial = y.new_empty(shape, dtype=torch.float32) if plan.N else y.new_zeros(shape)
+    grad_learnable, learnable_pointers = (
+        (None, {})
+        if grad_y
+        else learnable_grad_buffers(
+            program, learnable, y, plan.grid[0] * plan.grid[1] if plan.N else 0
+        )
+    )
     if plan.N:
         pointers = {
             "x_seq": y.data_ptr(),
@@ -437,7 +441,7 @@ def affine_bptt(
             "learnable": pointer(learnable),
             "grad_spike_seq": grad_spikes.data_ptr(),
             "grad_x_seq": pointer(out),
-            "grad_learnable_partial": pointer(partial),
+            **learnable_pointers,
             "residual_seq": pointer(residual),
             "grad_residual_seq": pointer(grad_residual),
             **_rows(("grad_sum", "grad_dot"), sums),
@@ -448,7 +452,4 @@ def affine_bptt(
         launch(plan.kernel, False, y.device, plan.grid, args)
     if sums is None:  # pass 2
         return out, grad_residual, None
-    grad_learnable = None
-    if partial is not None and learnable is not None:
-        grad_learnable = partial.sum(dim=1).view(learnable.shape)
     return None, _per_channel_sum(sums, plan.layout), grad_learnable

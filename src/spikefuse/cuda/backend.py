@@ -23,6 +23,7 @@ from .runtime import (
     compiled,
     kernel_for,
     launch,
+    learnable_grad_buffers,
     pointer,
     precompile,
     vector_width,
@@ -138,10 +139,9 @@ def bptt(
     grad_w0 = None if w0 is None or not adaptive else torch.empty_like(w0)
     vec = vector_width(N, x, grad_spikes, grad_v_seq, vec=BPTT_VEC[dtype])
     blocks = blocks_for(N, vec)
-    partial = None
-    if program.learnable:  # every block writes its column; without a launch (N = 0) it sums to 0
-        shape = (len(program.learnable), blocks)
-        partial = x.new_empty(shape, dtype=torch.float32) if N else x.new_zeros(shape)
+    grad_learnable, learnable_pointers = learnable_grad_buffers(
+        program, learnable, x, blocks if N else 0
+    )
     if N:
         kernel = kernel_for(program, dtype, vec)
         v0, w0 = _contiguous(v0), _contiguous(w0)
@@ -160,8 +160,8 @@ def bptt(
             "grad_x_seq": grad_x.data_ptr(),
             "grad_v0": pointer(grad_v0),
             "grad_w0": pointer(grad_w0),
-            "grad_learnable_partial": pointer(partial),
+            **learnable_pointers,
         }
         args = kernel.pack_args(pointers, T, N, init[0], init[1], constants)
         launch(kernel, False, x.device, blocks, args)
-    return BPTTOut(grad_x, grad_v0, grad_w0, None if partial is None else partial.sum(dim=1))
+    return BPTTOut(grad_x, grad_v0, grad_w0, grad_learnable)

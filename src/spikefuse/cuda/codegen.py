@@ -159,6 +159,8 @@ ARG_POINTERS = (
     ArgPointer("float*", "grad_v0", "dL/dV[-1] [N], or null", "plain"),
     ArgPointer("float*", "grad_w0", "dL/dW[-1] [N], or null", "two_state"),
     ArgPointer("float*", "grad_learnable_partial", "dL/dp per block [P, blocks], or null", "both"),
+    ArgPointer("unsigned int*", "blocks_done", "blocks that wrote their partial (zeroed)", "both"),
+    ArgPointer("float*", "grad_learnable", "dL/dp [P], from the last block", "both"),
     ArgPointer("const float*", "bn_mean", "[C] per-channel mean of Y", "affine"),
     ArgPointer("const float*", "bn_invstd", "[C] 1 / sqrt(var + eps)", "affine"),
     ArgPointer("const float*", "bn_weight", "[C] gamma, or null (1)", "affine"),

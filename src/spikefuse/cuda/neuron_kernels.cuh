@@ -361,9 +361,59 @@ __device__ __forceinline__ pack_t grad_spike_pack(const Args& a, const long long
     }
 }
 
+// The learnable parameters' gradients of the whole launch from each thread's acc: summed per
+// block (warp shuffles, then shared memory), written to grad_learnable_partial [P, blocks];
+// the last block to finish (counted in blocks_done, which the launcher zeroes) sums those in
+// block order into grad_learnable [P]. Deterministic: the same bits whichever block is last.
+template <class Args>
+__device__ void sum_learnable_grads(const Args& a, const float (&acc)[LEARNABLE_SLOTS])
+{
+    __shared__ float warp_sums[LEARNABLE_SLOTS][BLOCK_THREADS / 32];
+    __shared__ bool last_block;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const long long blocks = (long long)gridDim.x * gridDim.y;
+    for (int i = 0; i < N_LEARNABLE; ++i) {
+        float s = acc[i];
+        for (int o = 16; o > 0; o /= 2)
+            s += __shfl_down_sync(0xffffffff, s, o);
+        if (lane == 0)
+            warp_sums[i][warp] = s;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < N_LEARNABLE) {
+        float s = 0.0f;
+        for (int w = 0; w < warps; ++w)
+            s += warp_sums[threadIdx.x][w];
+        a.grad_learnable_partial[threadIdx.x * blocks + blockIdx.y * gridDim.x + blockIdx.x] = s;
+        __threadfence();  // visible to the last block before this block is counted
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        last_block = atomicAdd(a.blocks_done, 1u) == blocks - 1;
+    __syncthreads();
+    if (!last_block)
+        return;
+    for (int i = 0; i < N_LEARNABLE; ++i) {
+        float s = 0.0f;
+        for (long long b = threadIdx.x; b < blocks; b += blockDim.x)
+            s += __ldcg(a.grad_learnable_partial + i * blocks + b);  // from L2: other SMs wrote it
+        for (int o = 16; o > 0; o /= 2)
+            s += __shfl_down_sync(0xffffffff, s, o);
+        if (lane == 0)
+            warp_sums[i][warp] = s;  // read above before the last __syncthreads: free again
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < N_LEARNABLE) {
+        float s = 0.0f;
+        for (int w = 0; w < warps; ++w)
+            s += warp_sums[threadIdx.x][w];
+        a.grad_learnable[threadIdx.x] = s;
+    }
+}
+
 // Backward through time: dL/dX[t] (affine pass 2: dL/dY[t]; pass 1: per-neuron, per-window or
-// per-tile sums for BatchNorm), dL/dV[-1] (and dL/dW[-1]), per-block sums of the learnable
-// parameters' gradients. PASS1: the affine kernels' pass 1, compiled apart from pass 2 so that
+// per-tile sums for BatchNorm), dL/dV[-1] (and dL/dW[-1]), the learnable parameters'
+// gradients. PASS1: the affine kernels' pass 1, compiled apart from pass 2 so that
 // neither computes what only the other writes (the backward is bound by instruction issue).
 template <class Args, bool PASS1>
 __device__ __forceinline__ void neuron_bptt(const Args& a)
@@ -537,26 +587,9 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     if constexpr (SUMS && VEC == 1)
         if (a.channel_tiles)  // the same for the whole block: it may synchronise
             block_channel_sums(a, active, sum_g[0], sum_gy[0]);
-    if constexpr (LEARNS) {
-        // Deterministic reduction: warp shuffle, then shared memory, one partial per block.
-        __shared__ float partial[LEARNABLE_SLOTS][BLOCK_THREADS / 32];
-        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        for (int i = 0; i < N_LEARNABLE; ++i) {
-            float s = acc[i];
-            for (int o = 16; o > 0; o /= 2)
-                s += __shfl_down_sync(0xffffffff, s, o);
-            if (lane == 0)
-                partial[i][warp] = s;
-        }
-        __syncthreads();
-        if (a.grad_learnable_partial && (int)threadIdx.x < N_LEARNABLE) {
-            float s = 0.0f;
-            for (int i = 0; i < blockDim.x / 32; ++i)
-                s += partial[threadIdx.x][i];
-            a.grad_learnable_partial[(long long)threadIdx.x * gridDim.x * gridDim.y
-                                     + blockIdx.y * gridDim.x + blockIdx.x] = s;
-        }
-    }
+    if constexpr (LEARNS)
+        if (a.grad_learnable_partial)  // the same for the whole block: it may synchronise
+            sum_learnable_grads(a, acc);
 }
 
 // Forward of the variant (a template, so that the other one is never instantiated).

@@ -194,6 +194,31 @@ def pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
+def learnable_grad_buffers(
+    program: NeuronProgram, learnable: torch.Tensor | None, like: torch.Tensor, blocks: int
+) -> tuple[torch.Tensor | None, dict[str, int]]:
+    """The learnable parameters' gradient of one backward launch of ``blocks`` blocks (in
+    ``learnable``'s shape, float32; zeros if ``blocks`` is 0, i.e. nothing is launched) and the
+    kernel's pointers for it: each block writes its partial sums, counts itself in a counter
+    after them (zeroed here, in the same fill), and the last block sums the partials into the
+    gradient (see ``sum_learnable_grads`` in neuron_kernels.cuh). (None, {}) without learnable
+    parameters."""
+    if not program.learnable:
+        return None, {}
+    P = len(program.learnable)
+    shape = (P,) if learnable is None else learnable.shape
+    if not blocks:
+        return like.new_zeros(shape, dtype=torch.float32), {}
+    grad = like.new_empty(shape, dtype=torch.float32)
+    partial = like.new_zeros(P * blocks + 1, dtype=torch.float32)  # + the counter (4 bytes)
+    pointers = {
+        "grad_learnable_partial": partial.data_ptr(),
+        "blocks_done": partial.data_ptr() + 4 * P * blocks,
+        "grad_learnable": grad.data_ptr(),
+    }
+    return grad, pointers
+
+
 def blocks_for(n: int, vec: int) -> int:
     """Thread blocks covering n neurons at vec per thread (at least one)."""
     return max(1, -(-n // (vec * BLOCK_THREADS)))
