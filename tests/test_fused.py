@@ -180,6 +180,38 @@ def test_block_reuses_its_neuron_call_until_the_node_changes():
     assert torch.equal(fresh(x), out)
 
 
+def test_a_v_reset_changed_after_construction_starts_fused_and_unfused_alike():
+    """V starts where reset() puts it: the v_reset the node was built with (SpikingJelly's
+    registered memory), while the new v_reset is the reset value; fused blocks started from the
+    new one, so the two models gave different spikes."""
+    torch.manual_seed(0)
+    net = nn.Sequential(layer.Linear(4, 5, bias=False), layer.BatchNorm1d(5), neuron.IFNode())
+    functional.set_step_mode(net.double(), "m")
+    net[2].v_reset = -0.8
+    fused = fuse(net)
+    x = torch.rand(3, 6, 4, dtype=torch.float64) * 2
+    functional.reset_net(net)
+    assert net[2].v == 0.0  # reset() restores the V it was built with
+    assert torch.equal(fused(x), net(x))
+
+
+def test_hooks_added_to_a_fused_blocks_modules_are_refused():
+    """A hook on a module inside a fused block would never run (the block runs kernels
+    instead): the call raises instead of silently skipping it."""
+    net = nn.Sequential(layer.Linear(4, 5), layer.BatchNorm1d(5), lif())
+    functional.set_step_mode(net, "m")
+    fused = fuse(net)
+    x = torch.rand(3, 2, 4)
+    fused(x)
+    for module in (fused[0].node, fused[0].bn, fused[0].synapse):
+        handle = module.register_forward_hook(lambda *args: None)
+        with pytest.raises(SpikefuseError, match="has forward hooks, which never run"):
+            fused(x)
+        handle.remove()
+    fused[0].register_forward_hook(lambda *args: None)  # on the block: runs
+    fused(x)
+
+
 def test_neuron_call_runs_any_time_major_layout_in_place():
     """Channels-last maps (the fused Conv2d's layout on CUDA) go through the plain neuron
     kernels in their memory order: spikes and dL/dx keep x's strides, own their memory (not

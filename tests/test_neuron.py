@@ -7,6 +7,7 @@ import copy
 import inspect
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -488,3 +489,32 @@ def test_snn_in_layers_multi_vs_single_step():
         out_m = net_m(x)
         out_s = per_step(net_s, x)
     torch.testing.assert_close(out_m, out_s)
+
+
+@pytest.mark.parametrize("make", [neuron.LIFNode, neuron.ParametricLIFNode], ids=["LIF", "PLIF"])
+def test_decay_input_assigned_after_construction_takes_effect(make):
+    """SpikingJelly reads decay_input at every step; it used to be read once, at construction."""
+    x = torch.full((3, 2), 0.8)
+    node = make(step_mode="m")
+    node.decay_input = False
+    assert torch.equal(node(x), make(decay_input=False, step_mode="m")(x))
+    assert "decay_input=False" in repr(node)
+    node.decay_input = True
+    functional.reset_net(node)
+    assert torch.equal(node(x), make(step_mode="m")(x))
+
+
+def test_a_node_pickled_with_decay_input_as_a_plain_attribute_loads():
+    node = neuron.LIFNode(decay_input=False, step_mode="m")
+    state = node.__getstate__()
+    state["decay_input"] = state.pop("_decay_input")  # how versions before the property kept it
+    old = neuron.LIFNode.__new__(neuron.LIFNode)
+    old.__setstate__(state)
+    assert old.decay_input is False and old.definition is node.definition
+
+
+def test_init_tau_accepts_any_real_number():
+    node = neuron.ParametricLIFNode(init_tau=np.float32(3.0))
+    assert torch.isclose(node.w.sigmoid(), torch.tensor(1 / 3))
+    with pytest.raises(SpikefuseError, match="init_tau"):
+        neuron.ParametricLIFNode(init_tau=True)

@@ -13,6 +13,7 @@ import copy
 import functools
 import logging
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -68,6 +69,11 @@ class MemoryModule(StepModeMixin, nn.Module):
             raise SpikefuseError(f"memory {name!r} clashes with a parameter, buffer or module")
         self._memory_defaults[name] = copy.deepcopy(value)
         setattr(self, name, value)
+
+    def memory_default(self, name: str) -> Any:
+        """The value :meth:`reset` restores memory ``name`` to (given when it was registered:
+        a neuron's ``v`` starts from the ``v_reset`` it was built with, as in SpikingJelly)."""
+        return self._memory_defaults[name]
 
     def set_memory(self, name: str, value: Any) -> None:
         """Assign a memory. Memories are plain attributes, so outside ``torch.compile`` this
@@ -687,7 +693,35 @@ class IFNode(BaseNode):
         )
 
 
-class LIFNode(BaseNode):
+class _ChargeByDecayInput:
+    """``decay_input`` chooses the charge equations (``_DEFINITIONS``: with, without). SpikingJelly
+    reads the attribute at every step, so assigning it after construction takes effect at once
+    here too: the node switches equations and rebuilds its program."""
+
+    _DEFINITIONS: tuple[defs.NeuronDef, defs.NeuronDef]
+    definition: defs.NeuronDef | None  # BaseNode's
+
+    @property
+    def decay_input(self) -> bool:
+        return self.__dict__["_decay_input"]
+
+    @decay_input.setter
+    def decay_input(self, value: bool) -> None:
+        self.__dict__["_decay_input"] = value
+        if "program" in self.__dict__:  # after __init__ (which passes the definition itself)
+            self.definition = self._DEFINITIONS[0] if value else self._DEFINITIONS[1]
+            self._update_program()  # type: ignore[attr-defined]  # BaseNode's
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "decay_input" in state:  # pickled before decay_input was a property
+            state["_decay_input"] = state.pop("decay_input")
+        super().__setstate__(state)  # type: ignore[misc]  # BaseNode's
+
+    def extra_repr(self) -> str:
+        return f"decay_input={self.decay_input}, " + super().extra_repr()  # type: ignore[misc]
+
+
+class LIFNode(_ChargeByDecayInput, BaseNode):
     """Leaky integrate-and-fire.
 
     decay_input=True:  H[t] = V[t-1] + (X[t] - (V[t-1] - V_reset)) / tau
@@ -696,6 +730,7 @@ class LIFNode(BaseNode):
     """
 
     lower_bounds = {"tau": 1.0}
+    _DEFINITIONS = (defs.LIF, defs.LIF_NO_DECAY_INPUT)
 
     def __init__(
         self,
@@ -710,7 +745,7 @@ class LIFNode(BaseNode):
         store_v_seq: bool = False,
     ) -> None:
         self.decay_input = decay_input
-        definition = defs.LIF if decay_input else defs.LIF_NO_DECAY_INPUT
+        definition = self._DEFINITIONS[0] if decay_input else self._DEFINITIONS[1]
         super().__init__(
             definition,
             {"tau": tau},
@@ -724,7 +759,7 @@ class LIFNode(BaseNode):
         )
 
 
-class ParametricLIFNode(BaseNode):
+class ParametricLIFNode(_ChargeByDecayInput, BaseNode):
     """LIF with a learnable time constant (PLIF): 1/tau = sigmoid(w), w initialised from init_tau.
 
     The charge equations are LIF's with 1/tau = sigmoid(decay_logit) and ``self.w`` as the
@@ -733,6 +768,7 @@ class ParametricLIFNode(BaseNode):
     """
 
     learnable_params = ("decay_logit",)
+    _DEFINITIONS = (defs.PLIF, defs.PLIF_NO_DECAY_INPUT)
 
     def __init__(
         self,
@@ -746,12 +782,13 @@ class ParametricLIFNode(BaseNode):
         backend: str = "auto",
         store_v_seq: bool = False,
     ) -> None:
-        if not (isinstance(init_tau, (int, float)) and math.isfinite(init_tau) and init_tau > 1):
+        real = isinstance(init_tau, numbers.Real) and not isinstance(init_tau, bool)
+        if not (real and math.isfinite(init_tau) and init_tau > 1):
             raise SpikefuseError(
                 f"ParametricLIFNode: init_tau must be finite and > 1, got {init_tau}"
             )
         self.decay_input = decay_input
-        definition = defs.PLIF if decay_input else defs.PLIF_NO_DECAY_INPUT
+        definition = self._DEFINITIONS[0] if decay_input else self._DEFINITIONS[1]
         super().__init__(
             definition,
             {},
@@ -771,7 +808,7 @@ class ParametricLIFNode(BaseNode):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if self._neuron_def().params == ("decay",):  # pickled before PLIF learned the logit
-            self.definition = defs.PLIF if self.decay_input else defs.PLIF_NO_DECAY_INPUT
+            self.definition = self._DEFINITIONS[0] if self.decay_input else self._DEFINITIONS[1]
             self._update_program()
 
     def extra_repr(self) -> str:

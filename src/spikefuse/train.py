@@ -687,7 +687,8 @@ def load_checkpoint(path: Path, config: TrainConfig) -> dict[str, Any]:
     if differences:
         raise CheckpointError(
             f"checkpoint '{path}' was made with a different configuration: "
-            f"{'; '.join(differences)} (pass matching options, or drop --resume to start over)"
+            f"{'; '.join(differences)} (pass matching options to continue it, or --overwrite "
+            "instead of --resume to start a new run in its place)"
         )
     return payload
 
@@ -912,9 +913,11 @@ def check_logs_writable(target: Path, config: TrainConfig) -> None:
                 f"overwrite it (move it away or choose another --checkpoint)"
             )
         if not (config.resume or config.overwrite):
+            # --resume needs the run's checkpoint too: without it only --overwrite can start
+            resume = "pass --resume to continue its run or " if target.exists() else ""
             raise SpikefuseError(
-                f"training log '{path}' already exists; pass --resume to continue its run or "
-                f"--overwrite to start a new one in its place"
+                f"training log '{path}' already exists; {resume}pass --overwrite to start a new "
+                "run in its place"
             )
 
 

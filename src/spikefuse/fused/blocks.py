@@ -271,6 +271,20 @@ class FusedBlock(nn.Module):
         if not x.dtype.is_floating_point:
             raise SpikefuseError(f"FusedBlock: input dtype must be floating point, got {x.dtype}")
 
+    def _check_no_hooks(self) -> None:
+        """Refuse hooks registered on the block's modules after fusing (``fuse`` leaves chains
+        with hooks unfused): the block never calls those modules' forward, so their hooks
+        would silently not run (e.g. a monitor recording a neuron's spikes)."""
+        for role in ("synapse", "bn", "node", "pool"):
+            module = getattr(self, role)
+            if module is not None and (module._forward_hooks or module._forward_pre_hooks):
+                raise SpikefuseError(
+                    f"FusedBlock: its {role} ({type(module).__name__}) has forward hooks, which "
+                    "never run: the block runs its kernels instead of that module's forward. "
+                    "Register the hook on the block itself (its output is the neuron's spikes, "
+                    "pooled where the block pools), or use the unfused model"
+                )
+
     def _check_residual(self, residual: Tensor | None, y: Tensor) -> None:
         """A residual is a floating-point tensor shaped like the synapse output y."""
         if residual is None:
@@ -481,6 +495,7 @@ class FusedBlock(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         self._check_input(x)
+        self._check_no_hooks()
         if (residual is None) == self.residual:
             raise SpikefuseError(
                 "FusedBlock: this block adds a residual: call it as block(x, shortcut) (its "

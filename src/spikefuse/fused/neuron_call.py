@@ -54,10 +54,10 @@ class NeuronCall:
     @classmethod
     def from_node(cls, node: BaseNode, x: Tensor, previous: NeuronCall | None = None) -> NeuronCall:
         """The call for ``node`` on input ``x``; ``previous`` (the block's last call) is reused
-        while the node's program, resolved backend, constants and reset value are unchanged:
+        while the node's program, resolved backend, constants and initial V are unchanged:
         a block's call then costs no new object and no repeated backend lookups."""
         backend = node.resolve_backend(x)
-        v_init = 0.0 if node.v_reset is None else float(node.v_reset)
+        v_init = float(node.memory_default("v"))  # where reset() puts the unfused node's V
         if (
             previous is not None
             and previous.program is node.program
