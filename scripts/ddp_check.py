@@ -178,8 +178,10 @@ def build_model(
 def record_spikes(model: nn.Module) -> dict[str, torch.Tensor]:
     """name → the spikes of each fused block and unfused neuron in ``model``'s last forward."""
     spikes: dict[str, torch.Tensor] = {}
+    # a fused block's neuron never runs its own forward (hooking it raises): the block's do
+    fused_nodes = {id(m.node) for m in model.modules() if isinstance(m, FusedBlock)}
     for name, m in model.named_modules():
-        if isinstance(m, (FusedBlock, BaseNode)):
+        if isinstance(m, FusedBlock) or (isinstance(m, BaseNode) and id(m) not in fused_nodes):
             m.register_forward_hook(
                 lambda _m, _args, out, name=name: spikes.__setitem__(name, out.detach())
             )
