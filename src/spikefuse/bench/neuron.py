@@ -37,6 +37,7 @@ from ..program import NeuronProgram
 from .common import (
     MIB,
     BenchResult,
+    Timing,
     format_table,
     require_plots,
     time_interleaved,
@@ -164,6 +165,15 @@ def _peak_mib(step: Callable[[], None], device: torch.device) -> float:
     return (torch.cuda.max_memory_allocated(device) - base) / MIB
 
 
+def _record(
+    r: BenchResult, timing: Timing, step: Callable[[], None], device: torch.device, floor: int
+) -> None:
+    """Fill row ``r`` from a step's timing, its peak memory and its floor-traffic bandwidth."""
+    r.ms, r.queued_ms, r.host_ms = timing.synced, timing.queued, timing.host
+    r.peak_mib = _peak_mib(step, device)
+    r.note = f"{floor / r.queued_ms / 1e6:.0f} GB/s"
+
+
 def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}"
 
@@ -189,10 +199,7 @@ def _measure(
         step = _step(model, x, g)
         if graphed:
             step = capture_step(step)
-        timing = time_step(step, device, warmup=warmup, iters=iters)
-        r.ms, r.queued_ms, r.host_ms = timing.synced, timing.queued, timing.host
-        r.peak_mib = _peak_mib(step, device)
-        r.note = f"{floor_bytes / r.queued_ms / 1e6:.0f} GB/s"
+        _record(r, time_step(step, device, warmup=warmup, iters=iters), step, device, floor_bytes)
     except Exception as exc:  # one failing variant must not end the run
         r.error = _error(exc)
     return r
@@ -233,10 +240,8 @@ def _compare_neurons(
     timings = time_interleaved(steps, device, warmup=warmup, iters=iters, rounds=rounds)
     baseline = next(iter(makers))
     for label, step in steps.items():
-        r, timing = rows[label], timings[label]
-        r.ms, r.queued_ms, r.host_ms = timing.synced, timing.queued, timing.host
-        r.peak_mib = _peak_mib(step, device)
-        r.note = f"{floor_bytes / r.queued_ms / 1e6:.0f} GB/s"
+        r = rows[label]
+        _record(r, timings[label], step, device, floor_bytes)
         if baseline in timings:
             r.note += f", {r.ms / timings[baseline].synced:.2f}x {baseline}"
     return list(rows.values())
