@@ -415,16 +415,18 @@ def test_a_foreign_file_where_the_log_goes_is_never_replaced(
     assert (path.read_bytes() if path.exists() else None) == before
 
 
-def test_a_left_over_log_needs_resume_or_overwrite(
+def test_a_left_over_log_needs_overwrite(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Without its checkpoint the run cannot resume: the error offers --overwrite only."""
     path = tmp_path / "run.pt"
     assert train(path, "--limit", "20") == 0
     path.unlink()  # the log and plot stay
     log = path.with_suffix(".csv").read_bytes()
     assert train(path, "--limit", "20") == 1
     err = capsys.readouterr().err
-    assert f"training log '{path.with_suffix('.csv')}' already exists; pass --resume" in err
+    expected = f"training log '{path.with_suffix('.csv')}' already exists; pass --overwrite"
+    assert expected in err and "--resume" not in err
     assert path.with_suffix(".csv").read_bytes() == log and not path.exists()
     assert train(path, "--limit", "20", "--overwrite") == 0
 
