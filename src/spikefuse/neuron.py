@@ -709,8 +709,13 @@ class _ChargeByDecayInput:
     def decay_input(self, value: bool) -> None:
         self.__dict__["_decay_input"] = value
         if "program" in self.__dict__:  # after __init__ (which passes the definition itself)
-            self.definition = self._DEFINITIONS[0] if value else self._DEFINITIONS[1]
+            self.definition = self._charge_definition
             self._update_program()  # type: ignore[attr-defined]  # BaseNode's
+
+    @property
+    def _charge_definition(self) -> defs.NeuronDef:
+        """The equations ``decay_input`` chooses."""
+        return self._DEFINITIONS[0] if self.decay_input else self._DEFINITIONS[1]
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "decay_input" in state:  # pickled before decay_input was a property
@@ -745,9 +750,8 @@ class LIFNode(_ChargeByDecayInput, BaseNode):
         store_v_seq: bool = False,
     ) -> None:
         self.decay_input = decay_input
-        definition = self._DEFINITIONS[0] if decay_input else self._DEFINITIONS[1]
         super().__init__(
-            definition,
+            self._charge_definition,
             {"tau": tau},
             v_threshold=v_threshold,
             v_reset=v_reset,
@@ -788,9 +792,8 @@ class ParametricLIFNode(_ChargeByDecayInput, BaseNode):
                 f"ParametricLIFNode: init_tau must be finite and > 1, got {init_tau}"
             )
         self.decay_input = decay_input
-        definition = self._DEFINITIONS[0] if decay_input else self._DEFINITIONS[1]
         super().__init__(
-            definition,
+            self._charge_definition,
             {},
             v_threshold=v_threshold,
             v_reset=v_reset,
@@ -808,7 +811,7 @@ class ParametricLIFNode(_ChargeByDecayInput, BaseNode):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if self._neuron_def().params == ("decay",):  # pickled before PLIF learned the logit
-            self.definition = self._DEFINITIONS[0] if self.decay_input else self._DEFINITIONS[1]
+            self.definition = self._charge_definition
             self._update_program()
 
     def extra_repr(self) -> str:

@@ -203,13 +203,12 @@ def learnable_grad_buffers(
     after them (zeroed here, in the same fill), and the last block sums the partials into the
     gradient (see ``sum_learnable_grads`` in neuron_kernels.cuh). (None, {}) without learnable
     parameters."""
-    if not program.learnable:
+    if not program.learnable or learnable is None:
         return None, {}
     P = len(program.learnable)
-    shape = (P,) if learnable is None else learnable.shape
     if not blocks:
-        return like.new_zeros(shape, dtype=torch.float32), {}
-    grad = like.new_empty(shape, dtype=torch.float32)
+        return torch.zeros(learnable.shape, dtype=torch.float32, device=learnable.device), {}
+    grad = torch.empty(learnable.shape, dtype=torch.float32, device=learnable.device)
     partial = like.new_zeros(P * blocks + 1, dtype=torch.float32)  # + the counter (4 bytes)
     pointers = {
         "grad_learnable_partial": partial.data_ptr(),
