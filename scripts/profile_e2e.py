@@ -45,10 +45,11 @@ def peak_allocations(step, top: int = 14) -> None:
         if total > peak:
             peak, at_peak = total, dict(live)
     print(
-        f"  peak of this iteration's allocations: {peak / MIB:.0f} MiB (above what stays resident)"
+        f"  peak of this iteration's allocations: {peak / MIB:.0f} MiB above the "
+        f"{torch.cuda.memory_allocated() / MIB:.0f} MiB that stay resident"
     )
     for e in sorted(at_peak.values(), key=lambda e: -e["size"])[:top]:
-        frames = [f for f in e.get("frames", []) if "spikefuse" in f["filename"]][:2]
+        frames = [f for f in e.get("frames", []) if "spikefuse" in f["filename"]][:3]
         where = " <- ".join(
             f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in frames
         )

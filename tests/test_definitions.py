@@ -335,6 +335,11 @@ def test_user_adaptive_neuron_matches_oracle():
         ({"charge": "v + x - w", "adaptation": "w + x"}, r"unknown symbols \['x'\]"),
         ({"charge": "v + x - w", "adaptation": "w + (h"}, "cannot parse adaptation"),
         ({"charge": "v + x - w", "adaptation": "w/2", "adaptation_jump": "h"}, "unknown symbols"),
+        # sympy folds a division by zero into zoo, which absorbs x ("must depend on x" misled)
+        ({"charge": "v + x/0"}, r"divides by zero .* v \+ zoo\*x"),
+        ({"charge": "v + x + 1/(v - v)"}, "cannot parse charge .* divides by zero"),
+        ({"charge": "v + x/(tau - tau)", "params": ("tau",)}, "divides by zero"),
+        ({"charge": "v + x - w", "adaptation": "w/0"}, "cannot parse adaptation .* divides"),
     ],
 )
 def test_bad_definitions_raise(kwargs, match):

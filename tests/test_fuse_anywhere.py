@@ -751,3 +751,22 @@ def test_compiled_downsampling_network_is_one_graph():
     got = torch.compile(fused, fullgraph=True, backend="aot_eager")(x)
     torch.compiler.reset()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_set_step_mode_refuses_single_step_on_a_fused_model():
+    model = fuse(Net())
+    with pytest.raises(SpikefuseError, match=r"FusedBlock supports step_mode \('m',\), not 's'"):
+        functional.set_step_mode(model, "s")
+    assert all(getattr(m, "step_mode", "m") == "m" for m in model.modules())
+    functional.set_step_mode(model, "m")
+
+
+def test_missing_keys_are_named_as_the_state_dict_names_them():
+    fused = fuse(Net())
+    state = fused.state_dict()
+    del state["blocks.0.conv1.weight"], state["stem.1.running_mean"]
+    with pytest.raises(RuntimeError, match=r'"stem.1.running_mean", "blocks.0.conv1.weight"'):
+        fused.load_state_dict(state)
+    wrapped = nn.Sequential(fused)  # the fused chains' owners sit under a prefix here
+    result = wrapped.load_state_dict({f"0.{k}": v for k, v in state.items()}, strict=False)
+    assert result.missing_keys == ["0.stem.1.running_mean", "0.blocks.0.conv1.weight"]

@@ -168,13 +168,18 @@ def parse_equation(text: str, symbols: dict[str, sp.Symbol]) -> sp.Expr:
         raise SpikefuseError(f"equation longer than {_MAX_LENGTH} characters")
     try:
         tree = ast.parse(text.strip(), mode="eval")
-        return _EquationBuilder(symbols).build(tree)
+        expr = _EquationBuilder(symbols).build(tree)
     except (SyntaxError, ValueError) as exc:
         raise SpikefuseError(f"syntax error: {exc}") from None
     except _Rejected as exc:
         raise SpikefuseError(f"not allowed in an equation: {exc}") from None
     except (RecursionError, MemoryError):
         raise SpikefuseError("equation nested too deeply") from None
+    # sympy evaluates x/0 to complex infinity (zoo) and absorbs the terms around it: the
+    # kernels would compute inf or NaN, so a division by zero is an error here
+    if expr.has(sp.zoo, sp.oo, -sp.oo, sp.nan):
+        raise SpikefuseError(f"it divides by zero or is infinite (sympy reads it as {expr})")
+    return expr
 
 
 @dataclass(frozen=True)

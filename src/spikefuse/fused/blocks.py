@@ -74,6 +74,20 @@ def paper_lif(**kwargs) -> LIFNode:
     return LIFNode(**options)
 
 
+class MultiStepOnly:
+    """A module that runs whole sequences [T, B, ...] only: ``set_step_mode(model, "s")``
+    refuses a model that holds one, changing nothing, and never switches the modules inside
+    it to single-step (a fused block would otherwise go on running whole sequences, silently
+    ignoring the mode)."""
+
+    keeps_children_step_mode = True
+    step_mode = "m"
+
+    @staticmethod
+    def supported_step_mode() -> tuple[str, ...]:
+        return ("m",)
+
+
 def _synapse_kind(module: nn.Module) -> type[nn.Module] | None:
     for base in SYNAPSES:
         if type(module) in _EXACT[base]:
@@ -81,7 +95,7 @@ def _synapse_kind(module: nn.Module) -> type[nn.Module] | None:
     return None
 
 
-class FusedBlock(nn.Module):
+class FusedBlock(MultiStepOnly, nn.Module):
     """``synapse → [BatchNorm] → neuron`` on multi-step input, keeping only the synapse output.
 
     Input ``[T, B, C_in, *]`` (Conv2d: ``[T, B, C_in, H, W]``, Linear: ``[T, B, F_in]``); output
@@ -678,7 +692,7 @@ def _window_size(pool: nn.Module) -> tuple[int, int] | None:
     return size if plain and size == stride else None
 
 
-class SpikePool(nn.Module):
+class SpikePool(MultiStepOnly, nn.Module):
     """Average or max pooling of multi-step spikes ``[T, B, C, H, W]`` that stores no spikes.
 
     On the spike output of a fused block, what the pooling saves (max pooling: its input) is

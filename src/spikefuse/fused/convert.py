@@ -596,12 +596,21 @@ class _SaveUnderOriginalNames:
 
 class _LoadOriginalNames:
     """load_state_dict pre-hook: entries under the unfused model's keys load into the fused
-    chains; entries already under the fused keys load as they are."""
+    chains; entries already under the fused keys load as they are. Its
+    :meth:`name_missing_keys` (the post-hook) reports missing entries under the unfused keys
+    too, the names the model's ``state_dict`` has."""
 
     def __init__(self, renames: tuple[tuple[str, str], ...]) -> None:
         self.renames = renames
+        self.prefix = ""  # the hooked module's, in the load running now (post-hooks get none)
+
+    def name_missing_keys(self, module, incompatible_keys) -> None:
+        renames = [(self.prefix + f, self.prefix + original) for f, original in self.renames]
+        missing = incompatible_keys.missing_keys
+        missing[:] = [_renamed(key, renames) for key in missing]
 
     def __call__(self, module, state_dict, prefix, *_) -> None:
+        self.prefix = prefix
         fused = [prefix + f for f, _ in self.renames]
         # Longest original prefix first: '0.0.' (in a container) before '0.'.
         renames = sorted(
@@ -849,7 +858,9 @@ def _replace(
     )
     owner = root.get_submodule(holder)
     owner.register_state_dict_post_hook(_SaveUnderOriginalNames(renames))
-    owner.register_load_state_dict_pre_hook(_LoadOriginalNames(renames))
+    loader = _LoadOriginalNames(renames)
+    owner.register_load_state_dict_pre_hook(loader)
+    owner.register_load_state_dict_post_hook(loader.name_missing_keys)
 
 
 # ---- fuse -----------------------------------------------------------------------------------
