@@ -358,6 +358,7 @@ def test_chains_that_must_not_be_fused():
             self.c, self.c_bn, self.c_sn = conv(), bn(), lif()  # BN only in training
             self.d, self.d_bn, self.d_sn = conv(), bn(), lif()  # reads d.weight
             self.e, self.e_bn, self.e_sn = conv(), bn(), lif()  # a hook on e_bn
+            self.f, self.f_bn, self.f_sn = conv(), bn(), lif()  # a backward hook on f_sn
 
         def forward(self, x):
             x = self.a_sn(self.a_bn(self.a(x))) + self.a(x)
@@ -368,11 +369,13 @@ def test_chains_that_must_not_be_fused():
                 y = self.c_bn(y)
             x = self.c_sn(y)
             x = self.d_sn(self.d_bn(self.d(x))) * self.d.weight.sum()
-            return self.e_sn(self.e_bn(self.e(x)))
+            x = self.e_sn(self.e_bn(self.e(x)))
+            return self.f_sn(self.f_bn(self.f(x)))
 
     model = Tricky()
     seen = []
     model.e_bn.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    model.f_sn.register_full_backward_hook(lambda m, gi, go: seen.append(go))
     fused, report = fuse(model, return_report=True)
     assert not report.fused
     reasons = {s.modules[0]: s.reason for s in report.skipped}
@@ -383,6 +386,7 @@ def test_chains_that_must_not_be_fused():
     )
     assert reasons["d"] == "the forward reads 'd.weight' directly"
     assert reasons["e"] == "'e_bn' has forward hooks, which fusing would bypass"
+    assert reasons["f"] == "'f_sn' has backward hooks, which fusing would bypass"
     assert all(s.is_chain for s in report.skipped)
 
 

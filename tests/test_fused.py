@@ -204,10 +204,16 @@ def test_hooks_added_to_a_fused_blocks_modules_are_refused():
     x = torch.rand(3, 2, 4)
     fused(x)
     for module in (fused[0].node, fused[0].bn, fused[0].synapse):
-        handle = module.register_forward_hook(lambda *args: None)
-        with pytest.raises(SpikefuseError, match="has forward hooks, which never run"):
-            fused(x)
-        handle.remove()
+        for register, kind in (
+            (module.register_forward_hook, "forward"),
+            (module.register_forward_pre_hook, "forward"),
+            (module.register_full_backward_hook, "backward"),
+            (module.register_full_backward_pre_hook, "backward"),
+        ):
+            handle = register(lambda *args: None)
+            with pytest.raises(SpikefuseError, match=f"has {kind} hooks, which never run"):
+                fused(x)
+            handle.remove()
     fused[0].register_forward_hook(lambda *args: None)  # on the block: runs
     fused(x)
 

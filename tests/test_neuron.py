@@ -331,6 +331,16 @@ def test_izhikevich_w_state_mismatch():
         (lambda: neuron.EIFNode(delta_T=0.0), "delta_T must be > 0"),
         (lambda: neuron.IzhikevichNode(tau=1.0), "tau must be > 1"),
         (lambda: neuron.IzhikevichNode(tau_w=1.0), "tau_w must be > 1"),
+        # SpikingJelly's asserts: a0 > 0; QIF/EIF under hard reset v_rest >= v_reset
+        (lambda: neuron.QIFNode(a0=-1.0), "a0 must be > 0"),
+        (lambda: neuron.IzhikevichNode(a0=0.0), "a0 must be > 0"),
+        (lambda: neuron.QIFNode(v_rest=-0.5), r"hard reset v_rest must be >= v_reset"),
+        (lambda: neuron.EIFNode(v_rest=-0.5), r"hard reset v_rest must be >= v_reset"),
+        # bool("no") is True: a string would silently switch the flag on
+        (lambda: neuron.LIFNode(detach_reset="no"), "detach_reset must be True or False"),
+        (lambda: neuron.LIFNode(decay_input="no"), "decay_input must be True or False"),
+        (lambda: neuron.ParametricLIFNode(decay_input=0), "decay_input must be True or False"),
+        (lambda: neuron.IFNode(store_v_seq="yes"), "store_v_seq must be True or False"),
         (lambda: neuron.ParametricLIFNode(init_tau=1.0), "init_tau must be finite and > 1"),
         (lambda: neuron.ParametricLIFNode(init_tau=0.3), "init_tau must be finite and > 1"),
         (lambda: neuron.ParametricLIFNode(init_tau=math.nan), "init_tau must be finite and > 1"),

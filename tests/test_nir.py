@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -139,6 +141,17 @@ def test_round_trip_conv_lif_is_exact(decay_input):
 def test_round_trip_conv_if_is_exact():
     graph = assert_exact_round_trip(conv_net(if_node()), conv_input(), (1, 8, 8))
     assert isinstance(graph.nodes["4"], nir.IF) and np.all(graph.nodes["4"].r == 1.0)
+
+
+def test_copied_and_fused_if_models_export():
+    """A deep copy (what fuse and torch.load make) holds an equal, not the same, definition."""
+    model = conv_net(if_node())
+    reference = export_nir(model, (1, 8, 8), dt=1.0)
+    for other in (copy.deepcopy(model), fuse(model)):
+        graph = export_nir(other, (1, 8, 8), dt=1.0)
+        assert [type(n) for n in graph.nodes.values()] == [
+            type(n) for n in reference.nodes.values()
+        ]
 
 
 def test_round_trip_fc_is_exact_with_dt():
@@ -397,6 +410,11 @@ def test_export_refuses_bad_arguments():
     model = nn.Sequential(layer.Linear(3, 4), neuron.IFNode())
     with pytest.raises(NIRConversionError, match="dt must be a positive"):
         export_nir(model, (3,), dt=0.0)
+    with pytest.raises(NIRConversionError, match="dt must be a positive"):
+        export_nir(model, (3,), dt=True)
+    grouped = nn.Sequential(layer.Conv2d(2, 4, 3, groups=2), neuron.IFNode())
+    with pytest.raises(NIRConversionError, match=r"0 \(Conv2d\): a grouped convolution"):
+        export_nir(grouped, (2, 8, 8), dt=1.0)
     with pytest.raises(NIRConversionError, match="input_shape"):
         export_nir(model, (), dt=1.0)
     with pytest.raises(NIRConversionError, match="per-sample shape"):
@@ -454,6 +472,27 @@ def lif_params(**overrides):
 def test_import_refuses_what_spikefuse_cannot_express(node, match):
     with pytest.raises(NIRConversionError, match=match):
         import_nir(small_graph(node), dt=1.0)
+
+
+@pytest.mark.parametrize("bias", [np.array([5.0]), np.array(5.0), np.zeros(3)])
+def test_import_refuses_a_bias_of_the_wrong_shape(bias):
+    """copy_ would broadcast a 1-element or 0-d bias to every output."""
+    affine = nir.Affine(weight=np.ones((2, 2)), bias=bias)
+    graph = small_graph(nir.IF(r=np.ones(2), v_threshold=np.ones(2)))
+    graph.nodes["fc"] = affine
+    with pytest.raises(NIRConversionError, match=r"'fc' \(Affine\): bias has shape"):
+        import_nir(graph, dt=1.0)
+    conv = nir.Conv2d(
+        input_shape=(4, 4),
+        weight=np.ones((2, 1, 3, 3)),
+        stride=1,
+        padding=1,
+        dilation=1,
+        groups=1,
+        bias=np.array([1.0]),
+    )
+    with pytest.raises(NIRConversionError, match=r"\(Conv2d\): bias has shape"):
+        import_nir(nir.NIRGraph.from_list(conv), dt=1.0)
 
 
 def test_import_refuses_recurrent_graphs_and_bad_arguments():

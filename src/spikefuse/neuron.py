@@ -33,6 +33,8 @@ STEP_MODES = ("s", "m")
 # Methods a SpikingJelly-style subclass overrides with torch code (then only the torch backend
 # runs it, as a per-step loop with autograd through the user's code).
 TORCH_CODE_HOOKS = ("neuronal_charge", "neuronal_fire", "neuronal_reset")
+# Switches that take True or False only (SpikingJelly asserts detach_reset is a bool)
+_FLAGS = ("detach_reset", "store_v_seq", "decay_input")
 TORCH_CODE_BACKENDS = ("auto", "torch")
 
 
@@ -171,6 +173,8 @@ class BaseNode(MemoryModule):
     w: Any
     # parameter -> exclusive lower bound, checked on every call (e.g. tau > 1 keeps 1/tau in (0, 1))
     lower_bounds: Mapping[str, float] = {}
+    # parameters that must be >= v_reset under hard reset (SpikingJelly's QIF/EIF: v_rest)
+    at_least_v_reset: tuple[str, ...] = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """``BaseNode(definition, params, v_threshold, v_reset, surrogate_function, detach_reset,
@@ -334,6 +338,10 @@ class BaseNode(MemoryModule):
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "surrogate_function":
             runs_in_kernels(value)  # validates it (torch-code surrogates: torch backend only)
+        if name in _FLAGS and not isinstance(value, bool):  # bool("no") would be True
+            raise SpikefuseError(
+                f"{type(self).__name__}: {name} must be True or False, got {value!r}"
+            )
         if "program" not in self.__dict__:  # in __init__: constants() validates them all
             super().__setattr__(name, value)
             return
@@ -403,6 +411,12 @@ class BaseNode(MemoryModule):
                 f"{type(self).__name__}: with hard reset v_threshold must be > v_reset (got "
                 f"{values[0]} <= {values[1]}): a neuron at rest would fire on every step"
             )
+        for name in self.at_least_v_reset if hard else ():
+            if not current[name] >= values[1]:
+                raise SpikefuseError(
+                    f"{type(self).__name__}: with hard reset {name} must be >= v_reset (got "
+                    f"{current[name]} < {values[1]})"
+                )
         return [float(v) for v in values]
 
     def constants(self) -> list[float]:
@@ -821,7 +835,8 @@ class ParametricLIFNode(_ChargeByDecayInput, BaseNode):
 class QIFNode(BaseNode):
     """Quadratic integrate-and-fire: H = V + (X + a0 (V - v_rest)(V - v_c)) / tau."""
 
-    lower_bounds = {"tau": 1.0}
+    lower_bounds = {"tau": 1.0, "a0": 0.0}
+    at_least_v_reset = ("v_rest",)
 
     def __init__(
         self,
@@ -856,6 +871,7 @@ class EIFNode(BaseNode):
     H = V + (X - (V - v_rest) + delta_T exp((V - theta_rh) / delta_T)) / tau."""
 
     lower_bounds = {"tau": 1.0, "delta_T": 0.0}
+    at_least_v_reset = ("v_rest",)
 
     def __init__(
         self,
@@ -890,7 +906,7 @@ class IzhikevichNode(BaseNode):
     H = V + (X + a0 (V - v_rest)(V - v_c) - W) / tau,
     Z = W + (a (H - v_rest) - W) / tau_w,  W[t] = Z + b S[t]."""
 
-    lower_bounds = {"tau": 1.0, "tau_w": 1.0}
+    lower_bounds = {"tau": 1.0, "tau_w": 1.0, "a0": 0.0}
 
     def __init__(
         self,

@@ -88,6 +88,20 @@ class MultiStepOnly:
         return ("m",)
 
 
+def hook_kinds(module: nn.Module) -> str | None:
+    """'forward hooks', 'backward hooks' or both, where ``module`` has any (registered on it,
+    not globally); else None. A fused block never calls its modules, so none of them run."""
+    kinds = [
+        kind
+        for kind, hooks in (
+            ("forward", (module._forward_hooks, module._forward_pre_hooks)),
+            ("backward", (module._backward_hooks, module._backward_pre_hooks)),
+        )
+        if any(hooks)
+    ]
+    return " and ".join(kinds) + " hooks" if kinds else None
+
+
 def _synapse_kind(module: nn.Module) -> type[nn.Module] | None:
     for base in SYNAPSES:
         if type(module) in _EXACT[base]:
@@ -287,16 +301,17 @@ class FusedBlock(MultiStepOnly, nn.Module):
 
     def _check_no_hooks(self) -> None:
         """Refuse hooks registered on the block's modules after fusing (``fuse`` leaves chains
-        with hooks unfused): the block never calls those modules' forward, so their hooks
-        would silently not run (e.g. a monitor recording a neuron's spikes)."""
+        with hooks unfused): the block never calls those modules, so their forward and
+        backward hooks would silently not run (e.g. a monitor recording a neuron's spikes)."""
         for role in ("synapse", "bn", "node", "pool"):
             module = getattr(self, role)
-            if module is not None and (module._forward_hooks or module._forward_pre_hooks):
+            hooks = None if module is None else hook_kinds(module)
+            if hooks is not None:
                 raise SpikefuseError(
-                    f"FusedBlock: its {role} ({type(module).__name__}) has forward hooks, which "
-                    "never run: the block runs its kernels instead of that module's forward. "
-                    "Register the hook on the block itself (its output is the neuron's spikes, "
-                    "pooled where the block pools), or use the unfused model"
+                    f"FusedBlock: its {role} ({type(module).__name__}) has {hooks}, which "
+                    "never run: the block runs its kernels instead of that module. Register the "
+                    "hook on the block itself (its output is the neuron's spikes, pooled where "
+                    "the block pools), or use the unfused model"
                 )
 
     def _check_residual(self, residual: Tensor | None, y: Tensor) -> None:

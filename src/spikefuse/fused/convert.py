@@ -58,6 +58,7 @@ from .blocks import (
     FusedBlock,
     SpikePool,
     _synapse_kind,
+    hook_kinds,
     pool_fold_problem,
 )
 from .recompute import RecomputedInput
@@ -348,8 +349,9 @@ def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
         read = next((a for a in attribute_reads if a.startswith(name + ".")), None)
         if read is not None:
             return f"the forward reads '{full(read)}' directly"
-        if module._forward_hooks or module._forward_pre_hooks:
-            return f"'{full(name)}' has forward hooks, which fusing would bypass"
+        hooks = hook_kinds(module)
+        if hooks is not None:
+            return f"'{full(name)}' has {hooks}, which fusing would bypass"
         return None
 
     def describe(user: fx.Node) -> str:

@@ -261,7 +261,8 @@ def export_nir(model: nn.Module, input_shape: Sequence[int], *, dt: float) -> ni
 
 
 def _check_dt(dt: float) -> None:
-    if not isinstance(dt, (int, float)) or not math.isfinite(dt) or dt <= 0:
+    real = isinstance(dt, (int, float)) and not isinstance(dt, bool)
+    if not real or not math.isfinite(dt) or dt <= 0:
         raise NIRConversionError(f"dt must be a positive finite float, got {dt!r}")
 
 
@@ -409,6 +410,12 @@ class _Exporter:
             raise NIRConversionError(
                 f"{where}: padding_mode={conv.padding_mode!r} has no NIR equivalent (only zeros)"
             )
+        if conv.groups != 1:  # nir's graph check takes the weight's dim 1 as the input channels
+            raise NIRConversionError(
+                f"{where}: a grouped convolution (groups={conv.groups}) does not pass nir's "
+                f"graph type check, which reads in_channels / groups = {conv.weight.shape[1]} "
+                f"as the input's channels; only groups=1 exports"
+            )
         weight, bias = _folded(where, conv, bn)
         if bias is None:  # NIR's Conv needs a bias; import turns an all-zero one into none
             bias = np.zeros(weight.shape[0], dtype=weight.dtype)
@@ -444,7 +451,8 @@ class _Exporter:
                 f"{where}: {type(node).__name__} runs torch code ({node.torch_code}); only "
                 "spikefuse's IF/LIF/PLIF definitions have a NIR equivalent"
             )
-        if definition is not defs.IF and definition not in {**_LIF_DEFS, **_PLIF_DEFS}:
+        # compared by value: a deep copy (fuse, torch.load) holds an equal, not the same, definition
+        if definition != defs.IF and definition not in {**_LIF_DEFS, **_PLIF_DEFS}:
             raise NIRConversionError(
                 f"{where}: neuron {definition.name!r} has no NIR equivalent (NIR has IF and LIF; "
                 "QIF, EIF, Izhikevich and custom charge equations cannot be expressed)"
@@ -459,7 +467,7 @@ class _Exporter:
             "v_threshold": np.full(shape, v_threshold, dtype=np.float64),
             "v_reset": np.full(shape, v_reset, dtype=np.float64),
         }
-        if definition is defs.IF:
+        if definition == defs.IF:
             return nir.IF(r=np.full(shape, 1.0 / self.dt, dtype=np.float64), **fire)
         if definition in _LIF_DEFS:
             tau, decay_input = float(cast(float, node.tau)), _LIF_DEFS[definition]
@@ -721,7 +729,7 @@ class _Importer:
                 step_mode="m",
                 dtype=weight.dtype,
             )
-            return _load(linear, weight, bias)
+            return _load(where, linear, weight, bias)
         if isinstance(node, (nir.Conv1d, nir.Conv2d)):
             return self._conv(where, node)
         if isinstance(node, nir.Flatten):
@@ -787,7 +795,7 @@ class _Importer:
             step_mode="m",
             dtype=weight.dtype,
         )
-        return _load(conv, weight, bias)
+        return _load(where, conv, weight, bias)
 
     def _leak(self, where: str, node: nir.LIF | nir.LI) -> tuple[float, bool, float]:
         """(tau, decay_input, v_leak) of a spikefuse leak equal to the node's Euler step."""
@@ -838,8 +846,13 @@ def _tensor(where: str, field: str, value: Any) -> Tensor:
 
 
 def _load(
-    module: nn.Linear | nn.Conv1d | nn.Conv2d, weight: Tensor, bias: Tensor | None
+    where: str, module: nn.Linear | nn.Conv1d | nn.Conv2d, weight: Tensor, bias: Tensor | None
 ) -> nn.Module:
+    if bias is not None and bias.shape != (weight.shape[0],):  # copy_ would broadcast it
+        raise NIRConversionError(
+            f"{where}: bias has shape {tuple(bias.shape)}; the weight {tuple(weight.shape)} "
+            f"needs one value per output, shape ({weight.shape[0]},)"
+        )
     with torch.no_grad():
         module.weight.copy_(weight)
         if bias is not None:
