@@ -146,6 +146,30 @@ def test_nonlinear_in_x_needs_x():
     assert same(p.dh_dx, 1 - sp.tanh(x) ** 2)
 
 
+# A conductance-like charge: dH/dX = e_rev - v vanishes at v = e_rev, where X(H) would divide
+# by zero (an input of exactly 1 drives v there)
+COND = defs.NeuronDef("cond", charge="v + x * (e_rev - v)", params=("e_rev",))
+
+
+def test_x_stays_where_eliminating_it_divides_by_a_state():
+    p = COND.partials
+    assert p.needs_x and same(p.dh_dv, 1 - x)
+    node = neuron.BaseNode(COND, params={"e_rev": -0.5}, step_mode="m", backend="torch")
+    xs = torch.tensor([[1.0], [0.3], [2.0]], dtype=torch.float64, requires_grad=True)
+    spikes = node(xs)
+    (grad,) = torch.autograd.grad(spikes.sum() + node.v.sum(), xs)
+    v, expected = torch.zeros(1, dtype=torch.float64), []  # the recurrence, by autograd
+    xo = xs.detach().clone().requires_grad_()
+    for t in range(3):
+        h = v + xo[t] * (-0.5 - v)
+        s = node.surrogate_function(h - 1.0)
+        v = h * (1 - s)
+        expected.append(s)
+    (reference,) = torch.autograd.grad(torch.stack(expected).sum() + v.sum(), xo)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, reference)
+
+
 def _bptt_vs_oracle(definition, params, learnable=(), hard=True, detach=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     T, shape = 5, (3, 7)

@@ -218,6 +218,18 @@ def test_hooks_added_to_a_fused_blocks_modules_are_refused():
     fused(x)
 
 
+@pytest.mark.parametrize("change", [("store_v_seq", True), ("step_mode", "s")])
+def test_node_settings_a_fused_block_cannot_honour_are_refused(change):
+    net = nn.Sequential(layer.Linear(4, 5), layer.BatchNorm1d(5), lif())
+    functional.set_step_mode(net, "m")
+    fused = fuse(net)
+    x = torch.rand(3, 2, 4)
+    fused(x)
+    setattr(fused[0].node, *change)
+    with pytest.raises(SpikefuseError, match=f"keeps no V, but the neuron now has .*{change[0]}"):
+        fused(x)
+
+
 def test_neuron_call_runs_any_time_major_layout_in_place():
     """Channels-last maps (the fused Conv2d's layout on CUDA) go through the plain neuron
     kernels in their memory order: spikes and dL/dx keep x's strides, own their memory (not
@@ -732,3 +744,33 @@ def test_optimizer_state_is_laid_out_like_its_parameters():
     moved = optimizer.state[conv.weight]["momentum_buffer"]
     assert moved.stride() == conv.weight.stride() and torch.equal(moved, momentum)
     assert match_optimizer_state(optimizer) == 0
+
+
+def test_linear_blocks_without_batchnorm_take_tokens():
+    """[T, B, N, F] (a spiking MLP or transformer's tokens): the Linear and the neuron act on
+    each token alike, as unfused; with BatchNorm1d (which would normalise N) it is refused."""
+    torch.manual_seed(0)
+    node = lambda: neuron.LIFNode(v_threshold=0.3, step_mode="m", backend="torch")  # noqa: E731
+    net = nn.Sequential(layer.Linear(8, 8), node(), layer.Linear(8, 6), node()).double()
+    functional.set_step_mode(net, "m")
+    fused = fuse(net)
+    assert sum(isinstance(m, FusedBlock) for m in fused.modules()) == 2
+    x = torch.rand(4, 2, 5, 8, dtype=torch.float64)
+    outs, grads = [], []
+    for model in (net, fused):
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+        grads.append(torch.autograd.grad((out * weights).sum(), [xi, *model.parameters()]))
+        outs.append(out)
+        functional.reset_net(model)
+    assert outs[1].shape == (4, 2, 5, 6) and 0 < outs[0].mean() < 1
+    assert torch.equal(outs[1], outs[0])
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want)
+    with_bn = nn.Sequential(layer.Linear(8, 6), layer.BatchNorm1d(6), node())
+    functional.set_step_mode(with_bn, "m")
+    with_bn = fuse(with_bn)
+    assert isinstance(with_bn[0], FusedBlock)
+    with pytest.raises(SpikefuseError, match=r"BatchNorm1d takes \[T, B, F\] only"):
+        with_bn(x.float())

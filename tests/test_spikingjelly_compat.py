@@ -308,3 +308,33 @@ def test_chunk_multi_step_forward_carries_state():
     assert torch.equal(chunked, node(x))
     with pytest.raises(SpikefuseError, match="split_size"):
         functional.chunk_multi_step_forward(0, x, node)
+
+
+class TorchCodeLIF(neuron.LIFNode):
+    """A neuron written the SpikingJelly way (its own neuronal_charge)."""
+
+    def neuronal_charge(self, x):
+        self.v = self.v + (x - self.v) / self.tau
+
+
+@pytest.mark.parametrize("make", [neuron.LIFNode, neuron.IzhikevichNode, TorchCodeLIF])
+def test_single_step_store_v_seq_appends_each_step(make):
+    """SpikingJelly 2.0: in 's' mode each step's V (after the reset) is appended to v_seq
+    until reset(); detach() detaches it; changing store_v_seq drops it."""
+    node = make(store_v_seq=True)
+    xs = torch.rand(4, 2, 3, generator=torch.Generator().manual_seed(0)) * 2
+    steps = []
+    for x in xs:
+        node(x)
+        steps.append(node.v.clone())
+    assert torch.equal(node.v_seq, torch.stack(steps))
+    multi = make(store_v_seq=True, step_mode="m")
+    multi(xs)
+    torch.testing.assert_close(node.v_seq, multi.v_seq)
+    node.reset()
+    assert node.v_seq is None
+    node(xs[0].requires_grad_())
+    node.detach()
+    assert node.v_seq.shape == (1, 2, 3) and not node.v_seq.requires_grad
+    node.store_v_seq = False
+    assert node.v_seq is None

@@ -300,7 +300,15 @@ class NeuronDef:
             solutions = sp.solve(sp.Eq(H, f), X)
         except NotImplementedError:  # sympy cannot solve it (e.g. sigmoid(x) + cosh(x)): keep X
             solutions = []
-        x_of_h = solutions[0] if len(solutions) == 1 else None
+        # Eliminate X only where X(H) divides by nothing that a state can make zero: where
+        # dH/dX vanishes for some state, X(H) divides by zero there (v + x (e_rev - v) at
+        # v = e_rev gives dh_dv = (e_rev - h) / (e_rev - v), 0/0 = NaN; keeping X gives 1 - x).
+        # Factors that are never zero (EIF's exp) are fine.
+        x_of_h = None
+        if len(solutions) == 1:
+            factors = sp.Mul.make_args(sp.denom(sp.together(solutions[0])))
+            if all(f.is_zero is False or not f.free_symbols & {V, W, H} for f in factors):
+                x_of_h = solutions[0]
 
         def in_h(expr: sp.Expr) -> sp.Expr:
             if X in expr.free_symbols and x_of_h is not None:

@@ -153,7 +153,8 @@ class BaseNode(MemoryModule):
         detach_reset: stop the gradient through the reset's dependence on S.
         step_mode: ``'s'`` (input [N, *]) or ``'m'`` (input [T, N, *]).
         backend: ``'auto'``, ``'torch'``, ``'cuda'`` or ``'cupy'`` (alias of cuda).
-        store_v_seq: in multi-step mode keep V[1..T] as ``.v_seq`` (shape of the input).
+        store_v_seq: keep V[1..T] as ``.v_seq`` (shape of the input) in multi-step mode; in
+            single-step mode append each step's V to it until ``reset()`` (SpikingJelly 2.0).
         w_init: initial W for two-state neurons.
     """
 
@@ -171,6 +172,7 @@ class BaseNode(MemoryModule):
     # neurons may keep anything there, as in SpikingJelly).
     v: Any
     w: Any
+    v_seq: Tensor | None  # store_v_seq's record of V
     # parameter -> exclusive lower bound, checked on every call (e.g. tau > 1 keeps 1/tau in (0, 1))
     lower_bounds: Mapping[str, float] = {}
     # parameters that must be >= v_reset under hard reset (SpikingJelly's QIF/EIF: v_rest)
@@ -355,7 +357,7 @@ class BaseNode(MemoryModule):
         # torch.compile tracing it) only reads an attribute.
         if name in self._PROGRAM_FIELDS:
             self._update_program()
-        if name == "step_mode":  # a sequence from the other mode is not this mode's state
+        if name in ("step_mode", "store_v_seq"):  # a sequence recorded otherwise: dropped
             self.set_memory("v_seq", None)
 
     def _update_program(self) -> None:
@@ -520,8 +522,26 @@ class BaseNode(MemoryModule):
         self.set_memory("v", v_last)
         if adaptive:
             self.set_memory("w", w_last)
-        self.set_memory("v_seq", v_seq if store_v_seq else None)
+        if multi_step or not self.store_v_seq:
+            self.set_memory("v_seq", v_seq if store_v_seq else None)
+        else:
+            self._append_v_seq(v_last)
         return spikes if multi_step else spikes[0]
+
+    def _append_v_seq(self, v: Tensor) -> None:
+        """Single-step mode with ``store_v_seq``: append this step's V (after the reset) to
+        ``v_seq`` [steps since reset(), N, *], as SpikingJelly 2.0 does; a new sequence starts
+        where the shape, device or dtype changes. Each step copies the sequence (O(T^2): for
+        monitoring)."""
+        step, seq = v.unsqueeze(0), self.v_seq
+        if seq is not None and (seq.shape[1:], seq.device, seq.dtype) == (
+            step.shape[1:],
+            step.device,
+            step.dtype,
+        ):
+            self.set_memory("v_seq", torch.cat((seq, step)))
+        else:
+            self.set_memory("v_seq", step.clone())
 
     def single_step_forward(self, x: Tensor) -> Tensor:
         """One step ``[N, *] -> [N, *]`` whatever ``step_mode`` is (SpikingJelly's method).
@@ -561,7 +581,10 @@ class BaseNode(MemoryModule):
             self.last_backend = "torch"
         if self.step_mode == "m":
             return self.multi_step_forward(x)
-        return self.single_step_forward(x)
+        spike = self.single_step_forward(x)
+        if self.store_v_seq:
+            self._append_v_seq(self.v)
+        return spike
 
     # ---- SpikingJelly's torch-code hooks (used only by torch-code neurons) ---------------------
     def neuronal_charge(self, x: Tensor) -> None:

@@ -112,7 +112,8 @@ def _synapse_kind(module: nn.Module) -> type[nn.Module] | None:
 class FusedBlock(MultiStepOnly, nn.Module):
     """``synapse → [BatchNorm] → neuron`` on multi-step input, keeping only the synapse output.
 
-    Input ``[T, B, C_in, *]`` (Conv2d: ``[T, B, C_in, H, W]``, Linear: ``[T, B, F_in]``); output
+    Input ``[T, B, C_in, *]`` (Conv2d: ``[T, B, C_in, H, W]``, Linear: ``[T, B, F_in]``, or
+    without BatchNorm tokens ``[T, B, *, F_in]``, whose token dims join B); output
     spikes ``[T, B, C_out, *]`` in the input's dtype (bf16 under bf16 autocast). The synapse runs
     once on the merged ``[T*B, ...]`` batch. BatchNorm normalises each channel over
     (T, B, spatial) — batch statistics in training (synchronised across processes when
@@ -290,9 +291,16 @@ class FusedBlock(MultiStepOnly, nn.Module):
         rank = _INPUT_RANK[self._kind]
         if x.dim() != rank:
             expected = "[T, B, F]" if self._kind is nn.Linear else "[T, B, C, ...]"
+            tokens = self._kind is nn.Linear and x.dim() > rank  # a BatchNorm1d would take N as C
             raise SpikefuseError(
                 f"FusedBlock({self._kind.__name__}): expected input {expected} of rank {rank}, "
                 f"got shape {tuple(x.shape)}"
+                + (
+                    "; a Linear block with BatchNorm1d takes [T, B, F] only (on [T, B, N, F] "
+                    "BatchNorm1d normalises dim N as its channels): use the unfused model"
+                    if tokens
+                    else ""
+                )
             )
         if x.shape[0] == 0:
             raise SpikefuseError("FusedBlock: the input has T = 0 time steps")
@@ -523,6 +531,10 @@ class FusedBlock(MultiStepOnly, nn.Module):
         )
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        if self._kind is nn.Linear and self.bn is None and residual is None:
+            if isinstance(x, Tensor) and x.dim() > 3:  # tokens [T, B, *, F]: the Linear and
+                # the neuron act on each token alike, so the token dims join the batch
+                return self.forward(x.flatten(1, -2)).unflatten(1, x.shape[1:-1])
         self._check_input(x)
         self._check_no_hooks()
         if (residual is None) == self.residual:
