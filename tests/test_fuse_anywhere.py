@@ -774,3 +774,36 @@ def test_missing_keys_are_named_as_the_state_dict_names_them():
     wrapped = nn.Sequential(fused)  # the fused chains' owners sit under a prefix here
     result = wrapped.load_state_dict({f"0.{k}": v for k, v in state.items()}, strict=False)
     assert result.missing_keys == ["0.stem.1.running_mean", "0.blocks.0.conv1.weight"]
+
+
+class ApartBlock(nn.Module):
+    """Registers every conv, then every BatchNorm, then every neuron (a common style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = conv(), conv()
+        self.bn1, self.bn2 = bn(), bn()
+        self.sn1, self.sn2 = lif(), lif()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sn2(self.bn2(self.conv2(self.sn1(self.bn1(self.conv1(x))))))
+
+
+def test_state_dict_keeps_the_unfused_order_and_a_changed_parameter_order_is_reported(caplog):
+    model = ApartBlock()
+    with caplog.at_level(logging.WARNING, logger="spikefuse.fuse"):
+        fused = fuse(model)
+    assert list(fused.state_dict()) == list(model.state_dict())
+    wrapped = nn.Sequential(fused)
+    assert list(wrapped.state_dict()) == [f"0.{k}" for k in model.state_dict()]
+    assert "parameters() now lists the parameters in another order" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="spikefuse.fuse"):
+        fuse(Net())  # each chain registered together: the same order
+    assert "another order" not in caplog.text
+
+
+def test_an_eval_model_stays_in_eval_mode():
+    fused = fuse(Net().eval())
+    assert not any(m.training for m in fused.modules())
+    assert all(m.training for m in fuse(Net()).modules())

@@ -78,6 +78,17 @@ def test_zoo_models_train_on_cifar10(
     assert payload["config"]["architecture"] == model and payload["config"]["data"] == "cifar10"
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_lone_last_sample_at_one_step_is_skipped(
+    tmp_path: Path, cifar: Path, fused: bool
+) -> None:
+    """SEW-ResNet-18 shrinks 32 x 32 images to 1 x 1: one sample at T = 1 would give BatchNorm
+    one value per channel (10 samples in batches of 3 leave one)."""
+    data = ["--data", "cifar10", "--data-dir", str(cifar), "--limit", "10", "--batch-size", "3"]
+    extra = ["--fuse"] if fused else []
+    assert train(tmp_path / "run.pt", "--model", "sew_resnet18", *data, *extra) == 0
+
+
 def test_resnet19_trains_fused_on_the_digits(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

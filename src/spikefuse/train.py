@@ -1145,6 +1145,11 @@ def train_epoch(
         graphed.invalidate()  # captured with the last epoch's learning rate
     order = epoch_order(config, epoch, len(data.y_train), ranks).to(data.y_train.device)
     batches = order.split(config.batch_size)
+    if config.T == 1 and len(batches) > 1 and len(batches[-1]) == 1:
+        # one sample at one step gives BatchNorm one value per channel where a network's maps
+        # shrink to 1 x 1 (ResNets on 32 x 32), which training cannot normalise: skipped (the
+        # order changes every epoch, so each sample is still seen)
+        batches = batches[:-1]
     progress = None
     if not config.quiet and ranks.main:
         require(TRAIN, "demo", NEEDS_PROGRESS)
@@ -1157,7 +1162,7 @@ def train_epoch(
             leave=False,
             disable=None,  # only on a terminal
         )
-    total_loss = 0.0
+    total_loss, seen = 0.0, 0
     for batch, index in enumerate(batches if progress is None else progress):
         x, y = data.x_train[index], data.y_train[index]
         loss = step(x, y) if graphed is None else graphed(step, x, y)
@@ -1172,10 +1177,10 @@ def train_epoch(
                 f"{batch + 1} (a smaller --lr may help); checkpoint '{config.checkpoint}' "
                 f"is left as it was"
             )
-        total_loss += value * len(index)
+        total_loss, seen = total_loss + value * len(index), seen + len(index)
         if progress is not None:
             progress.set_postfix(loss=f"{value:.3f}")
-    return total_loss / len(order)
+    return total_loss / seen
 
 
 def optional_needs(config: TrainConfig) -> dict[str, str]:

@@ -574,20 +574,28 @@ def _renamed(key: str, renames: list[tuple[str, str]]) -> str:
 
 
 class _SaveUnderOriginalNames:
-    """state_dict post-hook: the fused chains' entries under the unfused model's keys.
+    """state_dict post-hook: the fused chains' entries under the unfused model's keys, in the
+    unfused model's order.
 
     ``renames``: (fused prefix, original prefix) pairs relative to the hooked module, e.g.
-    ``("conv1.bn.", "bn1.")``."""
+    ``("conv1.bn.", "bn1.")``; ``order``: the unfused module's keys, relative to it (a block
+    holds its BatchNorm and neuron next to its synapse, where the unfused module may have
+    registered, say, every conv before every BatchNorm)."""
 
-    def __init__(self, renames: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, renames: tuple[tuple[str, str], ...], order: tuple[str, ...]) -> None:
         self.renames = renames
+        self.rank = {key: i for i, key in enumerate(order)}
 
     def __call__(self, module, state_dict, prefix, local_metadata) -> None:
         renames = [(prefix + fused, prefix + original) for fused, original in self.renames]
-        # Re-insert this module's entries (the dict's tail) in order, renamed.
+        # Re-insert this module's entries (the dict's tail) renamed, in the unfused order (keys
+        # it did not have, e.g. other chains' not yet renamed, after those, as they come).
         entries = [(k, state_dict.pop(k)) for k in [k for k in state_dict if k.startswith(prefix)]]
-        for key, value in entries:
-            state_dict[_renamed(key, renames)] = value
+        renamed = [(_renamed(key, renames), value) for key, value in entries]
+        last = len(self.rank)
+        renamed.sort(key=lambda entry: self.rank.get(entry[0][len(prefix) :], last))
+        for key, value in renamed:
+            state_dict[key] = value
         metadata = getattr(state_dict, "_metadata", None)
         if metadata is not None:  # BatchNorm's version entry moves with its keys
             for key in [k for k in metadata if k.startswith(prefix)]:
@@ -825,10 +833,12 @@ def _replace(
     chain: _Chain,
     process_group: dist.ProcessGroup | None,
     memory: str,
+    unfused_keys: list[str],
 ) -> None:
     """Put a FusedBlock at the synapse's place, :class:`FusedAway` at the BN's and neuron's,
-    and hook the lowest module holding all three so that state dicts keep the unfused keys
-    (``path``: root's name in the model, for messages)."""
+    and hook the lowest module holding all three so that state dicts keep the unfused keys and
+    their order (``path``: root's name in the model; ``unfused_keys``: the model's state dict
+    keys before fusing)."""
     container = root.get_submodule(chain.synapse)
     synapse_bn = _as_synapse_bn(container)
     assert synapse_bn is not None  # _examine found it
@@ -847,11 +857,13 @@ def _replace(
     pool = None if chain.pool is None else _as_pool(root.get_submodule(chain.pool))
     residual = chain.addition is not None
     fused = FusedBlock(synapse, bn, node, process_group, memory, pool, residual)
+    fused.train(container.training)  # an eval model stays in eval mode, its blocks too
     _set_submodule(root, chain.synapse, fused)
     block = _join(path, chain.synapse)
     roles = {chain.node: "node", chain.pool: "pool"}
     for name in (*chain.names[1:], *([chain.pool] if chain.pool is not None else [])):
-        _set_submodule(root, name, FusedAway(_join(path, name), block, roles.get(name, "bn")))
+        away = FusedAway(_join(path, name), block, roles.get(name, "bn"))
+        _set_submodule(root, name, away.train(container.training))
     holder = ".".join(_common_parent(chain.names))
     skip = len(holder) + 1 if holder else 0
     renames = tuple(
@@ -859,7 +871,9 @@ def _replace(
         for attribute, original in originals.items()
     )
     owner = root.get_submodule(holder)
-    owner.register_state_dict_post_hook(_SaveUnderOriginalNames(renames))
+    owner_prefix = f"{_join(path, holder)}." if _join(path, holder) else ""
+    order = tuple(k[len(owner_prefix) :] for k in unfused_keys if k.startswith(owner_prefix))
+    owner.register_state_dict_post_hook(_SaveUnderOriginalNames(renames, order))
     loader = _LoadOriginalNames(renames)
     owner.register_load_state_dict_pre_hook(loader)
     owner.register_load_state_dict_post_hook(loader.name_missing_keys)
@@ -884,6 +898,7 @@ class _Fuser:
     ) -> None:
         self.process_group, self.memory, self.fold_pools = process_group, memory, fold_pools
         self.report = FuseReport()
+        self.unfused_keys: list[str] = []  # the model's state dict keys before fusing
 
     def convert(self, module: nn.Module, path: str) -> None:
         if _Tracer().is_leaf_module(module, path):
@@ -922,7 +937,7 @@ class _Fuser:
                 continue
             pool = _as_pool(root.get_submodule(name))
             assert pool is not None  # _examine found it
-            _set_submodule(root, name, SpikePool(pool))
+            _set_submodule(root, name, SpikePool(pool).train(pool.training))
             self.report.pools.append(_join(path, name))
         owners: dict[str, list[_Chain]] = defaultdict(list)
         for chain in findings.chains.values():
@@ -939,7 +954,7 @@ class _Fuser:
             self._rewrite(root, path, owner, chains)
 
     def _fuse(self, root: nn.Module, path: str, chain: _Chain) -> None:
-        _replace(root, path, chain, self.process_group, self.memory)
+        _replace(root, path, chain, self.process_group, self.memory, self.unfused_keys)
         names = tuple(_join(path, n) for n in chain.names)
         folded_pool = None if chain.pool is None else _join(path, chain.pool)
         residual = chain.addition is not None
@@ -1079,9 +1094,19 @@ def fuse(
     if not inplace:
         model = copy.deepcopy(model)
     fuser = _Fuser(process_group, memory, fold_pools)
+    before = _parameter_keys(model)
+    fuser.unfused_keys = list(model.state_dict(keep_vars=True))
     fuser.convert(model, "")
     report = fuser.report
     log.info("%s", report)
+    if _parameter_keys(model) != before:
+        log.warning(
+            "fuse: parameters() now lists the parameters in another order (a block holds its "
+            "BatchNorm next to its synapse; this model registers them apart): an optimizer "
+            "state_dict of the unfused model would load into the wrong parameters, since "
+            "optimizers match them by position. Build optimizers after fuse and load only "
+            "their own state"
+        )
     if report.chains > len(report.fused):
         log.warning(
             "fuse: %d of %d chains were not fused:\n%s",
@@ -1090,6 +1115,13 @@ def fuse(
             "\n".join(f"  {' -> '.join(s.modules)}: {s.reason}" for s in _chains_left(report)),
         )
     return (model, report) if return_report else model
+
+
+def _parameter_keys(model: nn.Module) -> list[str]:
+    """The state dict key of each parameter, in ``parameters()`` order (what optimizers
+    number their state by)."""
+    key_of = {id(t): key for key, t in model.state_dict(keep_vars=True).items()}
+    return [key_of.get(id(p), "") for p in model.parameters()]
 
 
 def _chains_left(report: FuseReport) -> Iterator[SkippedCandidate]:
