@@ -807,3 +807,16 @@ def test_an_eval_model_stays_in_eval_mode():
     fused = fuse(Net().eval())
     assert not any(m.training for m in fused.modules())
     assert all(m.training for m in fuse(Net()).modules())
+
+
+def test_hooks_of_fused_models_pickled_before_the_key_order_still_save():
+    """Hooks unpickled from earlier versions lack the attributes added since (rank, prefix)."""
+    from spikefuse.fused import convert
+
+    fused = fuse(Net())
+    for module in fused.modules():
+        for hook in module._state_dict_hooks.values():
+            if isinstance(hook, convert._SaveUnderOriginalNames):
+                del hook.__dict__["rank"]
+    assert list(fused.state_dict()) == list(Net().state_dict())
+    fused.load_state_dict(Net().state_dict())

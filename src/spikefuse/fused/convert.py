@@ -582,6 +582,9 @@ class _SaveUnderOriginalNames:
     holds its BatchNorm and neuron next to its synapse, where the unfused module may have
     registered, say, every conv before every BatchNorm)."""
 
+    # Hooks pickled by versions before the order was kept have none: their order stays.
+    rank: dict[str, int] = {}
+
     def __init__(self, renames: tuple[tuple[str, str], ...], order: tuple[str, ...]) -> None:
         self.renames = renames
         self.rank = {key: i for i, key in enumerate(order)}
@@ -610,9 +613,11 @@ class _LoadOriginalNames:
     :meth:`name_missing_keys` (the post-hook) reports missing entries under the unfused keys
     too, the names the model's ``state_dict`` has."""
 
+    # the hooked module's prefix in the load running now (post-hooks are given none)
+    prefix = ""
+
     def __init__(self, renames: tuple[tuple[str, str], ...]) -> None:
         self.renames = renames
-        self.prefix = ""  # the hooked module's, in the load running now (post-hooks get none)
 
     def name_missing_keys(self, module, incompatible_keys) -> None:
         renames = [(self.prefix + f, self.prefix + original) for f, original in self.renames]
@@ -857,13 +862,16 @@ def _replace(
     pool = None if chain.pool is None else _as_pool(root.get_submodule(chain.pool))
     residual = chain.addition is not None
     fused = FusedBlock(synapse, bn, node, process_group, memory, pool, residual)
-    fused.train(container.training)  # an eval model stays in eval mode, its blocks too
+    # an eval model's blocks stay in eval mode; not train(), which would also set the block's
+    # BatchNorm and neuron (a BatchNorm frozen with bn.eval() must stay frozen)
+    fused.training = container.training
     _set_submodule(root, chain.synapse, fused)
     block = _join(path, chain.synapse)
     roles = {chain.node: "node", chain.pool: "pool"}
     for name in (*chain.names[1:], *([chain.pool] if chain.pool is not None else [])):
         away = FusedAway(_join(path, name), block, roles.get(name, "bn"))
-        _set_submodule(root, name, away.train(container.training))
+        away.training = container.training
+        _set_submodule(root, name, away)
     holder = ".".join(_common_parent(chain.names))
     skip = len(holder) + 1 if holder else 0
     renames = tuple(
@@ -937,7 +945,9 @@ class _Fuser:
                 continue
             pool = _as_pool(root.get_submodule(name))
             assert pool is not None  # _examine found it
-            _set_submodule(root, name, SpikePool(pool).train(pool.training))
+            spike_pool = SpikePool(pool)
+            spike_pool.training = pool.training
+            _set_submodule(root, name, spike_pool)
             self.report.pools.append(_join(path, name))
         owners: dict[str, list[_Chain]] = defaultdict(list)
         for chain in findings.chains.values():

@@ -56,11 +56,10 @@ class NeuronCall:
         """The call for ``node`` on input ``x``; ``previous`` (the block's last call) is reused
         while the node's program, resolved backend, constants and initial V are unchanged:
         a block's call then costs no new object and no repeated backend lookups."""
-        if node.store_v_seq or node.step_mode != "m":  # set since fusing: would be ignored
+        if node.store_v_seq:  # set since the block was made: it would be ignored
             raise SpikefuseError(
-                f"a fused block runs its {type(node).__name__} on whole sequences and keeps no "
-                f"V, but the neuron now has step_mode={node.step_mode!r}, store_v_seq="
-                f"{node.store_v_seq}: set them back ('m', False), or use the unfused model"
+                f"a fused block keeps no V, but its {type(node).__name__} now has "
+                "store_v_seq=True: set it back to False, or record V with the unfused model"
             )
         backend = node.resolve_backend(x)
         v_init = float(node.memory_default("v"))  # where reset() puts the unfused node's V
