@@ -591,12 +591,15 @@ class _SaveUnderOriginalNames:
 
     def __call__(self, module, state_dict, prefix, local_metadata) -> None:
         renames = [(prefix + fused, prefix + original) for fused, original in self.renames]
-        # Re-insert this module's entries (the dict's tail) renamed, in the unfused order (keys
-        # it did not have, e.g. other chains' not yet renamed, after those, as they come).
+        # Re-insert this module's entries (the dict's tail) renamed, those the unfused module
+        # had in its order; the others (another chain's, not renamed yet; modules replaced
+        # since fusing) keep their places.
         entries = [(k, state_dict.pop(k)) for k in [k for k in state_dict if k.startswith(prefix)]]
         renamed = [(_renamed(key, renames), value) for key, value in entries]
-        last = len(self.rank)
-        renamed.sort(key=lambda entry: self.rank.get(entry[0][len(prefix) :], last))
+        known = [i for i, (key, _) in enumerate(renamed) if key[len(prefix) :] in self.rank]
+        in_order = sorted((renamed[i] for i in known), key=lambda e: self.rank[e[0][len(prefix) :]])
+        for i, entry in zip(known, in_order, strict=True):
+            renamed[i] = entry
         for key, value in renamed:
             state_dict[key] = value
         metadata = getattr(state_dict, "_metadata", None)
