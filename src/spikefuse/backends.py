@@ -68,8 +68,7 @@ class BPTTOut(NamedTuple):
     grad_x: torch.Tensor  # [T, *], dtype of the spikes' gradient
     grad_v0: torch.Tensor | None  # [*]; None when V started from a constant
     grad_w0: torch.Tensor | None  # [*]; None when W started from a constant or does not exist
-    # [P] or the learnable tensor's shape, compute dtype; None without learnable parameters
-    grad_learnable: torch.Tensor | None
+    grad_learnable: torch.Tensor | None  # learnable's shape, compute dtype; None without any
 
 
 class NeuronBackend(Protocol):

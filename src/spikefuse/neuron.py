@@ -13,7 +13,6 @@ import copy
 import functools
 import logging
 import math
-import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -823,8 +822,7 @@ class ParametricLIFNode(_ChargeByDecayInput, BaseNode):
         backend: str = "auto",
         store_v_seq: bool = False,
     ) -> None:
-        real = isinstance(init_tau, numbers.Real) and not isinstance(init_tau, bool)
-        if not (real and math.isfinite(init_tau) and init_tau > 1):
+        if not (is_finite_real(init_tau) and init_tau > 1):
             raise SpikefuseError(
                 f"ParametricLIFNode: init_tau must be finite and > 1, got {init_tau}"
             )

@@ -197,12 +197,8 @@ def _bptt(
         init,
     )
     grad_learnable = out.grad_learnable
-    if (
-        grad_learnable is not None
-        and learnable is not None
-        and (grad_learnable.dtype != learnable.dtype or grad_learnable.shape != learnable.shape)
-    ):  # the reference backend's [P] (the cuda backend's has the parameter's shape already)
-        grad_learnable = grad_learnable.to(learnable.dtype).view(learnable.shape)
+    if grad_learnable is not None and learnable is not None:  # a no-op in the compute dtype
+        grad_learnable = grad_learnable.to(learnable.dtype)
     return out.grad_x, out.grad_v0, out.grad_w0, grad_learnable
 
 

@@ -207,5 +207,7 @@ def bptt(
         grad_x=grad_x.to(grad_spikes.dtype),
         grad_v0=grad_v0,
         grad_w0=grad_w0,
-        grad_learnable=torch.stack(grad_learn) if grad_learn else None,
+        grad_learnable=torch.stack(grad_learn).view(learnable.shape)
+        if learnable is not None and grad_learn
+        else None,
     )

@@ -431,7 +431,7 @@ def affine_bptt(
         (None, {})
         if grad_y
         else learnable_grad_buffers(
-            program, learnable, y, plan.grid[0] * plan.grid[1] if plan.N else 0
+            program, learnable, plan.grid[0] * plan.grid[1] if plan.N else 0
         )
     )
     if plan.N:

@@ -140,7 +140,7 @@ def bptt(
     vec = vector_width(N, x, grad_spikes, grad_v_seq, vec=BPTT_VEC[dtype])
     blocks = blocks_for(N, vec)
     grad_learnable, learnable_pointers = learnable_grad_buffers(
-        program, learnable, x, blocks if N else 0
+        program, learnable, blocks if N else 0
     )
     if N:
         kernel = kernel_for(program, dtype, vec)

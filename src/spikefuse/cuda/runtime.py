@@ -195,7 +195,7 @@ def pointer(t: torch.Tensor | None) -> int:
 
 
 def learnable_grad_buffers(
-    program: NeuronProgram, learnable: torch.Tensor | None, like: torch.Tensor, blocks: int
+    program: NeuronProgram, learnable: torch.Tensor | None, blocks: int
 ) -> tuple[torch.Tensor | None, dict[str, int]]:
     """The learnable parameters' gradient of one backward launch of ``blocks`` blocks (in
     ``learnable``'s shape, float32; zeros if ``blocks`` is 0, i.e. nothing is launched) and the
@@ -207,9 +207,9 @@ def learnable_grad_buffers(
         return None, {}
     P = len(program.learnable)
     if not blocks:
-        return torch.zeros(learnable.shape, dtype=torch.float32, device=learnable.device), {}
-    grad = torch.empty(learnable.shape, dtype=torch.float32, device=learnable.device)
-    partial = like.new_zeros(P * blocks + 1, dtype=torch.float32)  # + the counter (4 bytes)
+        return learnable.new_zeros(learnable.shape, dtype=torch.float32), {}
+    grad = learnable.new_empty(learnable.shape, dtype=torch.float32)
+    partial = learnable.new_zeros(P * blocks + 1, dtype=torch.float32)  # + the counter (4 bytes)
     pointers = {
         "grad_learnable_partial": partial.data_ptr(),
         "blocks_done": partial.data_ptr() + 4 * P * blocks,

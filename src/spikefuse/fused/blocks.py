@@ -243,6 +243,9 @@ class FusedBlock(MultiStepOnly, nn.Module):
         assert isinstance(synapse, (nn.Linear, _ConvNd))  # what _synapse_kind accepts
         self.synapse: nn.Linear | _ConvNd = synapse
         self.bn, self.node = bn, node
+        # the mode of what it replaces (an eval model's blocks stay in eval); not train(),
+        # which would also set the BatchNorm (one frozen with bn.eval() stays frozen)
+        self.training = synapse.training
         self.pool = cast("nn.AvgPool2d | None", pool)  # pool_fold_problem checked it
         # k of the block's k x k average pooling (1: none)
         self._window = 1 if pool is None else _pair(pool.kernel_size)[0]
@@ -741,6 +744,7 @@ class SpikePool(MultiStepOnly, nn.Module):
         if getattr(pool, "return_indices", False):
             raise SpikefuseError("SpikePool: return_indices=True is not supported")
         self.pool = pool
+        self.training = pool.training  # the mode of the pooling it replaces
         self._kind: type[nn.Module] = kind
         self._window = _window_size(pool)
 

@@ -37,7 +37,7 @@ import inspect
 import logging
 import operator
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeGuard, overload
 
@@ -865,15 +865,12 @@ def _replace(
     pool = None if chain.pool is None else _as_pool(root.get_submodule(chain.pool))
     residual = chain.addition is not None
     fused = FusedBlock(synapse, bn, node, process_group, memory, pool, residual)
-    # an eval model's blocks stay in eval mode; not train(), which would also set the block's
-    # BatchNorm and neuron (a BatchNorm frozen with bn.eval() must stay frozen)
-    fused.training = container.training
     _set_submodule(root, chain.synapse, fused)
     block = _join(path, chain.synapse)
     roles = {chain.node: "node", chain.pool: "pool"}
     for name in (*chain.names[1:], *([chain.pool] if chain.pool is not None else [])):
         away = FusedAway(_join(path, name), block, roles.get(name, "bn"))
-        away.training = container.training
+        away.training = fused.training
         _set_submodule(root, name, away)
     holder = ".".join(_common_parent(chain.names))
     skip = len(holder) + 1 if holder else 0
@@ -906,10 +903,11 @@ class _Fuser:
         process_group: dist.ProcessGroup | None,
         memory: str,
         fold_pools: bool,
+        unfused_keys: list[str],
     ) -> None:
         self.process_group, self.memory, self.fold_pools = process_group, memory, fold_pools
         self.report = FuseReport()
-        self.unfused_keys: list[str] = []  # the model's state dict keys before fusing
+        self.unfused_keys = unfused_keys  # the model's state dict keys before fusing
 
     def convert(self, module: nn.Module, path: str) -> None:
         if _Tracer().is_leaf_module(module, path):
@@ -948,9 +946,7 @@ class _Fuser:
                 continue
             pool = _as_pool(root.get_submodule(name))
             assert pool is not None  # _examine found it
-            spike_pool = SpikePool(pool)
-            spike_pool.training = pool.training
-            _set_submodule(root, name, spike_pool)
+            _set_submodule(root, name, SpikePool(pool))
             self.report.pools.append(_join(path, name))
         owners: dict[str, list[_Chain]] = defaultdict(list)
         for chain in findings.chains.values():
@@ -1106,13 +1102,13 @@ def fuse(
         raise SpikefuseError(f"fuse: memory must be one of {MEMORY_MODES}, got {memory!r}")
     if not inplace:
         model = copy.deepcopy(model)
-    fuser = _Fuser(process_group, memory, fold_pools)
-    before = _parameter_keys(model)
-    fuser.unfused_keys = list(model.state_dict(keep_vars=True))
+    unfused = model.state_dict(keep_vars=True)
+    fuser = _Fuser(process_group, memory, fold_pools, list(unfused))
+    before = _parameter_keys(model, unfused)
     fuser.convert(model, "")
     report = fuser.report
     log.info("%s", report)
-    if _parameter_keys(model) != before:
+    if _parameter_keys(model, model.state_dict(keep_vars=True)) != before:
         log.warning(
             "fuse: parameters() now lists the parameters in another order (a block holds its "
             "BatchNorm next to its synapse; this model registers them apart): an optimizer "
@@ -1130,10 +1126,10 @@ def fuse(
     return (model, report) if return_report else model
 
 
-def _parameter_keys(model: nn.Module) -> list[str]:
-    """The state dict key of each parameter, in ``parameters()`` order (what optimizers
-    number their state by)."""
-    key_of = {id(t): key for key, t in model.state_dict(keep_vars=True).items()}
+def _parameter_keys(model: nn.Module, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The key in ``state`` (the model's ``state_dict(keep_vars=True)``) of each parameter, in
+    ``parameters()`` order (what optimizers number their state by)."""
+    key_of = {id(t): key for key, t in state.items()}
     return [key_of.get(id(p), "") for p in model.parameters()]
 
 

@@ -70,7 +70,6 @@ mode BatchNorm and any module it does not know.
 from __future__ import annotations
 
 import copy
-import math
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -95,7 +94,7 @@ from ..errors import SpikefuseError
 from ..fused import FusedBlock, SpikePool
 from ..fused.blocks import SYNAPSES
 from ..neuron import BaseNode, IFNode, LIFNode
-from ..surrogate import Rect, Surrogate
+from ..surrogate import Rect, Surrogate, is_finite_real
 
 __all__ = [
     "LeakyIntegrator",
@@ -261,8 +260,7 @@ def export_nir(model: nn.Module, input_shape: Sequence[int], *, dt: float) -> ni
 
 
 def _check_dt(dt: float) -> None:
-    real = isinstance(dt, (int, float)) and not isinstance(dt, bool)
-    if not real or not math.isfinite(dt) or dt <= 0:
+    if not is_finite_real(dt) or dt <= 0:
         raise NIRConversionError(f"dt must be a positive finite float, got {dt!r}")
 
 
