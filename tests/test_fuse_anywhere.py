@@ -776,6 +776,22 @@ def test_missing_keys_are_named_as_the_state_dict_names_them():
     assert result.missing_keys == ["0.stem.1.running_mean", "0.blocks.0.conv1.weight"]
 
 
+def test_unexpected_keys_and_size_mismatches_are_named_as_the_state_dict_names_them():
+    fused = fuse(Net())
+    state = fused.state_dict()
+    state["blocks.0.conv1.weight"], state["blocks.0.bn1.extra"] = torch.zeros(1), torch.zeros(1)
+    with pytest.raises(RuntimeError) as raised:
+        fused.load_state_dict(state)
+    assert 'Unexpected key(s) in state_dict: "blocks.0.bn1.extra"' in str(raised.value)
+    assert "size mismatch for blocks.0.conv1.weight: copying" in str(raised.value)
+    wrapped = nn.Sequential(fused)
+    del state["blocks.0.conv1.weight"]
+    result = wrapped.load_state_dict({f"0.{k}": v for k, v in state.items()}, strict=False)
+    assert result.unexpected_keys == ["0.blocks.0.bn1.extra"]
+    assert result.missing_keys == ["0.blocks.0.conv1.weight"]
+    fused.load_state_dict(fused.state_dict())  # nothing stale from the failed loads
+
+
 class ApartBlock(nn.Module):
     """Registers every conv, then every BatchNorm, then every neuron (a common style)."""
 

@@ -64,14 +64,21 @@ def test_square_if_node_forward_and_autograd(step_mode):
     want_s, want_v = square_if_reference(x)
     assert torch.equal(s, want_s) and 0 < s.sum() < s.numel()
     torch.testing.assert_close(node.v, want_v[-1], rtol=0, atol=1e-12)
-    if step_mode == "m":
-        torch.testing.assert_close(node.v_seq, want_v, rtol=0, atol=1e-12)
+    torch.testing.assert_close(node.v_seq, want_v, rtol=0, atol=1e-12)  # 's': appended
     g = torch.randn(s.shape, generator=gen(2), dtype=F64)
     (grad,) = torch.autograd.grad((s * g).sum(), [x])
     (want,) = torch.autograd.grad((want_s * g).sum(), [x])
     torch.testing.assert_close(grad, want, rtol=0, atol=1e-12)
     functional.reset_net(node)
     assert node.v == 0.0
+
+
+def test_square_if_node_single_step_forward_called_directly_appends_v_seq():
+    x = torch.rand(5, 3, 4, generator=gen(3), dtype=F64) * 1.2
+    node = SquareIFNode(step_mode="m", store_v_seq=True)  # SpikingJelly appends in any mode
+    for x_t in x:
+        node.single_step_forward(x_t)
+    torch.testing.assert_close(node.v_seq, square_if_reference(x)[1], rtol=0, atol=1e-12)
 
 
 class LeakyNode(neuron.BaseNode):

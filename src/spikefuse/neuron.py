@@ -549,6 +549,13 @@ class BaseNode(MemoryModule):
         NeuronDefs), ``neuronal_fire`` (S = surrogate(H - V_th)), ``neuronal_reset``."""
         if self.torch_code is None:
             return self._forward_in_mode(x, "s")
+        spike = self._torch_code_step(x)
+        if self.store_v_seq:
+            self._append_v_seq(self.v)
+        return spike
+
+    def _torch_code_step(self, x: Tensor) -> Tensor:
+        """One step of a torch-code neuron (:meth:`single_step_forward` without ``v_seq``)."""
         self.v_float_to_tensor(x)
         self.neuronal_charge(x)
         if self.definition is not None and self.definition.adaptive:
@@ -565,7 +572,7 @@ class BaseNode(MemoryModule):
             return self._forward_in_mode(x_seq, "m")
         spikes, v_seq = [], []
         for x in x_seq:
-            spikes.append(self.single_step_forward(x))
+            spikes.append(self._torch_code_step(x))
             if self.store_v_seq:
                 v_seq.append(self.v)
         self.set_memory("v_seq", torch.stack(v_seq) if self.store_v_seq else None)
@@ -580,10 +587,7 @@ class BaseNode(MemoryModule):
             self.last_backend = "torch"
         if self.step_mode == "m":
             return self.multi_step_forward(x)
-        spike = self.single_step_forward(x)
-        if self.store_v_seq:
-            self._append_v_seq(self.v)
-        return spike
+        return self.single_step_forward(x)
 
     # ---- SpikingJelly's torch-code hooks (used only by torch-code neurons) ---------------------
     def neuronal_charge(self, x: Tensor) -> None:

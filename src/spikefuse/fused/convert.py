@@ -36,6 +36,7 @@ import copy
 import inspect
 import logging
 import operator
+import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -610,25 +611,41 @@ class _SaveUnderOriginalNames:
                     metadata[new] = metadata.pop(key)
 
 
+_SIZE_MISMATCH = re.compile(r"^(size mismatch for )([^:]+)")  # torch's load_state_dict message
+
+
 class _LoadOriginalNames:
     """load_state_dict pre-hook: entries under the unfused model's keys load into the fused
-    chains; entries already under the fused keys load as they are. Its
-    :meth:`name_missing_keys` (the post-hook) reports missing entries under the unfused keys
-    too, the names the model's ``state_dict`` has."""
+    chains; entries already under the fused keys load as they are. Its :meth:`name_keys` (the
+    post-hook) reports missing and unexpected entries and size mismatches under the unfused
+    keys too, the names the model's ``state_dict`` has."""
 
-    # the hooked module's prefix in the load running now (post-hooks are given none)
+    # the load running now: the hooked module's prefix in it (post-hooks are given none) and
+    # its error messages (a list torch raises from after the post-hooks; dropped by them)
     prefix = ""
+    error_msgs: list[str] | None = None
 
     def __init__(self, renames: tuple[tuple[str, str], ...]) -> None:
         self.renames = renames
 
-    def name_missing_keys(self, module, incompatible_keys) -> None:
+    def name_keys(self, module, incompatible_keys) -> None:
         renames = [(self.prefix + f, self.prefix + original) for f, original in self.renames]
-        missing = incompatible_keys.missing_keys
-        missing[:] = [_renamed(key, renames) for key in missing]
+        for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+            keys[:] = [_renamed(key, renames) for key in keys]
+        messages, self.error_msgs = self.error_msgs, None
+        if messages:  # "size mismatch for <key>: ..." (torch's wording)
+            messages[:] = [
+                _SIZE_MISMATCH.sub(lambda m: m[1] + _renamed(m[2], renames), message)
+                for message in messages
+            ]
 
-    def __call__(self, module, state_dict, prefix, *_) -> None:
-        self.prefix = prefix
+    # the post-hook's name in versions that renamed missing keys only (pickled models)
+    name_missing_keys = name_keys
+
+    def __call__(
+        self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs
+    ) -> None:
+        self.prefix, self.error_msgs = prefix, error_msgs
         fused = [prefix + f for f, _ in self.renames]
         # Longest original prefix first: '0.0.' (in a container) before '0.'.
         renames = sorted(
@@ -884,7 +901,7 @@ def _replace(
     owner.register_state_dict_post_hook(_SaveUnderOriginalNames(renames, order))
     loader = _LoadOriginalNames(renames)
     owner.register_load_state_dict_pre_hook(loader)
-    owner.register_load_state_dict_post_hook(loader.name_missing_keys)
+    owner.register_load_state_dict_post_hook(loader.name_keys)
 
 
 # ---- fuse -----------------------------------------------------------------------------------
