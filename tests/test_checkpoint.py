@@ -42,7 +42,7 @@ def error_of(capsys: pytest.CaptureFixture[str], before_training: bool = False) 
 
 
 # Written beside digits.pt after every epoch: the per-epoch CSV log and the loss/accuracy plot.
-LOGS = ["digits.csv", "digits.png"]
+LOGS = ["digits.pt.csv", "digits.pt.png"]
 
 
 def listing(directory: Path) -> list[str]:
@@ -63,7 +63,7 @@ def test_existing_checkpoint_needs_resume_or_overwrite(
 
     assert train(copy, "--epochs", "2", "--overwrite") == 0
     assert torch.load(copy, weights_only=True)["epoch"] == 2
-    assert listing(copy.parent) == [*LOGS, "digits.pt"]
+    assert listing(copy.parent) == ["digits.pt", *LOGS]
 
 
 @pytest.mark.parametrize("flags", [[], ["--overwrite"]])
@@ -141,7 +141,7 @@ def test_a_stale_lock_file_does_not_block(copy: Path) -> None:
     lock = copy.with_name(".digits.pt.lock")
     lock.write_text("999999999\n")  # left by a killed run: the file, but no lock
     assert train(copy, "--epochs", "2", "--resume") == 0
-    assert listing(copy.parent) == [*LOGS, "digits.pt"]
+    assert listing(copy.parent) == ["digits.pt", *LOGS]
 
 
 # Symlinks and temp files -------------------------------------------------------------------
@@ -155,7 +155,7 @@ def test_a_symlinked_checkpoint_is_written_through(tmp_path: Path, copy: Path) -
     assert link.is_symlink() and link.resolve() == copy
     assert torch.load(copy, weights_only=True)["epoch"] == 2
     assert listing(link.parent) == ["latest.pt"]
-    assert listing(tmp_path) == [*LOGS, "digits.pt", "links"]  # beside the link's target
+    assert listing(tmp_path) == ["digits.pt", *LOGS, "links"]  # beside the link's target
 
     dangling = tmp_path / "links" / "new.pt"
     dangling.symlink_to(tmp_path / "new-target.pt")

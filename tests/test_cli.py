@@ -41,9 +41,9 @@ def test_train_prints_progress_and_saves_checkpoint(
     }
     # The log and plot beside the checkpoint, and no temp file left behind.
     assert sorted(p.name for p in path.parent.iterdir()) == [
-        "digits.csv",
-        "digits.png",
         "digits.pt",
+        "digits.pt.csv",
+        "digits.pt.png",
     ]
 
 

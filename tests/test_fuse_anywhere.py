@@ -836,3 +836,91 @@ def test_hooks_of_fused_models_pickled_before_the_key_order_still_save():
                 del hook.__dict__["rank"]
     assert list(fused.state_dict()) == list(Net().state_dict())
     fused.load_state_dict(Net().state_dict())
+
+
+class ScaledLIF(neuron.LIFNode):
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+def test_a_neuron_overriding_forward_stays_unfused():
+    model = nn.Sequential(conv(), bn(), ScaledLIF(tau=2.0, step_mode="m", backend="torch"))
+    fused, report = fuse(model, return_report=True)
+    assert not report.fused and "ScaledLIF overrides forward" in report.skipped[0].reason
+    with pytest.raises(SpikefuseError, match="overrides forward"):
+        FusedBlock(model[0], model[1], model[2])
+
+
+def test_placeholders_refuse_writes_and_pass_train_and_eval_on():
+    model = nn.Sequential(conv(), bn(), lif())
+    fused = fuse(model)
+    fused[1].eval()  # freezes the BatchNorm in the block, as model[1].eval() would unfused
+    assert not fused[0].bn.training and fused[0].training
+    fused.train()
+    assert fused[0].bn.training
+    with pytest.raises(AttributeError, match=r"set '0.node.v_threshold'"):
+        fused[2].v_threshold = 0.1
+    assert pickle.loads(pickle.dumps(fused))[1]._target is not None
+    twin = copy.deepcopy(fused)
+    assert twin[1]._target is twin[0].bn
+
+
+class Recording(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.sn = conv(), bn(), lif()
+        self.calls, self.rates = 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.sn(self.bn(self.conv(x)))
+        self.rates.append(out.mean())
+        return out
+
+
+def test_tracing_leaves_what_the_forward_writes_as_it_was():
+    model = Recording()
+    fused = fuse(model)
+    assert fused.calls == 0 and fused.rates == []
+    fused(torch.rand(T, B, C, 6, 6))
+    assert fused.calls == 1 and len(fused.rates) == 1
+
+
+def test_fused_model_runs_under_inference_mode():
+    torch.manual_seed(0)
+    model = randomized(nn.Sequential(conv(), bn(), lif(), conv(), bn(), lif())).eval()
+    fused = fuse(copy.deepcopy(model))
+    x = torch.rand(T, B, C, 6, 6, dtype=torch.float64)
+    with torch.inference_mode():
+        got = fused(x)
+        want = model(x)
+    torch.testing.assert_close(got, want)
+
+
+class BroadcastShortcut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.sn = conv(), bn(), lif()
+        self.register_buffer("offset", torch.linspace(-0.5, 0.5, C).view(C, 1, 1))
+
+    def forward(self, x):
+        return self.sn(self.bn(self.conv(x)) + self.offset)
+
+
+def test_a_residual_that_broadcasts_is_expanded():
+    torch.manual_seed(0)
+    model = randomized(BroadcastShortcut())
+    fused, report = fuse(copy.deepcopy(model), return_report=True)
+    assert report.fused_fraction == 1.0
+    x = torch.rand(T, B, C, 6, 6, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), model(x), **FP64_TOL)
+
+
+def test_batchnorm_without_running_statistics_uses_batch_statistics_in_eval():
+    torch.manual_seed(0)
+    model = randomized(nn.Sequential(conv(), bn(), lif()))
+    model[1].running_mean = model[1].running_var = None
+    model.eval()
+    fused = fuse(copy.deepcopy(model))
+    x = torch.rand(T, B, C, 6, 6, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), model(x), **FP64_TOL)

@@ -196,7 +196,7 @@ def test_multi_step_container_runs_single_step_modules():
 def test_step_mode_container(stateful):
     torch.manual_seed(13)
     inner = [nn.Linear(3, 4), neuron.IFNode()] if stateful else [nn.Linear(3, 4), nn.ReLU()]
-    container = layer.StepModeContainer(stateful, *inner)
+    container = layer.StepModeContainer(stateful, "s", *inner)
     net = nn.Sequential(container)
     functional.set_step_mode(net, "m")
     assert container.step_mode == "m" and all(getattr(m, "step_mode", "s") == "s" for m in inner)
@@ -300,3 +300,46 @@ def test_synapse_on_an_input_repeated_over_time_runs_once_per_sample(make, sampl
     (grad,) = torch.autograd.grad((out * weights).sum(), synapse.weight)
     (grad_want,) = torch.autograd.grad((want * weights).sum(), synapse.weight)
     torch.testing.assert_close(grad, grad_want, rtol=1e-12, atol=1e-12)
+
+
+def test_step_mode_container_takes_the_step_mode_second():
+    container = layer.StepModeContainer(False, "m", nn.Flatten(), nn.Linear(4, 2))
+    assert container.step_mode == "m" and container(torch.ones(3, 2, 2, 2)).shape == (3, 2, 2)
+    with pytest.raises(SpikefuseError, match="takes the step mode second"):
+        layer.StepModeContainer(False, nn.Flatten())
+
+
+def test_seq_to_ann_container_refuses_multi_step_modules():
+    with pytest.raises(SpikefuseError, match="SeqToANNContainer: contained modules must be single"):
+        layer.SeqToANNContainer(layer.Flatten(step_mode="m"))
+    with pytest.raises(SpikefuseError, match="single-step"):
+        layer.SeqToANNContainer(neuron.IFNode(step_mode="m"))
+
+
+class Residual(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x) + x
+
+
+@pytest.mark.parametrize("forward", [functional.multi_step_forward, functional.seq_to_ann_forward])
+def test_sequence_helpers_call_a_sequential_with_its_own_forward_and_hooks(forward):
+    torch.manual_seed(0)
+    block, calls = Residual(nn.Linear(3, 3)), []
+    block.register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(2, 4, 3)
+    want = torch.stack([block[0](x_t) + x_t for x_t in x])
+    calls.clear()
+    torch.testing.assert_close(forward(x, block), want)
+    assert calls  # the Sequential itself was called
+    torch.testing.assert_close(forward(x, [block[0], nn.Identity()]), want - x)  # a list: in turn
+
+
+def test_seq_to_ann_forward_takes_a_tuple_of_sequences():
+    x = torch.randn(3, 2, 1, 4, 4)
+    pooled, indices = functional.seq_to_ann_forward(x, nn.MaxPool2d(2, return_indices=True))
+    out = functional.seq_to_ann_forward((pooled, indices), nn.MaxUnpool2d(2))
+    assert out.shape == x.shape
+    want = nn.MaxUnpool2d(2)(*nn.MaxPool2d(2, return_indices=True)(x.flatten(0, 1)))
+    torch.testing.assert_close(out, want.unflatten(0, (3, 2)))
+    with pytest.raises(SpikefuseError, match="must share"):
+        functional.seq_to_ann_forward((pooled, indices[:1]), nn.MaxUnpool2d(2))

@@ -251,3 +251,24 @@ def test_non_surrogate_rejected_by_neuron():
         SpikefuseError, match="surrogate_function must be a spikefuse.surrogate.Surrogate"
     ):
         neuron.LIFNode(surrogate_function=torch.nn.Sigmoid())
+
+
+def test_float64_window_edges_are_exact():
+    # 1/(2 alpha) printed with 15 digits lay one float64 step beyond 1/6: Rect(3) was 3 there
+    x = torch.tensor([1 / 6, -1 / 6, 0.1], dtype=torch.float64)
+    assert sg.Rect(3.0).derivative(x).tolist() == [0.0, 0.0, 3.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sigmoid_derivative_of_16_bit_input_is_computed_in_float32(dtype):
+    x = torch.tensor([2.0, -2.0, 1.5], dtype=dtype)
+    want = sg.Sigmoid().derivative(x.double()).to(dtype)
+    got = sg.Sigmoid().derivative(x)
+    assert got.dtype == dtype and (got > 0).all()
+    torch.testing.assert_close(got, want)
+
+
+def test_piecewise_exp_primitive_has_its_gradient_at_zero():
+    x = torch.tensor([0.0, 1e-30, -1e-30], requires_grad=True)
+    sg.PiecewiseExp(alpha=2.0, spiking=False)(x).sum().backward()
+    assert x.grad.tolist() == [1.0, 1.0, 1.0]  # alpha / 2, as SpikingJelly's

@@ -297,7 +297,7 @@ def test_two_gloo_processes_train_identical_replicas(
     out = capfd.readouterr().out
     assert out.count("epoch 1/1: ") == 1 and "processes: 2" in out  # rank 0 alone prints
     written = sorted(p.name for p in checkpoint.parent.iterdir())
-    assert written == ["digits.csv", "digits.png", "digits.pt"]
+    assert written == ["digits.pt", "digits.pt.csv", "digits.pt.png"]
 
 
 def _status_worker(rank: int, port: int, folder: str, argv: list[list[str]]) -> None:
@@ -377,7 +377,7 @@ def test_the_log_and_plot_follow_the_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "run.pt"
     options = ["--limit", "40", "--batch-size", "20"]
     assert train(path, *options, "--epochs", "2") == 0
-    log = path.with_suffix(".csv")
+    log = train_module.log_paths(path)[0]
     assert log.read_text().splitlines()[0] == LOG_HEADER
     rows = read_log(log)
     assert [row["epoch"] for row in rows] == ["1", "2"]
@@ -386,7 +386,7 @@ def test_the_log_and_plot_follow_the_checkpoint(tmp_path: Path) -> None:
         assert float(row["seconds"]) >= 0
     payload = torch.load(path, weights_only=True)
     assert float(rows[-1]["test_accuracy"]) == pytest.approx(payload["test_accuracy"], abs=1e-5)
-    plot = path.with_suffix(".png").read_bytes()
+    plot = train_module.log_paths(path)[1].read_bytes()
     assert plot.startswith(b"\x89PNG\r\n\x1a\n")
 
     # Resume appends; rows after the checkpoint's epoch (a checkpoint put back) are dropped.
@@ -415,7 +415,7 @@ def test_a_foreign_file_where_the_log_goes_is_never_replaced(
     if flags:
         assert train(path, *options[:2]) == 0
     capsys.readouterr()
-    foreign = path.with_suffix(suffix)
+    foreign = path.with_name(path.name + suffix)
     foreign.write_bytes(b"my results\n")
     before = path.read_bytes() if path.exists() else None
     assert train(path, *options, *flags) == 1
@@ -433,32 +433,42 @@ def test_a_left_over_log_needs_overwrite(
     path = tmp_path / "run.pt"
     assert train(path, "--limit", "20") == 0
     path.unlink()  # the log and plot stay
-    log = path.with_suffix(".csv").read_bytes()
+    log = train_module.log_paths(path)[0].read_bytes()
     assert train(path, "--limit", "20") == 1
     err = capsys.readouterr().err
-    expected = f"training log '{path.with_suffix('.csv')}' already exists; pass --overwrite"
+    expected = f"training log '{train_module.log_paths(path)[0]}' already exists; pass --overwrite"
     assert expected in err and "--resume" not in err
-    assert path.with_suffix(".csv").read_bytes() == log and not path.exists()
+    assert train_module.log_paths(path)[0].read_bytes() == log and not path.exists()
     assert train(path, "--limit", "20", "--overwrite") == 0
 
 
 def test_a_damaged_log_stops_a_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "run.pt"
     assert train(path, "--limit", "20") == 0
-    log = path.with_suffix(".csv")
+    log = train_module.log_paths(path)[0]
     log.write_text(f"{LOG_HEADER}\n1,abc,0.5,1.0\n")
     assert train(path, "--limit", "20", "--epochs", "2", "--resume") == 1
     assert "line 2 is '1,abc,0.5,1.0'" in capsys.readouterr().err
     assert torch.load(path, weights_only=True)["epoch"] == 1
 
 
-def test_a_checkpoint_named_like_its_log_is_refused(
+def test_a_log_linked_to_its_checkpoint_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = tmp_path / "run.csv"
+    path = tmp_path / "run.pt"
+    train_module.log_paths(path)[0].symlink_to(path)
     assert train(path, "--limit", "20") == 1
     assert "would be overwritten by its own training log or plot" in capsys.readouterr().err
     assert not path.exists()
+
+
+def test_checkpoints_sharing_a_stem_keep_their_logs_apart(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.pt", tmp_path / "a.ckpt"
+    assert train(first, "--limit", "20") == 0
+    log = train_module.log_paths(first)[0].read_bytes()
+    assert train(second, "--limit", "20") == 0  # no "log already exists", nothing replaced
+    assert train_module.log_paths(first)[0].read_bytes() == log
+    assert train_module.log_paths(second)[0].exists()
 
 
 @pytest.mark.parametrize("memory", ["min", "auto"])

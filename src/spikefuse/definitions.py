@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sympy as sp
+from sympy.printing.pytorch import TorchPrinter
 
 from .errors import SpikefuseError
 
@@ -345,12 +346,38 @@ class NeuronDef:
         )
 
 
+class ExactFloatPrinter(TorchPrinter):
+    """lambdify's torch printer, writing every float exactly (its shortest ``repr``): the
+    default 15 significant digits move a constant such as 1/6 by a float64 step, and with it a
+    surrogate's window edge (Rect(3.0) at x = 1/6)."""
+
+    def _print_Float(self, expr: sp.Float) -> str:
+        return repr(float(expr))
+
+
+def lambdify_torch(
+    args: Any, expr: sp.Expr, overrides: dict[str, Callable[..., Any]] | None = None
+) -> Callable[..., Any]:
+    """``sp.lambdify`` to torch ops with exact floats (:class:`ExactFloatPrinter`, set up as
+    lambdify sets up its own printer); ``overrides`` replace torch functions by name."""
+    overrides = overrides or {}
+    printer = ExactFloatPrinter(
+        {
+            "fully_qualified_modules": False,
+            "inline": True,
+            "allow_unknown_functions": True,
+            "user_functions": {name: name for name in overrides},
+        }
+    )
+    return sp.lambdify(args, expr, modules=[overrides, "torch"], printer=printer)
+
+
 def torch_function(definition: NeuronDef, expr: sp.Expr) -> Callable[..., Any]:
     """``expr`` (an equation or partial of ``definition``) as a function evaluated with torch
     ops, of (v, x, w, h, *all_params); it returns a tensor, or a Python number where ``expr`` is
     a constant."""
     args = [definition.symbols[n] for n in ("v", "x", "w", "h", *definition.all_params)]
-    return sp.lambdify(args, expr, modules="torch")
+    return lambdify_torch(args, expr)
 
 
 IF = NeuronDef("if", charge="v + x")

@@ -77,34 +77,47 @@ class _RepeatOverTime(torch.autograd.Function):
         return (total if order is None else total.permute(0, 3, 1, 2)), None
 
 
-def _chain(modules: Steps) -> Callable[[Tensor], Any]:
-    if isinstance(modules, (list, tuple, nn.Sequential)):
-
-        def run(x: Tensor) -> Any:
-            for module in modules:
-                x = module(x)
-            return x
-
-        return run
-    return cast("Callable[[Tensor], Any]", modules)  # a module or a function of x
+def _apply_modules(x: Tensor | tuple[Tensor, ...], modules: Steps) -> Any:
+    """``modules`` on x, as SpikingJelly applies them: a list or tuple one after the other, any
+    other module (an ``nn.Sequential`` too: its own forward and hooks run) or function called;
+    a tuple x is the first call's positional arguments."""
+    args: tuple[Any, ...] = x if isinstance(x, tuple) else (x,)
+    if isinstance(modules, (list, tuple)):
+        out: Any = x
+        for module in modules:
+            out = module(*args)
+            args = (out,)
+        return out
+    return cast("Callable[..., Any]", modules)(*args)
 
 
 def multi_step_forward(x_seq: Tensor, single_step_module: Steps) -> Tensor:
-    """Run single-step module(s) (a module, a list/tuple/Sequential of them, or any callable) on
+    """Run single-step module(s) (a module, a list/tuple of them, or any callable) on
     ``x_seq`` [T, N, *] one step at a time and stack the outputs to [T, N, *].
 
     A Python loop over T: for modules without a multi-step mode (neurons and layers in
     ``step_mode='m'`` take the whole sequence at once)."""
     check_sequence(x_seq, "multi_step_forward")
-    step = _chain(single_step_module)
-    return torch.stack([step(x) for x in x_seq])
+    return torch.stack([_apply_modules(x, single_step_module) for x in x_seq])
 
 
-def seq_to_ann_forward(x_seq: Tensor, stateless_module: Steps) -> Any:
+def seq_to_ann_forward(x_seq: Tensor | tuple[Tensor, ...], stateless_module: Steps) -> Any:
     """Run stateless module(s) on ``x_seq`` [T, N, *] as one batch of T*N samples and split the
-    result back to [T, N, *] (tuple outputs are split element-wise)."""
-    check_sequence(x_seq, "seq_to_ann_forward")
-    return split_time_batch(_chain(stateless_module)(x_seq.flatten(0, 1)), x_seq.shape[:2])
+    result back to [T, N, *] (tuple outputs are split element-wise). ``x_seq`` may be a tuple
+    of such tensors with the same [T, N], passed to the first module as its arguments (e.g.
+    ``MaxUnpool2d``'s input and indices)."""
+    items = x_seq if isinstance(x_seq, tuple) else (x_seq,)
+    for item in items:
+        check_sequence(item, "seq_to_ann_forward")
+    time_batch = items[0].shape[:2]
+    if any(item.shape[:2] != time_batch for item in items):
+        shapes = [tuple(item.shape) for item in items]
+        raise SpikefuseError(
+            f"seq_to_ann_forward: the tensors of a tuple input must share [T, N], got {shapes}"
+        )
+    merged = tuple(item.flatten(0, 1) for item in items)
+    y = _apply_modules(merged if isinstance(x_seq, tuple) else merged[0], stateless_module)
+    return split_time_batch(y, time_batch)
 
 
 def chunk_multi_step_forward(split_size: int, x_seq: Tensor, multi_step_module: nn.Module):

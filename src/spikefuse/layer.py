@@ -39,6 +39,10 @@ class SeqToANNContainer(nn.Sequential):
 
     keeps_children_step_mode = True
 
+    def __init__(self, *args: nn.Module) -> None:
+        super().__init__(*args)
+        _require_single_step("SeqToANNContainer", self)
+
     def forward(self, x_seq: Tensor) -> Tensor:
         return seq_to_ann(super().forward, x_seq)
 
@@ -279,11 +283,17 @@ class StepModeContainer(StepModeMixin, nn.Sequential):
 
     keeps_children_step_mode = True
 
-    def __init__(self, stateful: bool, *args: nn.Module) -> None:
+    def __init__(self, stateful: bool, step_mode: str = "s", *args: nn.Module) -> None:
+        if isinstance(step_mode, nn.Module):
+            raise SpikefuseError(
+                "StepModeContainer(stateful, step_mode='s', *modules) takes the step mode "
+                "second, as SpikingJelly's does; got a module there: pass "
+                "StepModeContainer(stateful, 's', module, ...)"
+            )
         super().__init__(*args)
         _require_single_step("StepModeContainer", self)
         self.stateful = stateful
-        self.step_mode = "s"
+        self.step_mode = step_mode
 
     def forward(self, x: Tensor) -> Tensor:
         if self.step_mode == "s":

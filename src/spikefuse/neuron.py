@@ -193,6 +193,8 @@ class BaseNode(MemoryModule):
     _torch_code_hooks: tuple[str, ...] = ()
 
     _overrides_step_forward = False
+    # forward-like methods a subclass overrides (fused blocks, which run kernels, refuse them)
+    _overridden_forward: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -203,6 +205,11 @@ class BaseNode(MemoryModule):
         cls._overrides_step_forward = any(
             getattr(cls, name) is not getattr(BaseNode, name)
             for name in ("single_step_forward", "multi_step_forward")
+        )
+        cls._overridden_forward = tuple(
+            name
+            for name in ("forward", "_forward", "_forward_in_mode", "__call__")
+            if getattr(cls, name) is not getattr(BaseNode, name)
         )
 
     @classmethod

@@ -19,6 +19,7 @@ import sympy as sp
 import torch
 from torch import nn
 
+from .definitions import lambdify_torch
 from .errors import SpikefuseError
 
 x_sym = sp.Symbol("x", real=True)
@@ -136,10 +137,13 @@ class Surrogate(nn.Module):
         if built is None or built.values != values:
             self.check_hyperparameters(dict(values))  # user subclasses may not check in __init__
             expr = self.expression(x_sym).evalf()
-            fn = sp.lambdify([x_sym], expr, modules=[{"where": _where}, "torch"])
+            fn = lambdify_torch([x_sym], expr, {"where": _where})
 
             def function(x: torch.Tensor) -> torch.Tensor:
-                return torch.as_tensor(fn(x), dtype=x.dtype, device=x.device).expand_as(x)
+                # float32 math for 16-bit x: their rounding would cancel terms (Sigmoid's
+                # derivative at x = 2 is 0 in float16)
+                wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+                return torch.as_tensor(fn(wide), dtype=x.dtype, device=x.device).expand_as(x)
 
             built = _Derivative(values, expr, function, f"{type(self).__name__}({expr})")
             self.__dict__["_derivative"] = built
@@ -258,7 +262,8 @@ class PiecewiseExp(_AlphaSurrogate):
         return self.alpha / 2 * sp.exp(-self.alpha * sp.Abs(x))
 
     def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
-        half_exp = torch.exp(-self.alpha * x.abs()) / 2
+        # |x| as a where, not abs(): autograd's abs'(0) = 0 would make the gradient at 0 zero
+        half_exp = torch.exp(-self.alpha * torch.where(x < 0, -x, x)) / 2
         return torch.where(x < 0, half_exp, 1 - half_exp)
 
 

@@ -877,8 +877,10 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def log_paths(target: Path) -> tuple[Path, Path]:
-    """The per-epoch CSV log and the loss/accuracy plot (PNG) beside checkpoint ``target``."""
-    return target.with_suffix(".csv"), target.with_suffix(".png")
+    """The per-epoch CSV log and the loss/accuracy plot (PNG) beside checkpoint ``target``:
+    its whole name with ``.csv`` / ``.png`` added (``digits.pt.csv``), so that checkpoints
+    sharing a stem (``a.pt``, ``a.ckpt``) never share a log."""
+    return target.with_name(f"{target.name}.csv"), target.with_name(f"{target.name}.png")
 
 
 def _is_our_log(path: Path) -> bool:
@@ -901,9 +903,9 @@ def check_logs_writable(target: Path, config: TrainConfig) -> None:
     for path in log_paths(target):
         resolved = checkpoint_target(path)
         if resolved == target:
-            raise SpikefuseError(
+            raise SpikefuseError(  # a symbolic link where the log goes, to the checkpoint
                 f"checkpoint '{config.checkpoint}' would be overwritten by its own training "
-                f"log or plot; give it another suffix (e.g. .pt)"
+                f"log or plot ('{path}' leads to it); remove that link"
             )
         if not resolved.exists():
             continue
@@ -923,8 +925,9 @@ def check_logs_writable(target: Path, config: TrainConfig) -> None:
 
 @dataclass
 class TrainingLog:
-    """The per-epoch log beside a checkpoint: ``<name>.csv`` (epoch, train loss, test accuracy,
-    seconds) and ``<name>.png`` (loss and accuracy over the epochs), both rewritten atomically
+    """The per-epoch log beside a checkpoint ``<name>``: ``<name>.csv`` (epoch, train loss, test
+    accuracy, seconds) and ``<name>.png`` (loss and accuracy over the epochs), both rewritten
+    atomically
     after every epoch. A resumed run keeps the rows up to the checkpoint's epoch and appends."""
 
     checkpoint: Path

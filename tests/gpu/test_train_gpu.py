@@ -28,7 +28,7 @@ def trained_accuracy(folder: Path, name: str, options: list[str]) -> float:
     checkpoint = folder / f"{name}.pt"
     argv = ["train", "--epochs", "4", "--device", "cuda", "--backend", "cuda", "--quiet"]
     assert main([*argv, "--checkpoint", str(checkpoint), *options]) == 0
-    with checkpoint.with_suffix(".csv").open(newline="") as f:
+    with checkpoint.with_name(checkpoint.name + ".csv").open(newline="") as f:
         return float(list(csv.DictReader(f))[-1]["test_accuracy"])
 
 

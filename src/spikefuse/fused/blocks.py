@@ -109,6 +109,14 @@ def _synapse_kind(module: nn.Module) -> type[nn.Module] | None:
     return None
 
 
+def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` (not ``target`` itself) broadcasts to ``target``."""
+    if shape == target or len(shape) > len(target):
+        return False
+    trailing = target[len(target) - len(shape) :]
+    return all(size in (1, want) for size, want in zip(shape, trailing, strict=True))
+
+
 class FusedBlock(MultiStepOnly, nn.Module):
     """``synapse → [BatchNorm] → neuron`` on multi-step input, keeping only the synapse output.
 
@@ -218,10 +226,11 @@ class FusedBlock(MultiStepOnly, nn.Module):
                 f"FusedBlock: node must be a spikefuse neuron, got {type(node).__name__}"
             )
         # A neuron's own torch code would be bypassed by the kernels.
+        overridden = (
+            ("single_step_forward", "multi_step_forward") if node._overrides_step_forward else ()
+        ) + node._overridden_forward
         own_code = node.torch_code or (
-            "it overrides single_step_forward/multi_step_forward"
-            if node._overrides_step_forward
-            else None
+            f"it overrides {'/'.join(overridden)}" if overridden else None
         )
         if own_code is not None:
             raise SpikefuseError(
@@ -325,21 +334,26 @@ class FusedBlock(MultiStepOnly, nn.Module):
                     "the block pools), or use the unfused model"
                 )
 
-    def _check_residual(self, residual: Tensor | None, y: Tensor) -> None:
-        """A residual is a floating-point tensor shaped like the synapse output y."""
+    def _checked_residual(self, residual: Tensor | None, y: Tensor) -> Tensor | None:
+        """The residual as the kernels add it: a floating-point tensor shaped like the synapse
+        output y, or one that broadcasts to it (as the unfused addition would), expanded."""
         if residual is None:
-            return
+            return None
+        if isinstance(residual, Tensor) and _broadcasts(residual.shape, y.shape):
+            # a dense copy (the kernels read dense memory); autograd sums its gradient back
+            residual = residual.expand(y.shape).contiguous()
         if not isinstance(residual, Tensor) or residual.shape != y.shape:
             shape = tuple(residual.shape) if isinstance(residual, Tensor) else type(residual)
             raise SpikefuseError(
                 f"FusedBlock: the residual must be shaped like the synapse output "
-                f"{tuple(y.shape)}, got {shape}"
+                f"{tuple(y.shape)} or broadcast to it, got {shape}"
             )
         if not residual.dtype.is_floating_point or residual.device != y.device:
             raise SpikefuseError(
                 f"FusedBlock: the residual must be floating point on {y.device}, got "
                 f"{residual.dtype} on {residual.device}"
             )
+        return residual
 
     def _runs_channels_last(self, merged: Tensor) -> bool:
         """Whether the synapse runs channels-last: a Conv2d on CUDA (cuDNN's native layout, no
@@ -483,7 +497,7 @@ class FusedBlock(MultiStepOnly, nn.Module):
         with torch.no_grad():
             kept_y = self._synapse_kept(x, repeat)
         y = repeated(kept_y, repeat)
-        self._check_residual(residual, y)
+        residual = self._checked_residual(residual, y)
         neuron, learnable, bn, stats = self._prepare(y)
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
         pool = self._kernel_pool(y, stats, neuron, residual)
@@ -526,7 +540,8 @@ class FusedBlock(MultiStepOnly, nn.Module):
             bias=bn.bias,
             running_mean=bn.running_mean,
             running_var=bn.running_var,
-            batch_stats=bn.training or not bn.track_running_stats,
+            # torch's rule: batch statistics in eval too where there are no running ones
+            batch_stats=bn.training or (bn.running_mean is None and bn.running_var is None),
             momentum=bn.momentum,
             eps=bn.eps,
             group=self.process_group,
@@ -556,7 +571,7 @@ class FusedBlock(MultiStepOnly, nn.Module):
         repeat = self._repeat(x)
         kept_y = self._synapse_step(x) if repeat > 1 else self._synapse_forward(x)
         y = repeated(kept_y, repeat)
-        self._check_residual(residual, y)
+        residual = self._checked_residual(residual, y)
         neuron, learnable, bn, stats = self._prepare(y)
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
         grads = (kept_y, weight, bias, learnable, residual)
@@ -614,7 +629,7 @@ class FusedBlock(MultiStepOnly, nn.Module):
                 "processes; run the fused model eagerly (or CUDA-graph it) under torch.distributed"
             )
         y = self._synapse_call(x)  # as in eager: the same layout
-        self._check_residual(residual, y)
+        residual = self._checked_residual(residual, y)
         if residual is not None:  # torch's BatchNorm (it updates the running statistics)
             normed = y
             if self.bn is not None:

@@ -264,6 +264,8 @@ def _node_problem(node: BaseNode) -> str | None:
         return f"{type(node).__name__} runs torch code ({node.torch_code}); fused blocks run NeuronDefs"
     if node._overrides_step_forward:
         return f"{type(node).__name__} overrides single_step_forward/multi_step_forward"
+    if node._overridden_forward:
+        return f"{type(node).__name__} overrides {'/'.join(node._overridden_forward)}"
     if node.definition is not None and node.definition.adaptive:  # None: torch code, above
         return f"{type(node).__name__} has two states; only one-state neurons fuse"
     if node.store_v_seq:
@@ -509,16 +511,33 @@ def _traced(module: nn.Module, **kwargs: Any) -> fx.Graph:
 
     fx stores each tensor the forward makes itself (``torch.tensor(2.0)``) on the module as a
     ``_tensor_constant<i>`` attribute; those are removed again: the model stays as it was (a
-    graph that reads them is not run: see :func:`_plain_attributes`).
+    graph that reads them is not run: see :func:`_plain_attributes`). So is whatever the
+    forward itself wrote while traced (a counter incremented, proxies appended to a list): every
+    module's plain attributes are put back as they were, and the contents of its lists, dicts
+    and sets.
     """
     tracer = _Tracer()
     before = set(module.__dict__)
+    plain = [
+        (m, name, value, copy.copy(value) if isinstance(value, (list, dict, set)) else None)
+        for m in module.modules()
+        for name, value in vars(m).items()
+        if not name.startswith("_")
+    ]
     try:
         return tracer.trace(module, **kwargs)
     finally:
         tracer.__dict__.clear()
         for name in set(module.__dict__) - before:
             delattr(module, name)
+        for owner, name, value, contents in plain:
+            owner.__dict__[name] = value
+            copied: Any = contents  # value's copy where value is a list, dict or set
+            if isinstance(value, list):
+                value[:] = copied
+            elif isinstance(value, (dict, set)):
+                value.clear()
+                value.update(copied)
 
 
 def _plain_attributes(graph: fx.Graph, module: nn.Module) -> list[str]:
@@ -822,15 +841,40 @@ class FusedAttributeError(SpikefuseError, AttributeError):
 
 class FusedAway(nn.Identity):
     """What stands at a fused BatchNorm's, neuron's or folded pooling's place: passes its input
-    through (the FusedBlock at the synapse's place did the work) and, when the model reads an
-    attribute of the module that was here (e.g. a neuron's ``.v``), raises
+    through (the FusedBlock at the synapse's place did the work). When the model reads an
+    attribute of the module that was here (e.g. a neuron's ``.v``), it raises
     :class:`FusedAttributeError` naming that module and the block (an AttributeError:
-    ``hasattr`` stays False). ``role``: ``"bn"``, ``"node"`` or ``"pool"``, the block's
-    attribute that now holds the module."""
+    ``hasattr`` stays False); setting one raises too (it would change nothing). ``train()`` /
+    ``eval()`` on it reach the module in the block (``model.bn1.eval()`` freezes that BatchNorm,
+    as unfused). ``role``: ``"bn"``, ``"node"`` or ``"pool"``, the block's attribute that now
+    holds the module (``target``)."""
 
-    def __init__(self, name: str, block: str, role: str) -> None:
+    # the module in the block (kept out of the module tree: it is registered in the block);
+    # None in placeholders pickled by versions without it
+    _target: nn.Module | None = None
+
+    def __init__(self, name: str, block: str, role: str, target: nn.Module | None = None) -> None:
         super().__init__()
         self.fused_name, self.block, self.role = name, block, role
+        self.__dict__["_target"] = target
+
+    def train(self, mode: bool = True) -> FusedAway:
+        super().train(mode)
+        if self._target is not None:
+            self._target.train(mode)
+        return self
+
+    def _where(self) -> str:
+        return f"'{self.fused_name}' was fused into the FusedBlock at '{self.block}' (fuse())"
+
+    def __setattr__(self, attribute: str, value: Any) -> None:
+        if attribute.startswith("_") or attribute in ("training", "fused_name", "block", "role"):
+            super().__setattr__(attribute, value)
+            return
+        raise FusedAttributeError(
+            f"{self._where()}: setting '{self.fused_name}.{attribute}' would change nothing; "
+            f"set '{self.block}.{self.role}.{attribute}'"
+        )
 
     def __getattr__(self, attribute: str) -> Any:
         try:
@@ -838,7 +882,7 @@ class FusedAway(nn.Identity):
         except AttributeError:
             if attribute.startswith("_"):  # Python's and torch's own probes
                 raise
-        where = f"'{self.fused_name}' was fused into the FusedBlock at '{self.block}' (fuse())"
+        where = self._where()
         if self.role == "node":
             raise FusedAttributeError(
                 f"{where}, which runs the neuron from its reset state on every call and keeps no "
@@ -886,7 +930,8 @@ def _replace(
     block = _join(path, chain.synapse)
     roles = {chain.node: "node", chain.pool: "pool"}
     for name in (*chain.names[1:], *([chain.pool] if chain.pool is not None else [])):
-        away = FusedAway(_join(path, name), block, roles.get(name, "bn"))
+        role = roles.get(name, "bn")
+        away = FusedAway(_join(path, name), block, role, getattr(fused, role))
         away.training = fused.training
         _set_submodule(root, name, away)
     holder = ".".join(_common_parent(chain.names))

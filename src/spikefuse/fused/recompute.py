@@ -37,12 +37,16 @@ class _Tag:
 
 
 def mark_recomputable(t: Tensor, recipe: Recipe) -> Tensor:
-    """Tag ``t`` with a function that recomputes it (same values and strides); returns t."""
-    setattr(t, _TAG, _Tag(t._version, recipe))
+    """Tag ``t`` with a function that recomputes it (same values and strides); returns t.
+    Inference tensors (no version counter, nothing saved for backward) stay untagged."""
+    if not t.is_inference():
+        setattr(t, _TAG, _Tag(t._version, recipe))
     return t
 
 
 def _valid_recipe(t: Tensor) -> Recipe | None:
+    if t.is_inference():
+        return None
     tag = getattr(t, _TAG, None)
     return tag.recipe if tag is not None and tag.version == t._version else None
 

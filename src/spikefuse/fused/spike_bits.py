@@ -22,15 +22,22 @@ _SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused blo
 
 
 def mark_spikes(t: Tensor) -> Tensor:
-    """Tag ``t`` as binary spikes (until it is modified in place); returns t."""
-    setattr(t, _SPIKES, t._version)
+    """Tag ``t`` as binary spikes (until it is modified in place); returns t. Inference tensors
+    (``torch.inference_mode``) have no version counter and stay untagged: nothing is kept for a
+    backward there."""
+    if not t.is_inference():
+        setattr(t, _SPIKES, t._version)
     return t
 
 
 def is_spikes(t: Tensor) -> bool:
     """Whether ``t`` (or the tensor it is a view of) is tagged as unmodified spikes."""
     for candidate in (t, t._base):
-        if candidate is not None and getattr(candidate, _SPIKES, None) == candidate._version:
+        if (
+            candidate is not None
+            and not candidate.is_inference()
+            and getattr(candidate, _SPIKES, None) == candidate._version
+        ):
             return True
     return False
 
