@@ -177,6 +177,11 @@ def test_invalid_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         (["--checkpoint", ""], "--checkpoint must be a file path, got ''"),
         (["--overwrite"], "argument --overwrite: not allowed with argument --resume"),
         (["--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
+        (
+            ["--model", "sew_resnet18", "--data", "cifar10", "--data-dir", "x"]
+            + ["--batch-size", "1", "--T", "1"],
+            "--model sew_resnet18 on 32x32 images shrinks its last BatchNorm's maps to 1x1",
+        ),
     ],
 )
 def test_bad_option_values_are_usage_errors(

@@ -84,3 +84,13 @@ def test_periodic_encoder_multi_step_and_reset():
     assert torch.equal(out, train[torch.arange(7) % 3])
     functional.reset_net(enc)
     assert torch.equal(enc(torch.zeros(2, 2, 4)), train[:2])
+
+
+def test_weighted_phase_spikes_are_in_the_default_dtype_and_periodic_train_moves():
+    x = torch.tensor([0.75, 0.25], dtype=torch.float64)
+    spikes = encoding.WeightedPhaseEncoder(K=2).single_step_encode(x)
+    assert spikes.dtype == torch.float32 and spikes.tolist() == [[1.0, 0.0], [1.0, 1.0]]
+    periodic = torch.nn.Sequential(encoding.PeriodicEncoder(torch.ones(3, 2))).double()
+    assert periodic[0](x).dtype == torch.float64
+    functional.reset_net(periodic)
+    assert periodic[0](x).dtype == torch.float64

@@ -343,3 +343,22 @@ def test_seq_to_ann_forward_takes_a_tuple_of_sequences():
     torch.testing.assert_close(out, want.unflatten(0, (3, 2)))
     with pytest.raises(SpikefuseError, match="must share"):
         functional.seq_to_ann_forward((pooled, indices[:1]), nn.MaxUnpool2d(2))
+
+
+def test_wrapped_layers_take_step_mode_positionally_as_spikingjelly():
+    assert layer.Linear(3, 4, True, "m").step_mode == "m"
+    assert layer.Conv2d(1, 2, 3, 1, 0, 1, 1, True, "zeros", "m").step_mode == "m"
+    assert layer.BatchNorm2d(3, 1e-5, 0.1, True, True, "m").step_mode == "m"
+    assert layer.MaxPool2d(2, 2, 0, 1, False, False, "m").step_mode == "m"
+    assert layer.Flatten(1, -1, "m").step_mode == "m" and layer.Flatten().step_mode == "s"
+    with pytest.raises(SpikefuseError, match="step_mode given twice"):
+        layer.Linear(3, 4, True, "m", step_mode="m")
+
+
+def test_synapse_filter_refuses_a_stale_current_of_another_shape():
+    filt = layer.SynapseFilter(tau=2.0)
+    filt(torch.ones(4, 3))
+    with pytest.raises(SpikefuseError, match="reset_net"):
+        filt(torch.ones(1, 3))
+    functional.reset_net(filt)
+    assert filt(torch.ones(1, 3)).shape == (1, 3)

@@ -330,7 +330,7 @@ def test_izhikevich_w_state_mismatch():
         (lambda: neuron.EIFNode(tau=0.9), "tau must be > 1"),
         (lambda: neuron.EIFNode(delta_T=0.0), "delta_T must be > 0"),
         (lambda: neuron.IzhikevichNode(tau=1.0), "tau must be > 1"),
-        (lambda: neuron.IzhikevichNode(tau_w=1.0), "tau_w must be > 1"),
+        (lambda: neuron.IzhikevichNode(tau_w=0.0), "tau_w must be > 0"),  # 1 or 0.8: valid
         # SpikingJelly's asserts: a0 > 0; QIF/EIF under hard reset v_rest >= v_reset
         (lambda: neuron.QIFNode(a0=-1.0), "a0 must be > 0"),
         (lambda: neuron.IzhikevichNode(a0=0.0), "a0 must be > 0"),
@@ -528,3 +528,25 @@ def test_init_tau_accepts_any_real_number():
     assert torch.isclose(node.w.sigmoid(), torch.tensor(1 / 3))
     with pytest.raises(SpikefuseError, match="init_tau"):
         neuron.ParametricLIFNode(init_tau=True)
+
+
+def test_store_v_seq_may_follow_step_mode_positionally_as_in_spikingjelly_2():
+    atan = sg.ATan()
+    assert neuron.LIFNode(2.0, True, 1.0, 0.0, atan, False, "m", True).store_v_seq  # SJ 2.0
+    node = neuron.IFNode(1.0, 0.0, atan, False, "m", "torch", True)  # earlier versions
+    assert node.backend == "torch" and node.store_v_seq
+    with pytest.raises(SpikefuseError, match="not both"):
+        neuron.IFNode(1.0, 0.0, atan, False, "m", True, True)
+    izhikevich = neuron.IzhikevichNode(tau_w=1.0, a=0.5, b=0.1, step_mode="m", backend="torch")
+    assert izhikevich(torch.rand(3, 2)).shape == (3, 2)
+
+
+def test_states_move_and_convert_with_the_module():
+    node = neuron.LIFNode(step_mode="m", backend="torch")
+    node(torch.rand(4, 2) * 2)
+    node.double()
+    assert node.v.dtype == torch.float64
+    node(torch.rand(4, 2, dtype=torch.float64))  # continues, as SpikingJelly's does
+    node.half()
+    assert node.v.dtype == torch.float32  # the compute dtype of 16-bit input
+    node(torch.rand(4, 2, dtype=torch.float16))

@@ -169,7 +169,8 @@ class SJAtanNewStyle(sg.SurrogateFunctionBase):
     """New-style keyword super().__init__ and a functional form."""
 
     def __init__(self, alpha=2.0, spiking=True):
-        super().__init__(spiking=spiking, alpha=alpha)
+        super().__init__(spiking, alpha=alpha)  # SpikingJelly 2.0: spiking first
+        assert self.spiking is spiking and self.alpha == alpha
 
     @staticmethod
     def spiking_function(x, alpha):
@@ -392,3 +393,12 @@ def test_torch_code_neuron_supports_double_backward():
         node = neuron.LIFNode(step_mode="m", backend="torch")
         (g,) = torch.autograd.grad(node(x * 3).sum(), x, create_graph=True)
         torch.autograd.grad(g.sum(), x)
+
+
+def test_spikingjelly_2_functional_neuron_api_is_refused_clearly():
+    class Functional(neuron.BaseNode):
+        def single_step_functional_forward(self, inputs, states, **kwargs):
+            return inputs, states
+
+    with pytest.raises(SpikefuseError, match="single_step_functional_forward"):
+        Functional(step_mode="m")

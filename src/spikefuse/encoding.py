@@ -127,7 +127,8 @@ class LatencyEncoder(StatefulEncoder):
 
 class WeightedPhaseEncoder(StatefulEncoder):
     """Binary expansion over K phases (Kim et al. 2018): phase k (1..K) spikes if bit k of x
-    is set, so ``x = Σ_k 2^-k S[k]`` for x in [0, 1 - 2^-K]."""
+    is set, so ``x = Σ_k 2^-k S[k]`` for x in [0, 1 - 2^-K]. The spikes are in torch's default
+    dtype (float32 unless changed), whatever x's is, as SpikingJelly's."""
 
     def __init__(self, K: int, step_mode: str = "s") -> None:
         super().__init__(K, step_mode)
@@ -145,4 +146,4 @@ class WeightedPhaseEncoder(StatefulEncoder):
             rest = rest - weight * spike
             spikes.append(spike)
             weight *= 0.5
-        return torch.stack(spikes)
+        return torch.stack(spikes).to(torch.get_default_dtype())  # SpikingJelly's dtype

@@ -84,9 +84,15 @@ def _wrap(
     ``min_dim``; a shape without ``*`` has exactly that many dimensions); ``synapse``: see
     :class:`_StepMode`."""
 
-    def __init__(self, *args, step_mode: str = "s", **kwargs) -> None:
+    def __init__(self, *args, step_mode: str | None = None, **kwargs) -> None:
+        # SpikingJelly's layers take step_mode after torch's arguments, also positionally (no
+        # torch argument takes 's' or 'm')
+        if args and isinstance(args[-1], str) and args[-1] in ("s", "m"):
+            if step_mode is not None:
+                raise SpikefuseError(f"{base.__name__}: step_mode given twice")
+            args, step_mode = args[:-1], args[-1]
         base.__init__(self, *args, **kwargs)
-        self.step_mode = step_mode
+        self.step_mode = "s" if step_mode is None else step_mode
 
     exact = "*" not in seq_shape
     dims = range(min_dim, min_dim + 1) if exact else range(min_dim, 64)
@@ -240,6 +246,12 @@ class SynapseFilter(MemoryModule):
         out_i = self.out_i
         if not isinstance(out_i, Tensor):
             out_i = torch.full_like(x, out_i)
+        elif (out_i.shape, out_i.device) != (x.shape, x.device):  # broadcasting would be silent
+            raise SpikefuseError(
+                f"SynapseFilter: the current is {tuple(out_i.shape)} on {out_i.device}, but "
+                f"this step is {tuple(x.shape)} on {x.device}; call "
+                "spikefuse.functional.reset_net(net) between sequences"
+            )
         inv_tau = self.w.sigmoid() if self.learnable else 1.0 / self.tau
         out_i = out_i - (1.0 - x) * out_i * inv_tau + x
         self.set_memory("out_i", out_i)
@@ -330,7 +342,8 @@ class ElementWiseRecurrentContainer(MemoryModule):
         return y
 
     def extra_repr(self) -> str:
-        return f"element_wise_function={self.element_wise_function}, step_mode={self.step_mode}"
+        # SpikingJelly's wording
+        return f"element-wise function={self.element_wise_function}, step_mode={self.step_mode}"
 
 
 class LinearRecurrentContainer(MemoryModule):

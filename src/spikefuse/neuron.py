@@ -42,6 +42,24 @@ def _check_finite(owner: str, name: str, value: Any) -> None:
         raise SpikefuseError(f"{owner}: {name} must be a finite float, got {value!r}")
 
 
+def _backend_and_store_v_seq(
+    node: nn.Module, backend: Any, store_v_seq: bool, default: str
+) -> tuple[Any, bool]:
+    """(backend, store_v_seq) from a neuron's constructor arguments. SpikingJelly 2.0's neurons
+    take ``store_v_seq`` right after ``step_mode`` (they have no ``backend``; earlier versions
+    put ``backend`` there): a bool in ``backend``'s place is that flag, with the default
+    backend."""
+    if not isinstance(backend, bool):
+        return backend, store_v_seq
+    if store_v_seq is not False:
+        raise SpikefuseError(
+            f"{type(node).__name__}: backend={backend!r} and store_v_seq={store_v_seq!r}; the "
+            "argument after step_mode is store_v_seq (SpikingJelly 2.0) or backend (earlier "
+            "versions), not both: pass backend= by keyword"
+        )
+    return default, backend
+
+
 class StepModeMixin:
     """A ``step_mode`` attribute, ``'s'`` or ``'m'``, validated on every assignment."""
 
@@ -92,6 +110,17 @@ class MemoryModule(StepModeMixin, nn.Module):
             if isinstance(state.get(name), Tensor):
                 state[name] = state[name].detach()
         return state
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MemoryModule:
+        """Tensor memories and their reset values move and convert with the module (``.to()``,
+        ``.cuda()``, ``.double()``), as SpikingJelly's do."""
+        for name, default in self._memory_defaults.items():
+            value = self.__dict__.get(name)
+            if isinstance(value, Tensor):
+                self.set_memory(name, fn(value))
+            if isinstance(default, Tensor):
+                self._memory_defaults[name] = fn(default)
+        return super()._apply(fn, recurse)
 
     def reset(self) -> None:
         """Restore every memory to its default (call between independent sequences)."""
@@ -183,6 +212,13 @@ class BaseNode(MemoryModule):
         (every backend); a subclass that overrides ``neuronal_charge`` (SpikingJelly's way) and
         passes no definition takes SpikingJelly's ``(v_threshold, v_reset, surrogate_function,
         detach_reset, step_mode, backend, store_v_seq)`` instead (torch backend)."""
+        if hasattr(type(self), "single_step_functional_forward"):
+            raise SpikefuseError(
+                f"{type(self).__name__} defines single_step_functional_forward (SpikingJelly "
+                "2.0's functional neuron API), which spikefuse does not run: override "
+                "neuronal_charge with torch code (a neuron.SimpleBaseNode subclass) or write the "
+                "charge as a NeuronDef (see the README's 'Defining your own neuron')"
+            )
         given_definition = (args and isinstance(args[0], defs.NeuronDef)) or "definition" in kwargs
         if type(self).overrides_torch_code() and not given_definition:
             self._init_torch_code(*args, **kwargs)
@@ -240,8 +276,9 @@ class BaseNode(MemoryModule):
         self.v_reset = v_reset
         self.surrogate_function = surrogate_function
         self.detach_reset = detach_reset
-        self.backend = backend
-        self.store_v_seq = store_v_seq
+        self.backend, self.store_v_seq = _backend_and_store_v_seq(
+            self, backend, store_v_seq, "torch"
+        )
         self.last_backend = None
         if initial_v is None:  # BaseNode's rule: V starts at V_reset (0 under soft reset)
             initial_v = 0.0 if v_reset is None else float(v_reset)
@@ -279,8 +316,9 @@ class BaseNode(MemoryModule):
         self.v_reset = v_reset
         self.surrogate_function = surrogate_function
         self.detach_reset = detach_reset
-        self.backend = backend
-        self.store_v_seq = store_v_seq
+        self.backend, self.store_v_seq = _backend_and_store_v_seq(
+            self, backend, store_v_seq, "auto"
+        )
         self._constants = None
         self.constants()  # validates the parameters now, not at the first call
         self._update_program()  # from here on, every assignment is validated (__setattr__)
@@ -470,10 +508,22 @@ class BaseNode(MemoryModule):
         if value.shape != shape or value.device != x_seq.device or value.dtype != dtype:
             raise SpikefuseError(
                 f"{type(self).__name__}: state {name} is {tuple(value.shape)} {value.dtype} on "
-                f"{value.device}, but this input needs {tuple(shape)} {dtype} on {x_seq.device}; "
+                f"{value.device}, but this input needs {tuple(shape)} {dtype} on {x_seq.device} "
+                "(states of float16/bfloat16 input are float32: the neurons compute in float32); "
                 "call spikefuse.functional.reset_net(net) after changing batch size, device or dtype"
             )
         return value, 0.0
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> BaseNode:
+        """As :meth:`MemoryModule._apply`; a NeuronDef neuron's states stay in the compute dtype
+        (``.half()`` leaves V float32: the neurons compute 16-bit input in float32)."""
+        super()._apply(fn, recurse)
+        if self.definition is not None:
+            for name in ("v", "w"):
+                value = self.__dict__.get(name)
+                if isinstance(value, Tensor) and value.dtype != compute_dtype(value.dtype):
+                    self.set_memory(name, value.to(compute_dtype(value.dtype)))
+        return self
 
     def resolve_backend(self, x_seq: Tensor) -> str:
         """The backend that runs for this input (raises if an explicit one cannot); see
@@ -938,7 +988,7 @@ class IzhikevichNode(BaseNode):
     H = V + (X + a0 (V - v_rest)(V - v_c) - W) / tau,
     Z = W + (a (H - v_rest) - W) / tau_w,  W[t] = Z + b S[t]."""
 
-    lower_bounds = {"tau": 1.0, "tau_w": 1.0, "a0": 0.0}
+    lower_bounds = {"tau": 1.0, "tau_w": 0.0, "a0": 0.0}
 
     def __init__(
         self,

@@ -212,6 +212,9 @@ class _AlphaSurrogate(Surrogate):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) if self.spiking else self.primitive_function(x)
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, spiking={self.spiking}"  # SpikingJelly's repr
+
 
 class Sigmoid(_AlphaSurrogate):
     """Θ'(x) = α·σ(αx)(1 - σ(αx))."""
@@ -356,18 +359,30 @@ class SurrogateFunctionBase(nn.Module):
     ``apply``: Heaviside forward, surrogate backward) and optionally
     ``primitive_function(x, **params)`` (the smooth function whose derivative is the surrogate,
     used when ``spiking=False``). Both SpikingJelly constructor styles work:
-    ``super().__init__(alpha, spiking)`` and ``super().__init__(spiking=spiking, alpha=alpha)``
-    (any keyword becomes a parameter attribute).
+    ``super().__init__(alpha, spiking)`` (earlier versions) and SpikingJelly 2.0's
+    ``super().__init__(spiking, alpha=alpha)`` (a bool first is ``spiking``; any keyword becomes
+    a parameter attribute).
 
     Neurons run such a surrogate on the torch backend only (a per-step loop with autograd);
     for the fused kernels write the derivative as a :class:`Surrogate` (``expression``).
     """
 
-    def __init__(self, alpha: float | None = None, spiking: bool = True, **params: float):
+    def __init__(self, *args: Any, **params: Any):
         super().__init__()
-        self.spiking = spiking
-        if alpha is not None:
-            params = {"alpha": alpha, **params}
+        # SpikingJelly 2.0: (spiking=True, **params); earlier versions: (alpha, spiking=True)
+        names = ("spiking",) if args and isinstance(args[0], bool) else ("alpha", "spiking")
+        if len(args) > len(names):
+            raise TypeError(
+                f"{type(self).__name__}: SurrogateFunctionBase takes at most {len(names)} "
+                f"positional arguments ({', '.join(names)}), got {len(args)}"
+            )
+        positional = dict(zip(names, args, strict=False))
+        for name in positional.keys() & params.keys():
+            raise TypeError(f"{type(self).__name__}: got multiple values for {name!r}")
+        params = {**positional, **params}
+        self.spiking = params.pop("spiking", True)
+        if params.get("alpha", 0.0) is None:  # alpha=None: no alpha parameter
+            del params["alpha"]
         self._sg_param_names = tuple(params)
         for name, value in params.items():
             setattr(self, name, value)

@@ -104,13 +104,15 @@ class ModelSpec:
 
     ``architecture`` is recorded in checkpoints; ``channels`` is the input channel count the
     network needs (None: any; grey digits are repeated to RGB for a 3-channel network);
-    ``min_size`` is the smallest image side it is meant for.
+    ``min_size`` is the smallest image side it is meant for; ``bn_stride`` how many times
+    smaller than the image its last BatchNorm's maps are.
     """
 
     architecture: str
     channels: int | None
     min_size: int
     build: Callable[[Callable[..., nn.Module], int, int], nn.Module]
+    bn_stride: int
 
 
 def _zoo(constructor: Callable[..., nn.Module], **options: Any) -> Callable[..., nn.Module]:
@@ -130,21 +132,25 @@ def _digits_cnn(make_neuron: Callable[..., nn.Module], channels: int, size: int)
 
 
 MODELS: dict[str, ModelSpec] = {
-    "digits-cnn": ModelSpec(ARCHITECTURE, None, 4, _digits_cnn),
+    "digits-cnn": ModelSpec(ARCHITECTURE, None, 4, _digits_cnn, bn_stride=2),
     # ResNet-19 is CIFAR's: stride 1 stem, two stride-2 stages; it also fits the 8x8 digits.
     "spiking_resnet19": ModelSpec(
-        "spiking_resnet19", 3, DIGITS_SIZE, _zoo(models.spiking_resnet19)
+        "spiking_resnet19", 3, DIGITS_SIZE, _zoo(models.spiking_resnet19), bn_stride=4
     ),
     # The ImageNet layouts shrink the input 32-fold: CIFAR-10's 32x32 is their smallest sensible.
     "spiking_resnet18": ModelSpec(
-        "spiking_resnet18", 3, CIFAR10_SIZE, _zoo(models.spiking_resnet18)
+        "spiking_resnet18", 3, CIFAR10_SIZE, _zoo(models.spiking_resnet18), bn_stride=32
     ),
     "sew_resnet18": ModelSpec(
-        "sew_resnet18", 3, CIFAR10_SIZE, _zoo(models.sew_resnet18, cnf="ADD")
+        "sew_resnet18", 3, CIFAR10_SIZE, _zoo(models.sew_resnet18, cnf="ADD"), bn_stride=32
     ),
     # A 512-wide classifier instead of VGG's 4096 (on 10 classes 4096 only adds weights).
     "spiking_vgg11_bn": ModelSpec(
-        "spiking_vgg11_bn", 3, CIFAR10_SIZE, _zoo(models.spiking_vgg11_bn, classifier_features=512)
+        "spiking_vgg11_bn",
+        3,
+        CIFAR10_SIZE,
+        _zoo(models.spiking_vgg11_bn, classifier_features=512),
+        bn_stride=16,
     ),
 }
 
@@ -216,6 +222,12 @@ class TrainConfig:
             raise SpikefuseError(
                 f"--model {self.model} is made for images of {least}x{least} or more; "
                 f"--data {self.data} has {size}x{size} (use --data cifar10)"
+            )
+        if self.T == self.batch_size == 1 and size // MODELS[self.model].bn_stride <= 1:
+            raise SpikefuseError(
+                f"--model {self.model} on {size}x{size} images shrinks its last BatchNorm's maps "
+                "to 1x1: with --batch-size 1 and --T 1 BatchNorm would see one value per "
+                "channel, which training cannot normalise; use --batch-size 2 or more"
             )
         if not isinstance(self.checkpoint, str) or not self.checkpoint:
             raise SpikefuseError(f"--checkpoint must be a file path, got {self.checkpoint!r}")
