@@ -924,3 +924,10 @@ def test_batchnorm_without_running_statistics_uses_batch_statistics_in_eval():
     fused = fuse(copy.deepcopy(model))
     x = torch.rand(T, B, C, 6, 6, dtype=torch.float64)
     torch.testing.assert_close(fused(x), model(x), **FP64_TOL)
+
+
+def test_a_parametrized_conv_is_reported_as_such():
+    model = nn.Sequential(conv(), bn(), lif())
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    report = fuse(model, return_report=True)[1]
+    assert not report.fused and "parameters are parametrized" in report.skipped[0].reason

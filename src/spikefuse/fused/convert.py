@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
 
 from .. import layer
 from ..errors import SpikefuseError
@@ -230,12 +231,20 @@ def _is_bn_like(module: nn.Module) -> bool:
     return isinstance(module, _BatchNorm)
 
 
+def _subclass_problem(module: nn.Module) -> str:
+    """Why a Conv/Linear/BatchNorm of another class than torch's and spikefuse's is unfused."""
+    name = type(module).__name__
+    if parametrize.is_parametrized(module):  # torch makes it a class of its own
+        return f"{name}'s parameters are parametrized (torch.nn.utils.parametrize)"
+    return f"{name} is a subclass with its own forward; only torch's and spikefuse's fuse"
+
+
 def _synapse_problem(module: nn.Module) -> str:
     contained = type(module) is layer.SeqToANNContainer
     inner = module[0] if type(module) is layer.SeqToANNContainer else module
     name = type(inner).__name__
     if _synapse_kind(inner) is None:
-        return f"{name} is a subclass with its own forward; only torch's and spikefuse's fuse"
+        return _subclass_problem(inner)
     if contained:
         if getattr(inner, "step_mode", "s") != "s":
             return f"the {name} inside SeqToANNContainer must be single-step"
@@ -253,7 +262,7 @@ def _bn_problem(module: nn.Module, synapse: nn.Module) -> str:
     if not isinstance(inner, expected):
         return f"a {type(synapse).__name__} needs {expected.__name__}, got {type(inner).__name__}"
     if type(inner) not in _EXACT[expected]:
-        return f"{type(inner).__name__} is a subclass with its own forward"
+        return _subclass_problem(inner)
     return f"the {type(inner).__name__} has step_mode={getattr(inner, 'step_mode', None)!r}"
 
 
