@@ -931,3 +931,25 @@ def test_a_parametrized_conv_is_reported_as_such():
     torch.nn.utils.parametrizations.weight_norm(model[0])
     report = fuse(model, return_report=True)[1]
     assert not report.fused and "parameters are parametrized" in report.skipped[0].reason
+
+
+def test_placeholders_take_tags_that_are_not_the_fused_modules_attributes():
+    fused = fuse(nn.Sequential(conv(), bn(), lif()))
+    for module in fused.modules():  # e.g. torch.ao.quantization.propagate_qconfig_
+        module.qconfig = None
+    assert fused[1].qconfig is None
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.sn = conv(), bn(), lif()
+
+    def forward(self, x):
+        self.feat = x
+        return self.sn(self.bn(self.conv(x)))
+
+
+def test_tracing_removes_attributes_a_submodule_forward_adds():
+    fused = fuse(nn.Sequential(Inner()))
+    assert not hasattr(fused[0], "feat")

@@ -550,3 +550,11 @@ def test_states_move_and_convert_with_the_module():
     node.half()
     assert node.v.dtype == torch.float32  # the compute dtype of 16-bit input
     node(torch.rand(4, 2, dtype=torch.float16))
+
+
+def test_half_keeps_a_neurondef_state_unrounded():
+    node = neuron.LIFNode(step_mode="m", backend="torch")
+    node(torch.rand(4, 2) * 2 + 0.0123456)
+    v = node.v.clone()
+    node.half()
+    assert torch.equal(node.v, v)

@@ -402,3 +402,27 @@ def test_spikingjelly_2_functional_neuron_api_is_refused_clearly():
 
     with pytest.raises(SpikefuseError, match="single_step_functional_forward"):
         Functional(step_mode="m")
+
+
+class AddIF(neuron.BaseNode):
+    def neuronal_charge(self, x):
+        self.v = self.v + x
+
+
+class HalvedIF(AddIF):
+    def single_step_forward(self, x):
+        return super().single_step_forward(x) * 0.5
+
+
+def test_an_overridden_single_step_forward_runs_in_multi_step_mode():
+    x = torch.ones(3, 2) * 1.5
+    assert torch.equal(HalvedIF(step_mode="m")(x), torch.full((3, 2), 0.5))
+
+
+def test_torch_code_state_keeps_the_input_dtype_when_moved():
+    node = neuron.LIFNode(surrogate_function=SJSigmoid(), step_mode="m")
+    x = torch.rand(3, 2, dtype=torch.float16) * 2
+    node(x)
+    node.cpu()
+    assert node.v.dtype == torch.float16
+    node(x)

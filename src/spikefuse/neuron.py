@@ -515,14 +515,18 @@ class BaseNode(MemoryModule):
         return value, 0.0
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> BaseNode:
-        """As :meth:`MemoryModule._apply`; a NeuronDef neuron's states stay in the compute dtype
-        (``.half()`` leaves V float32: the neurons compute 16-bit input in float32)."""
+        """As :meth:`MemoryModule._apply`; where the neuron runs from its NeuronDef (not torch
+        code), its states stay in the compute dtype: ``.half()`` moves V but keeps it float32,
+        unrounded (those neurons compute 16-bit input in float32)."""
+        states = {name: self.__dict__.get(name) for name in ("v", "w")}
         super()._apply(fn, recurse)
-        if self.definition is not None:
-            for name in ("v", "w"):
-                value = self.__dict__.get(name)
-                if isinstance(value, Tensor) and value.dtype != compute_dtype(value.dtype):
-                    self.set_memory(name, value.to(compute_dtype(value.dtype)))
+        if self.definition is not None and self.torch_code is None:
+            for name, before in states.items():
+                moved = self.__dict__.get(name)
+                if isinstance(before, Tensor) and isinstance(moved, Tensor):
+                    dtype = compute_dtype(moved.dtype)
+                    if moved.dtype != dtype:
+                        self.set_memory(name, before.to(device=moved.device, dtype=dtype))
         return self
 
     def resolve_backend(self, x_seq: Tensor) -> str:
@@ -627,9 +631,13 @@ class BaseNode(MemoryModule):
         :meth:`single_step_forward`)."""
         if self.torch_code is None:
             return self._forward_in_mode(x_seq, "m")
+        # a subclass's own single_step_forward runs at every step (SpikingJelly's loop);
+        # otherwise the step itself, without single-step v_seq appends (O(T^2) copies)
+        overridden = type(self).single_step_forward is not BaseNode.single_step_forward
+        step = self.single_step_forward if overridden else self._torch_code_step
         spikes, v_seq = [], []
         for x in x_seq:
-            spikes.append(self._torch_code_step(x))
+            spikes.append(step(x))
             if self.store_v_seq:
                 v_seq.append(self.v)
         self.set_memory("v_seq", torch.stack(v_seq) if self.store_v_seq else None)

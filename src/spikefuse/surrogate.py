@@ -370,7 +370,8 @@ class SurrogateFunctionBase(nn.Module):
     def __init__(self, *args: Any, **params: Any):
         super().__init__()
         # SpikingJelly 2.0: (spiking=True, **params); earlier versions: (alpha, spiking=True)
-        names = ("spiking",) if args and isinstance(args[0], bool) else ("alpha", "spiking")
+        new_style = args and (isinstance(args[0], bool) or "alpha" in params)
+        names = ("spiking",) if new_style else ("alpha", "spiking")
         if len(args) > len(names):
             raise TypeError(
                 f"{type(self).__name__}: SurrogateFunctionBase takes at most {len(names)} "

@@ -521,12 +521,12 @@ def _traced(module: nn.Module, **kwargs: Any) -> fx.Graph:
     fx stores each tensor the forward makes itself (``torch.tensor(2.0)``) on the module as a
     ``_tensor_constant<i>`` attribute; those are removed again: the model stays as it was (a
     graph that reads them is not run: see :func:`_plain_attributes`). So is whatever the
-    forward itself wrote while traced (a counter incremented, proxies appended to a list): every
-    module's plain attributes are put back as they were, and the contents of its lists, dicts
-    and sets.
+    forward itself wrote while traced (a counter incremented, proxies appended to a list, a new
+    attribute): every module's plain attributes are put back as they were, with the contents of
+    its lists, dicts and sets, and attributes added to any module are removed.
     """
     tracer = _Tracer()
-    before = set(module.__dict__)
+    names = [(m, set(m.__dict__)) for m in module.modules()]
     plain = [
         (m, name, value, copy.copy(value) if isinstance(value, (list, dict, set)) else None)
         for m in module.modules()
@@ -537,8 +537,9 @@ def _traced(module: nn.Module, **kwargs: Any) -> fx.Graph:
         return tracer.trace(module, **kwargs)
     finally:
         tracer.__dict__.clear()
-        for name in set(module.__dict__) - before:
-            delattr(module, name)
+        for owner, before in names:
+            for name in set(owner.__dict__) - before:
+                delattr(owner, name)
         for owner, name, value, contents in plain:
             owner.__dict__[name] = value
             copied: Any = contents  # value's copy where value is a list, dict or set
@@ -853,19 +854,27 @@ class FusedAway(nn.Identity):
     through (the FusedBlock at the synapse's place did the work). When the model reads an
     attribute of the module that was here (e.g. a neuron's ``.v``), it raises
     :class:`FusedAttributeError` naming that module and the block (an AttributeError:
-    ``hasattr`` stays False); setting one raises too (it would change nothing). ``train()`` /
+    ``hasattr`` stays False); setting one of that module's attributes raises too (it would
+    change nothing; other attributes, e.g. a quantization tag, are stored). ``train()`` /
     ``eval()`` on it reach the module in the block (``model.bn1.eval()`` freezes that BatchNorm,
     as unfused). ``role``: ``"bn"``, ``"node"`` or ``"pool"``, the block's attribute that now
     holds the module (``target``)."""
 
-    # the module in the block (kept out of the module tree: it is registered in the block);
-    # None in placeholders pickled by versions without it
+    # the module in the block (kept out of the module tree: it is registered in the block) and
+    # its attributes when fused (those a write here would miss); unset in placeholders pickled
+    # by versions without them
     _target: nn.Module | None = None
+    _guarded: frozenset[str] = frozenset()
 
     def __init__(self, name: str, block: str, role: str, target: nn.Module | None = None) -> None:
         super().__init__()
         self.fused_name, self.block, self.role = name, block, role
         self.__dict__["_target"] = target
+        if target is not None:
+            kind = type(target)
+            properties = {n for n in dir(kind) if isinstance(getattr(kind, n, None), property)}
+            names = {*vars(target), *target._parameters, *target._buffers, *properties}
+            self.__dict__["_guarded"] = frozenset(n for n in names if not n.startswith("_"))
 
     def train(self, mode: bool = True) -> FusedAway:
         super().train(mode)
@@ -877,8 +886,9 @@ class FusedAway(nn.Identity):
         return f"'{self.fused_name}' was fused into the FusedBlock at '{self.block}' (fuse())"
 
     def __setattr__(self, attribute: str, value: Any) -> None:
-        if attribute.startswith("_") or attribute in ("training", "fused_name", "block", "role"):
-            super().__setattr__(attribute, value)
+        own = attribute.startswith("_") or attribute in ("training", "fused_name", "block", "role")
+        if own or attribute not in self._guarded:
+            super().__setattr__(attribute, value)  # its own, or a tag (e.g. a qconfig)
             return
         raise FusedAttributeError(
             f"{self._where()}: setting '{self.fused_name}.{attribute}' would change nothing; "
