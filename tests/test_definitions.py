@@ -379,3 +379,40 @@ def test_bad_name_raises():
 def test_learnable_must_be_a_param():
     with pytest.raises(SpikefuseError, match="learnable"):
         NeuronProgram(defs.LIF, Sigmoid(), True, False, learnable=("alpha",))
+
+
+@pytest.mark.parametrize("charge", ["v + x*exp(-1)", "v + x*sqrt(2)", "v + x*log(2)"])
+def test_functions_of_numbers_become_their_values(charge):
+    node = neuron.BaseNode(defs.NeuronDef("n", charge=charge), step_mode="m", backend="torch")
+    x = torch.full((1, 2), 0.5, dtype=torch.float64)
+    node(x)
+    scale = {"exp": math.exp(-1), "sqr": math.sqrt(2), "log": math.log(2)}[charge[6:9]]
+    torch.testing.assert_close(node.v, x[0] * scale, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize(
+    "charge, message",
+    [
+        ("v + x + log(-1)", "complex value"),
+        ("v + x*sqrt(-1)", "complex value"),
+        ("v + x*exp(1000)", r"exp\(1000\) is infinite"),
+    ],
+)
+def test_complex_or_infinite_constants_are_refused(charge, message):
+    with pytest.raises(SpikefuseError, match=message):
+        defs.NeuronDef("n", charge=charge)
+
+
+@pytest.mark.parametrize("charge", ["v + x*exp(x)", "v + sqrt(x + sqrt(x + sqrt(x)))"])
+def test_charges_with_x_more_than_once_keep_x_and_run(charge):
+    definition = defs.NeuronDef("n", charge=charge)
+    assert definition.partials.needs_x  # no LambertW to print, no minutes in sympy's solve
+    node = neuron.BaseNode(definition, step_mode="m", backend="torch")
+    x = torch.rand(3, 2, dtype=torch.float64, requires_grad=True)
+    node(x).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_parameter_names_may_not_be_function_names():
+    with pytest.raises(SpikefuseError, match=r"\['exp'\] are reserved"):
+        defs.NeuronDef("n", "v + x*exp(k)", params=("exp", "k"))

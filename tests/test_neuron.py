@@ -558,3 +558,11 @@ def test_half_keeps_a_neurondef_state_unrounded():
     v = node.v.clone()
     node.half()
     assert torch.equal(node.v, v)
+
+
+def test_anomaly_mode_refuses_a_nan_second_state():
+    node = neuron.IzhikevichNode(a=0.5, b=0.1, step_mode="m", backend="torch")
+    node(torch.rand(2, 3))
+    node.w = torch.full_like(node.w, float("nan"))
+    with torch.autograd.detect_anomaly(), pytest.raises(SpikefuseError, match="state w"):
+        node(torch.rand(2, 3))

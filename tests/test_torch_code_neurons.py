@@ -426,3 +426,15 @@ def test_torch_code_state_keeps_the_input_dtype_when_moved():
     node.cpu()
     assert node.v.dtype == torch.float16
     node(x)
+
+
+def test_torch_code_neurons_check_threshold_and_reset():
+    with pytest.raises(SpikefuseError, match="v_threshold must be > v_reset"):
+        AddIF(v_threshold=-1.0, v_reset=0.0)
+    node = AddIF()
+    with pytest.raises(SpikefuseError, match="finite"):
+        node.v_threshold = float("nan")
+    with pytest.raises(SpikefuseError, match="v_threshold must be > v_reset"):
+        node.v_reset = 5.0
+    node.v_reset = None  # soft reset: any threshold
+    node.v_threshold = -1.0

@@ -180,7 +180,26 @@ def parse_equation(text: str, symbols: dict[str, sp.Symbol]) -> sp.Expr:
     # kernels would compute inf or NaN, so a division by zero is an error here
     if expr.has(sp.zoo, sp.oo, -sp.oo, sp.nan):
         raise SpikefuseError(f"it divides by zero or is infinite (sympy reads it as {expr})")
+    # functions of numbers (exp(-1), sqrt(2), log(2)) become their values: the backends would
+    # call a tensor function on a plain number
+    expr = expr.replace(
+        lambda e: isinstance(e, (sp.Function, sp.Pow)) and not e.free_symbols,
+        lambda e: sp.Float(_real_value(e, expr)),
+    )
+    if expr.has(sp.I):
+        raise SpikefuseError(f"it has a complex value (sympy reads it as {expr})")
     return expr
+
+
+def _real_value(constant: sp.Expr, expr: sp.Expr) -> float:
+    """The finite real value of a constant sub-expression of ``expr``, or an error."""
+    value = complex(constant.evalf())
+    if value.imag or not math.isfinite(value.real):
+        raise SpikefuseError(
+            f"{constant} is {'complex' if value.imag else 'infinite'} (in {expr}): equations "
+            "compute with finite real numbers"
+        )
+    return value.real
 
 
 @dataclass(frozen=True)
@@ -227,9 +246,9 @@ class NeuronDef:
             raise SpikefuseError(
                 f"{self.name}: params must be a tuple of names, got {self.params!r}"
             )
-        clash = (set(self.params) & (_STATE_NAMES | set(BUILTIN_PARAMS))) | {
-            p for p in self.params if self.params.count(p) > 1
-        }
+        # function and constant names too: the backends' code would call the parameter
+        reserved = _STATE_NAMES | set(BUILTIN_PARAMS) | set(FUNCTIONS) | set(_CONSTANTS)
+        clash = (set(self.params) & reserved) | {p for p in self.params if self.params.count(p) > 1}
         if clash:
             raise SpikefuseError(
                 f"{self.name}: parameter names {sorted(clash)} are reserved/repeated"
@@ -297,16 +316,21 @@ class NeuronDef:
     def partials(self) -> Partials:
         """The derivatives BPTT needs, with X eliminated where the charge can be solved for it."""
         f = self.charge_expr
-        try:
-            solutions = sp.solve(sp.Eq(H, f), X)
-        except NotImplementedError:  # sympy cannot solve it (e.g. sigmoid(x) + cosh(x)): keep X
-            solutions = []
+        # Solved only where X occurs once (an inversion, quick; every built-in neuron): sympy's
+        # solve can take minutes on nested roots of X, and may answer in functions no backend
+        # prints (LambertW for x exp(x)). Otherwise X is kept (memory, not accuracy).
+        solutions = []
+        if sum(1 for e in sp.preorder_traversal(f) if e == X) == 1:
+            try:
+                solutions = sp.solve(sp.Eq(H, f), X)
+            except Exception:  # sympy cannot solve it (e.g. sigmoid(x) + cosh(x)): keep X
+                solutions = []
         # Eliminate X only where X(H) divides by nothing that a state can make zero: where
         # dH/dX vanishes for some state, X(H) divides by zero there (v + x (e_rev - v) at
         # v = e_rev gives dh_dv = (e_rev - h) / (e_rev - v), 0/0 = NaN; keeping X gives 1 - x).
         # Factors that are never zero (EIF's exp) are fine.
         x_of_h = None
-        if len(solutions) == 1:
+        if len(solutions) == 1 and _printable(solutions[0]):
             factors = sp.Mul.make_args(sp.denom(sp.together(solutions[0])))
             if all(f.is_zero is False or not f.free_symbols & {V, W, H} for f in factors):
                 x_of_h = solutions[0]
@@ -344,6 +368,14 @@ class NeuronDef:
             f"{self.name}: h={self.charge_expr}; z={self.adaptation_expr if self.adaptive else ''};"
             f" jump={self.jump_expr}; params={','.join(self.params)}"
         )
+
+
+def _printable(expr: sp.Expr) -> bool:
+    """Whether ``expr`` is real and calls only functions an equation may call (what the
+    backends print), e.g. not a LambertW or a root of a polynomial that sympy's solve returned."""
+    allowed = {type(f(X)) for f in FUNCTIONS.values() if isinstance(f(X), sp.Function)}
+    functions = {type(f) for f in expr.atoms(sp.Function)}
+    return functions <= allowed and not expr.has(sp.I) and not expr.has(sp.Piecewise)
 
 
 class ExactFloatPrinter(TorchPrinter):

@@ -389,6 +389,8 @@ class BaseNode(MemoryModule):
                 f"{type(self).__name__}: {name} must be True or False, got {value!r}"
             )
         if "program" not in self.__dict__:  # in __init__: constants() validates them all
+            if name in ("v_threshold", "v_reset") and self.__dict__.get("definition", 0) is None:
+                self._check_torch_code_constants({name: value})
             super().__setattr__(name, value)
             return
         constants = None
@@ -403,6 +405,23 @@ class BaseNode(MemoryModule):
             self._update_program()
         if name in ("step_mode", "store_v_seq"):  # a sequence recorded otherwise: dropped
             self.set_memory("v_seq", None)
+
+    def _check_torch_code_constants(self, change: dict[str, Any]) -> None:
+        """A torch-code neuron's threshold and reset (it has no NeuronDef constants to check):
+        finite, and v_threshold > v_reset under hard reset, once both exist."""
+        current = {n: self.__dict__[n] for n in ("v_threshold", "v_reset") if n in self.__dict__}
+        current.update(change)
+        if len(current) < 2:  # in __init__, before the second one is set
+            return
+        v_threshold, v_reset = current["v_threshold"], current["v_reset"]
+        _check_finite(type(self).__name__, "v_threshold", v_threshold)
+        if v_reset is not None:
+            _check_finite(type(self).__name__, "v_reset", v_reset)
+            if not v_threshold > v_reset:
+                raise SpikefuseError(
+                    f"{type(self).__name__}: with hard reset v_threshold must be > v_reset (got "
+                    f"{v_threshold} <= {v_reset}): a neuron at rest would fire on every step"
+                )
 
     def _update_program(self) -> None:
         if isinstance(self.surrogate_function, Surrogate):  # told of changes (spiking mode too)
@@ -538,10 +557,10 @@ class BaseNode(MemoryModule):
             self.last_backend = chosen
         return chosen
 
-    def _check_no_nan(self, x_seq: Tensor, v0: Tensor | None) -> None:
+    def _check_no_nan(self, x_seq: Tensor, v0: Tensor | None, w0: Tensor | None = None) -> None:
         """Under ``torch.autograd.detect_anomaly`` (only: this reads a flag back from the
-        device), NaN in the input or the state is an error instead of NaN spikes."""
-        for what, t in (("input", x_seq), ("state v", v0)):
+        device), NaN in the input or a state is an error instead of NaN spikes."""
+        for what, t in (("input", x_seq), ("state v", v0), ("state w", w0)):
             if t is not None and bool(t.isnan().any()):
                 raise SpikefuseError(
                     f"{type(self).__name__}: the {what} contains NaN (raised because autograd "
@@ -566,7 +585,7 @@ class BaseNode(MemoryModule):
         v0, v_init = self._state("v", x_seq)
         w0, w_init = self._state("w", x_seq) if adaptive else (None, 0.0)
         if not torch.compiler.is_compiling() and torch.is_anomaly_enabled():
-            self._check_no_nan(x_seq, v0)
+            self._check_no_nan(x_seq, v0, w0)
         learnable = self.learnable_values(x_seq.device, compute_dtype(x_seq.dtype))
         if learnable is not None and learnable.device != x_seq.device:
             raise SpikefuseError(
