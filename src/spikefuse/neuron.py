@@ -409,7 +409,8 @@ class BaseNode(MemoryModule):
     def _check_torch_code_constants(self, change: dict[str, Any]) -> None:
         """A torch-code neuron's threshold and reset (it has no NeuronDef constants to check):
         finite, and v_threshold > v_reset under hard reset, once both exist."""
-        current = {n: self.__dict__[n] for n in ("v_threshold", "v_reset") if n in self.__dict__}
+        names = ("v_threshold", "v_reset")
+        current: dict[str, Any] = {n: self.__dict__[n] for n in names if n in self.__dict__}
         current.update(change)
         if len(current) < 2:  # in __init__, before the second one is set
             return
