@@ -370,12 +370,17 @@ class NeuronDef:
         )
 
 
+# The sympy function classes an equation's functions make (sqrt makes a power, not a call).
+_EQUATION_FUNCTIONS = frozenset(
+    type(call) for call in (f(X) for f in FUNCTIONS.values()) if isinstance(call, sp.Function)
+)
+
+
 def _printable(expr: sp.Expr) -> bool:
     """Whether ``expr`` is real and calls only functions an equation may call (what the
     backends print), e.g. not a LambertW or a root of a polynomial that sympy's solve returned."""
-    allowed = {type(f(X)) for f in FUNCTIONS.values() if isinstance(f(X), sp.Function)}
     functions = {type(f) for f in expr.atoms(sp.Function)}
-    return functions <= allowed and not expr.has(sp.I) and not expr.has(sp.Piecewise)
+    return functions <= _EQUATION_FUNCTIONS and not expr.has(sp.I, sp.Piecewise)
 
 
 class ExactFloatPrinter(TorchPrinter):

@@ -35,11 +35,25 @@ TORCH_CODE_HOOKS = ("neuronal_charge", "neuronal_fire", "neuronal_reset")
 # Switches that take True or False only (SpikingJelly asserts detach_reset is a bool)
 _FLAGS = ("detach_reset", "store_v_seq", "decay_input")
 TORCH_CODE_BACKENDS = ("auto", "torch")
+_STEP_FORWARDS = ("single_step_forward", "multi_step_forward")
 
 
 def _check_finite(owner: str, name: str, value: Any) -> None:
     if not is_finite_real(value):
         raise SpikefuseError(f"{owner}: {name} must be a finite float, got {value!r}")
+
+
+def _check_threshold_and_reset(owner: str, v_threshold: Any, v_reset: Any) -> None:
+    """Finite V_th and V_reset (None: soft reset), and V_th > V_reset under hard reset."""
+    _check_finite(owner, "v_threshold", v_threshold)
+    if v_reset is None:
+        return
+    _check_finite(owner, "v_reset", v_reset)
+    if not v_threshold > v_reset:
+        raise SpikefuseError(
+            f"{owner}: with hard reset v_threshold must be > v_reset (got {v_threshold} <= "
+            f"{v_reset}): a neuron at rest would fire on every step"
+        )
 
 
 def _backend_and_store_v_seq(
@@ -229,7 +243,7 @@ class BaseNode(MemoryModule):
     _torch_code_hooks: tuple[str, ...] = ()
 
     _overrides_step_forward = False
-    # forward-like methods a subclass overrides (fused blocks, which run kernels, refuse them)
+    # forward methods a subclass overrides (fused blocks, which run kernels, refuse them)
     _overridden_forward: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -237,16 +251,13 @@ class BaseNode(MemoryModule):
         cls._torch_code_hooks = tuple(
             hook for hook in TORCH_CODE_HOOKS if getattr(cls, hook) is not getattr(BaseNode, hook)
         )
-        # A subclass overriding these is run through them, as SpikingJelly's forward does.
-        cls._overrides_step_forward = any(
-            getattr(cls, name) is not getattr(BaseNode, name)
-            for name in ("single_step_forward", "multi_step_forward")
-        )
         cls._overridden_forward = tuple(
             name
-            for name in ("forward", "_forward", "_forward_in_mode", "__call__")
+            for name in (*_STEP_FORWARDS, "forward", "_forward", "_forward_in_mode", "__call__")
             if getattr(cls, name) is not getattr(BaseNode, name)
         )
+        # A subclass overriding these is run through them, as SpikingJelly's forward does.
+        cls._overrides_step_forward = any(n in cls._overridden_forward for n in _STEP_FORWARDS)
 
     @classmethod
     def overrides_torch_code(cls) -> bool:
@@ -266,12 +277,9 @@ class BaseNode(MemoryModule):
         initial_v: float | None = None,
     ) -> None:
         super().__init__(step_mode)
-        for name, value in (("v_threshold", v_threshold), ("v_reset", v_reset)):
-            if not (value is None and name == "v_reset"):
-                _check_finite(type(self).__name__, name, value)
         surrogate_function = Sigmoid() if surrogate_function is None else surrogate_function
         runs_in_kernels(surrogate_function)  # validates it
-        self.definition = None
+        self.definition = None  # from here on V_th and V_reset are checked when assigned
         self.v_threshold = v_threshold
         self.v_reset = v_reset
         self.surrogate_function = surrogate_function
@@ -389,7 +397,9 @@ class BaseNode(MemoryModule):
                 f"{type(self).__name__}: {name} must be True or False, got {value!r}"
             )
         if "program" not in self.__dict__:  # in __init__: constants() validates them all
-            if name in ("v_threshold", "v_reset") and self.__dict__.get("definition", 0) is None:
+            # a torch-code neuron (its definition None once set) has no constants() to check them
+            torch_code = "definition" in self.__dict__ and self.__dict__["definition"] is None
+            if torch_code and name in ("v_threshold", "v_reset"):
                 self._check_torch_code_constants({name: value})
             super().__setattr__(name, value)
             return
@@ -407,22 +417,13 @@ class BaseNode(MemoryModule):
             self.set_memory("v_seq", None)
 
     def _check_torch_code_constants(self, change: dict[str, Any]) -> None:
-        """A torch-code neuron's threshold and reset (it has no NeuronDef constants to check):
-        finite, and v_threshold > v_reset under hard reset, once both exist."""
+        """A torch-code neuron's threshold and reset (it has no NeuronDef constants to check),
+        once both exist (in __init__ the second assignment checks)."""
         names = ("v_threshold", "v_reset")
         current: dict[str, Any] = {n: self.__dict__[n] for n in names if n in self.__dict__}
         current.update(change)
-        if len(current) < 2:  # in __init__, before the second one is set
-            return
-        v_threshold, v_reset = current["v_threshold"], current["v_reset"]
-        _check_finite(type(self).__name__, "v_threshold", v_threshold)
-        if v_reset is not None:
-            _check_finite(type(self).__name__, "v_reset", v_reset)
-            if not v_threshold > v_reset:
-                raise SpikefuseError(
-                    f"{type(self).__name__}: with hard reset v_threshold must be > v_reset (got "
-                    f"{v_threshold} <= {v_reset}): a neuron at rest would fire on every step"
-                )
+        if len(current) == 2:
+            _check_threshold_and_reset(type(self).__name__, *(current[n] for n in names))
 
     def _update_program(self) -> None:
         if isinstance(self.surrogate_function, Surrogate):  # told of changes (spiking mode too)
@@ -463,20 +464,16 @@ class BaseNode(MemoryModule):
         current.update({p: getattr(self, p) for p in names})
         current.update(changes)
         hard = current["v_reset"] is not None
+        _check_threshold_and_reset(type(self).__name__, current["v_threshold"], current["v_reset"])
         values = [current["v_threshold"], current["v_reset"] if hard else 0.0]
         values += [current[p] for p in names]
-        for name, value in zip(("v_threshold", "v_reset", *names), values, strict=True):
-            _check_finite(type(self).__name__, name, value)
+        for name in names:
+            _check_finite(type(self).__name__, name, current[name])
             bound = self.lower_bounds.get(name)
-            if bound is not None and not value > bound:
+            if bound is not None and not current[name] > bound:
                 raise SpikefuseError(
-                    f"{type(self).__name__}: {name} must be > {bound}, got {value}"
+                    f"{type(self).__name__}: {name} must be > {bound}, got {current[name]}"
                 )
-        if hard and not values[0] > values[1]:
-            raise SpikefuseError(
-                f"{type(self).__name__}: with hard reset v_threshold must be > v_reset (got "
-                f"{values[0]} <= {values[1]}): a neuron at rest would fire on every step"
-            )
         for name in self.at_least_v_reset if hard else ():
             if not current[name] >= values[1]:
                 raise SpikefuseError(
@@ -653,7 +650,7 @@ class BaseNode(MemoryModule):
             return self._forward_in_mode(x_seq, "m")
         # a subclass's own single_step_forward runs at every step (SpikingJelly's loop);
         # otherwise the step itself, without single-step v_seq appends (O(T^2) copies)
-        overridden = type(self).single_step_forward is not BaseNode.single_step_forward
+        overridden = "single_step_forward" in self._overridden_forward
         step = self.single_step_forward if overridden else self._torch_code_step
         spikes, v_seq = [], []
         for x in x_seq:

@@ -378,8 +378,8 @@ class SurrogateFunctionBase(nn.Module):
                 f"positional arguments ({', '.join(names)}), got {len(args)}"
             )
         positional = dict(zip(names, args, strict=False))
-        for name in positional.keys() & params.keys():
-            raise TypeError(f"{type(self).__name__}: got multiple values for {name!r}")
+        if twice := sorted(positional.keys() & params.keys()):
+            raise TypeError(f"{type(self).__name__}: got multiple values for {twice}")
         params = {**positional, **params}
         self.spiking = params.pop("spiking", True)
         if params.get("alpha", 0.0) is None:  # alpha=None: no alpha parameter

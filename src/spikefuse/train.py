@@ -223,7 +223,7 @@ class TrainConfig:
                 f"--model {self.model} is made for images of {least}x{least} or more; "
                 f"--data {self.data} has {size}x{size} (use --data cifar10)"
             )
-        if self.T == self.batch_size == 1 and size // MODELS[self.model].bn_stride <= 1:
+        if self.T == self.batch_size == 1 and self.last_bn_maps_are_1x1:
             raise SpikefuseError(
                 f"--model {self.model} on {size}x{size} images shrinks its last BatchNorm's maps "
                 "to 1x1: with --batch-size 1 and --T 1 BatchNorm would see one value per "
@@ -238,6 +238,12 @@ class TrainConfig:
                 "--resume and --overwrite exclude each other: --resume continues the "
                 "checkpoint, --overwrite starts a new run in its place"
             )
+
+    @property
+    def last_bn_maps_are_1x1(self) -> bool:
+        """Whether the model's last BatchNorm sees 1 x 1 maps of this data's images: one sample
+        at T = 1 then gives it one value per channel, which training cannot normalise."""
+        return DATA_SETS[self.data] // MODELS[self.model].bn_stride <= 1
 
     def model_config(self) -> dict[str, Any]:
         """Settings a resumed run must share with its checkpoint.
@@ -939,8 +945,8 @@ def check_logs_writable(target: Path, config: TrainConfig) -> None:
 class TrainingLog:
     """The per-epoch log beside a checkpoint ``<name>``: ``<name>.csv`` (epoch, train loss, test
     accuracy, seconds) and ``<name>.png`` (loss and accuracy over the epochs), both rewritten
-    atomically
-    after every epoch. A resumed run keeps the rows up to the checkpoint's epoch and appends."""
+    atomically after every epoch. A resumed run keeps the rows up to the checkpoint's epoch and
+    appends."""
 
     checkpoint: Path
     resumed_epoch: int
@@ -1160,10 +1166,9 @@ def train_epoch(
         graphed.invalidate()  # captured with the last epoch's learning rate
     order = epoch_order(config, epoch, len(data.y_train), ranks).to(data.y_train.device)
     batches = order.split(config.batch_size)
-    if config.T == 1 and len(batches) > 1 and len(batches[-1]) == 1:
-        # one sample at one step gives BatchNorm one value per channel where a network's maps
-        # shrink to 1 x 1 (ResNets on 32 x 32), which training cannot normalise: skipped (the
-        # order changes every epoch, so each sample is still seen)
+    if config.T == 1 and config.last_bn_maps_are_1x1 and len(batches) > 1 and len(batches[-1]) == 1:
+        # a last batch of one sample (batch sizes of 1 are refused): skipped, since the order
+        # changes every epoch, each sample is still seen
         batches = batches[:-1]
     progress = None
     if not config.quiet and ranks.main:

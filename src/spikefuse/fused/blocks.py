@@ -226,9 +226,7 @@ class FusedBlock(MultiStepOnly, nn.Module):
                 f"FusedBlock: node must be a spikefuse neuron, got {type(node).__name__}"
             )
         # A neuron's own torch code would be bypassed by the kernels.
-        overridden = (
-            ("single_step_forward", "multi_step_forward") if node._overrides_step_forward else ()
-        ) + node._overridden_forward
+        overridden = node._overridden_forward
         own_code = node.torch_code or (
             f"it overrides {'/'.join(overridden)}" if overridden else None
         )

@@ -271,8 +271,6 @@ def _node_problem(node: BaseNode) -> str | None:
         return f"the neuron has step_mode={node.step_mode!r}; fused blocks are multi-step"
     if node.torch_code is not None:
         return f"{type(node).__name__} runs torch code ({node.torch_code}); fused blocks run NeuronDefs"
-    if node._overrides_step_forward:
-        return f"{type(node).__name__} overrides single_step_forward/multi_step_forward"
     if node._overridden_forward:
         return f"{type(node).__name__} overrides {'/'.join(node._overridden_forward)}"
     if node.definition is not None and node.definition.adaptive:  # None: torch code, above
@@ -526,28 +524,30 @@ def _traced(module: nn.Module, **kwargs: Any) -> fx.Graph:
     its lists, dicts and sets, and attributes added to any module are removed.
     """
     tracer = _Tracer()
-    names = [(m, set(m.__dict__)) for m in module.modules()]
-    plain = [
-        (m, name, value, copy.copy(value) if isinstance(value, (list, dict, set)) else None)
-        for m in module.modules()
-        for name, value in vars(m).items()
-        if not name.startswith("_")
-    ]
+    before = [(m, dict(vars(m))) for m in module.modules()]
+    containers = {  # the contents of plain list, dict and set attributes, by identity
+        id(value): copy.copy(value)
+        for _, attributes in before
+        for name, value in attributes.items()
+        if not name.startswith("_") and isinstance(value, (list, dict, set))
+    }
     try:
         return tracer.trace(module, **kwargs)
     finally:
         tracer.__dict__.clear()
-        for owner, before in names:
-            for name in set(owner.__dict__) - before:
+        for owner, attributes in before:
+            for name in set(vars(owner)) - set(attributes):
                 delattr(owner, name)
-        for owner, name, value, contents in plain:
-            owner.__dict__[name] = value
-            copied: Any = contents  # value's copy where value is a list, dict or set
-            if isinstance(value, list):
-                value[:] = copied
-            elif isinstance(value, (dict, set)):
-                value.clear()
-                value.update(copied)
+            for name, value in attributes.items():
+                if name.startswith("_"):
+                    continue
+                owner.__dict__[name] = value
+                contents: Any = containers.get(id(value))
+                if isinstance(value, list):
+                    value[:] = contents
+                elif isinstance(value, (dict, set)):
+                    value.clear()
+                    value.update(contents)
 
 
 def _plain_attributes(graph: fx.Graph, module: nn.Module) -> list[str]:
