@@ -27,6 +27,7 @@ from spikefuse.cuda.codegen import (
     VEC,
     DefinitionKernel,
     NeuronKernel,
+    chunk_steps,
 )
 from spikefuse.cuda.printer import cuda_body
 from spikefuse.program import NeuronProgram
@@ -472,3 +473,22 @@ def test_hand_written_snippets_produce_a_complete_kernel(tmp_path):
     cmd = [NVCC, "-c", *NVRTC_OPTIONS, "-arch=sm_90", "-o", str(tmp_path / "k.o")]
     r = subprocess.run([*cmd, str(tmp_path / "k.cu")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_chunk_follows_the_sequence_length():
+    """Backward chunks are 4 or 8 steps where that holds all T steps, else the longest: a chunk
+    longer than T holds registers it never uses, and one chunk needs no checkpoint. The
+    launchers size the checkpoints with the same length the kernel is compiled for."""
+    assert [chunk_steps(T, 10) for T in (1, 4, 5, 8, 9, 10, 11, 32)] == [4, 4, 8, 8, 10, 10, 10, 10]
+    assert [chunk_steps(T, 8) for T in (1, 4, 5, 8, 9, 32)] == [4, 4, 8, 8, 8, 8]
+    assert [chunk_steps(T, 12) for T in (3, 8, 10, 12, 13)] == [4, 8, 12, 12, 12]
+    program = neuron.LIFNode().program
+    kernel = backend.kernel_for(program, torch.float32, 1, True, chunk=chunk_steps(10, 10))
+    assert "constexpr int CHUNK = 10;" in kernel.prelude()
+    y = torch.zeros(10, 2, 3)
+    assert affine.affine_saved_like(program, y, True) is None  # T = 10: one chunk
+    assert affine.affine_saved_like(program, torch.zeros(11, 2, 3), True).shape == (1, 2, 3)
+    assert backend.saved_like(program, torch.zeros(9, 2, 3), True)[0].shape == (1, 2, 3)
+    assert backend.saved_like(program, torch.zeros(4, 2, 3), True)[0] is None
+    with pytest.raises(ValueError, match="chunk must be in 1..10"):
+        DefinitionKernel(program, torch.float32, 1, affine=True, chunk=12)

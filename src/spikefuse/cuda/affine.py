@@ -20,7 +20,15 @@ import torch
 
 from ..backends import channels_innermost, repeats_one_step
 from ..program import NeuronProgram
-from .codegen import AFFINE_BPTT_VEC, AFFINE_CHUNK, BLOCK_THREADS, POOLS, VEC, NeuronKernel
+from .codegen import (
+    AFFINE_BPTT_VEC,
+    AFFINE_CHUNK,
+    BLOCK_THREADS,
+    POOLS,
+    VEC,
+    NeuronKernel,
+    chunk_steps,
+)
 from .runtime import (
     aligned,
     blocks_for,
@@ -189,7 +197,12 @@ def _bn_pointers(
 
 def affine_saved_like(program: NeuronProgram, y: torch.Tensor, save: bool) -> torch.Tensor | None:
     """Uninitialised checkpoints as :func:`affine_fptt` returns them (None if it returns None)."""
-    return checkpoints_like(program, y, save, AFFINE_CHUNK[y.dtype])[0]
+    return checkpoints_like(program, y, save, affine_chunk(y))[0]
+
+
+def affine_chunk(y: torch.Tensor) -> int:
+    """Steps per backward chunk of the affine kernels on y [T, ...] (see ``chunk_steps``)."""
+    return chunk_steps(y.shape[0], AFFINE_CHUNK[y.dtype])
 
 
 Geometry = tuple[torch.Size, tuple[int, ...]]  # (shape, strides)
@@ -268,7 +281,7 @@ def _plan(
     vec = 1
     if pool == 1 and vectors:
         vec = vector_width(N, vec=VEC if forward else AFFINE_BPTT_VEC)
-    kernel = kernel_for(program, dtype, vec, True, pool, residual)
+    kernel = kernel_for(program, dtype, vec, True, pool, residual, affine_chunk(y))
     tiles, grid, per_sum = 0, (blocks_for(N // pool**2, vec), 1), 0
     if not forward:
         tiles, grid, per_sum = _bptt_grid(N // pool**2, layout, vec, pool)
@@ -335,7 +348,7 @@ def affine_fptt(
     (weight None: 1, bias None: 0); the vectors are float32 [C]. The neuron starts from the
     constant ``v_init``. Returns the spikes (y's dtype and layout) and, with
     ``save_for_backward``, the chunk checkpoints (V at the end of every chunk of
-    ``AFFINE_CHUNK[dtype]`` steps but the last, float32; None for T <= the chunk).
+    :func:`affine_chunk` steps but the last, float32; None where T fits one chunk).
 
     ``pool`` = k > 1 (a map y as :func:`pooled_geometry` describes): returns instead the means
     of the spikes over k x k windows [T, B, C, H/k, W/k] (channels-last), the average pooling
@@ -421,7 +434,7 @@ def affine_bptt(
     else:
         grad_spikes = _laid_out(grad_spikes, plan.steps[1], y.dtype)
     residual = None if residual is None else _laid_out(residual, plan.steps[1], y.dtype)
-    check_checkpoints(plan.T, saved_v, AFFINE_CHUNK[y.dtype])
+    check_checkpoints(plan.T, saved_v, plan.kernel.chunk)
     out = None  # dL/dy; repeated: the one step's
     if grad_y:
         out = y if overwrite_y else _empty(plan.memory, y)

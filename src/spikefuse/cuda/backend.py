@@ -14,7 +14,7 @@ import torch
 from ..backends import BPTTOut, FPTTOut
 from ..program import NeuronProgram
 from . import unavailable_reason
-from .codegen import BPTT_VEC, CHUNK, VEC
+from .codegen import BPTT_VEC, CHUNK, VEC, chunk_steps
 from .runtime import (
     blocks_for,
     check_checkpoints,
@@ -55,9 +55,9 @@ def saved_like(
     program: NeuronProgram, x_seq: torch.Tensor, save: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Uninitialised tensors shaped like what forward saves: V (and W) at the end of every chunk
-    of ``CHUNK`` steps but the last, float32 (None when not saving or T <= CHUNK: backward
-    starts from V[-1])."""
-    return checkpoints_like(program, x_seq, save, CHUNK)
+    of ``chunk_steps(T, CHUNK)`` steps but the last, float32 (None when not saving or T fits
+    one chunk: backward starts from V[-1])."""
+    return checkpoints_like(program, x_seq, save, chunk_steps(x_seq.shape[0], CHUNK))
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -89,7 +89,7 @@ def fptt(
     v_ckpt, w_ckpt = saved_like(program, x, save_for_backward)
     if N:
         vec = vector_width(N, x, vec=VEC)
-        kernel = kernel_for(program, x.dtype, vec)
+        kernel = kernel_for(program, x.dtype, vec, chunk=chunk_steps(T, CHUNK))
         v0, w0 = _contiguous(v0), _contiguous(w0)  # bound: alive until the launch
         pointers = {
             "x_seq": x.data_ptr(),
@@ -131,7 +131,8 @@ def bptt(
     x = x_seq.contiguous()
     dtype = x.dtype
     T, N = x.shape[0], math.prod(x.shape[1:])
-    check_checkpoints(T, saved_v, CHUNK)
+    chunk = chunk_steps(T, CHUNK)
+    check_checkpoints(T, saved_v, chunk)
     grad_spikes = grad_spikes.to(dtype).contiguous()
     grad_v_seq = None if grad_v_seq is None else grad_v_seq.to(dtype).contiguous()
     grad_x = torch.empty_like(x)
@@ -143,7 +144,7 @@ def bptt(
         program, learnable, blocks if N else 0
     )
     if N:
-        kernel = kernel_for(program, dtype, vec)
+        kernel = kernel_for(program, dtype, vec, chunk=chunk)
         v0, w0 = _contiguous(v0), _contiguous(w0)
         grad_v_last, grad_w_last = _contiguous(grad_v_last), _contiguous(grad_w_last)
         pointers = {

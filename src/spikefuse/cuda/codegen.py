@@ -57,14 +57,29 @@ from ..surrogate import Surrogate, x_sym
 from .printer import EXACT_DIV, FAST_MATH, CudaFloatPrinter, cuda_body
 
 BLOCK_THREADS = 256
-CHUNK = 8  # steps whose H stays in registers while backward walks them
-# Chunk of the channel-affine kernels (one neuron per thread in backward). With 16-bit storage a
-# float32 checkpoint costs 2/CHUNK of Y's bytes, so they take 12 steps (no checkpoint at all for
-# T <= 12): with 16 the chunk's registers held backward to 2 resident blocks per SM, and both
-# passes took 3.0-3.2 ms per medium-net bf16 step against 2.1 with 12 steps and 4 blocks (H100).
-# float32 keeps 8, where a longer chunk's registers cost a quarter of the backward's occupancy
-# and 25% of its time (H200).
-AFFINE_CHUNK = {torch.float32: 8, torch.float16: 12, torch.bfloat16: 12}
+CHUNK = 8  # the longest chunk: steps whose H stays in registers while backward walks them
+# Longest chunk of the channel-affine kernels (one neuron per thread in backward). With 16-bit
+# storage a float32 checkpoint costs 2/CHUNK of Y's bytes, so they take 12 steps (no checkpoint
+# at all for T <= 12): with 16 the chunk's registers held backward to 2 resident blocks per SM,
+# and both passes took 3.0-3.2 ms per medium-net bf16 step against 2.1 with 12 steps and 4
+# blocks (H100). float32 takes 10, which still fits 4 blocks: at T = 10 the medium net's graphed
+# float32 step took 13.17 ms with one chunk of 10 against 13.39 with chunks of 8 and 2 (H100).
+AFFINE_CHUNK = {torch.float32: 10, torch.float16: 12, torch.bfloat16: 12}
+#: Shorter chunks for short sequences (see :func:`chunk_steps`).
+SHORT_CHUNKS = (4, 8)
+
+
+def chunk_steps(T: int, longest: int) -> int:
+    """The chunk length of kernels for T-step sequences: the first of :data:`SHORT_CHUNKS`
+    shorter than ``longest`` that holds all T steps, else ``longest``.
+
+    A chunk longer than T holds registers it never uses (at T = 4 the medium net's graphed
+    float32 step took 5.84 ms with chunks of 4 against 5.99 with 8, H100), and one that holds
+    all T steps needs no checkpoint. Few lengths, so that a model compiles few variants.
+    """
+    return next((c for c in SHORT_CHUNKS if T <= c < longest), longest)
+
+
 LOAD_STEPS = 8  # forward: steps of input loaded ahead at once (a CHUNK's worth at most)
 VEC = 4  # neurons per thread when N and the pointers allow (16-byte fp32 / 8-byte 16-bit access)
 # Backward with 16-bit storage is bound by instruction issue, not memory: one neuron per thread
@@ -223,6 +238,9 @@ class NeuronKernel:
         residual: unpooled affine kernels that add R (``residual_seq``, laid out like Y) to
             the neuron's input, X = Y * scale[c] + shift[c] + R, and whose pass 2 also writes
             dL/dR = dL/dX (``grad_residual_seq``): a residual block's shortcut.
+        chunk: steps per backward chunk, at most :data:`CHUNK` (:data:`AFFINE_CHUNK` [dtype]
+            for affine kernels), which it defaults to; the launchers take
+            :func:`chunk_steps` of T. Forward saves V at every chunk's end but the last.
     """
 
     def __init__(
@@ -239,6 +257,7 @@ class NeuronKernel:
         affine: bool = False,
         pool: int = 1,
         residual: bool = False,
+        chunk: int | None = None,
     ) -> None:
         if dtype not in _STORAGE:
             raise ValueError(f"unsupported storage dtype {dtype}")
@@ -258,7 +277,10 @@ class NeuronKernel:
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
         self.dtype, self.vec, self.adaptive, self.affine = dtype, vec, adaptive, affine
         self.pool, self.residual = pool, residual
-        self.chunk = AFFINE_CHUNK[dtype] if affine else CHUNK
+        longest = AFFINE_CHUNK[dtype] if affine else CHUNK
+        if chunk is not None and not 1 <= chunk <= longest:
+            raise ValueError(f"{name}: chunk must be in 1..{longest}, got {chunk}")
+        self.chunk = longest if chunk is None else chunk
         tag = f"{'hard' if hard_reset else 'soft'}{'_detach' if detach_reset else ''}"
         tag += "_affine" if affine else ""
         tag += f"_pool{pool}" if pool > 1 else ""
@@ -503,11 +525,11 @@ class NeuronKernel:
 
     def _bptt_min_blocks(self) -> int:
         """Backward's launch bound: 2 resident blocks where registers hold more than 12 values
-        of H per thread (CHUNK x VEC), else 4; 3 for residual kernels at 12 (R's loads too:
-        at 64 registers their 16-bit backward spilled, nvcc for sm_90)."""
+        of H per thread (CHUNK x VEC), else 4; 3 for residual kernels at 10 or more (R's loads
+        too: at 64 registers PLIF's residual backward spilled, nvcc for sm_90)."""
         if self.vec * self.chunk > 12:
             return 2
-        return 3 if self.residual and self.vec * self.chunk == 12 else 4
+        return 3 if self.residual and self.vec * self.chunk >= 10 else 4
 
     def _fptt_min_blocks(self) -> int:
         """Forward's launch bound: it keeps no chunk of H, so with 16-bit storage 64 registers
@@ -578,6 +600,7 @@ class DefinitionKernel(NeuronKernel):
         affine: bool = False,
         pool: int = 1,
         residual: bool = False,
+        chunk: int | None = None,
     ) -> None:
         d = program.definition
         super().__init__(
@@ -593,6 +616,7 @@ class DefinitionKernel(NeuronKernel):
             affine=affine,
             pool=pool,
             residual=residual,
+            chunk=chunk,
         )
         self.definition = d
         self._param_names: dict[sp.Expr, str] = {d.symbols[n]: f"p.{n}" for n in d.all_params}

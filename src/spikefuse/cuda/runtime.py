@@ -49,10 +49,12 @@ def kernel_for(
     affine: bool = False,
     pool: int = 1,
     residual: bool = False,
+    chunk: int | None = None,
 ) -> NeuronKernel:
     """The generated kernel template of a program (cached; print ``.full_codes`` to read it;
-    ``pool``: the pooled variant's window size; ``residual``: the variant adding R to X)."""
-    return DefinitionKernel(program, dtype, vec, affine, pool, residual)
+    ``pool``: the pooled variant's window size; ``residual``: the variant adding R to X;
+    ``chunk``: steps per backward chunk, default the longest)."""
+    return DefinitionKernel(program, dtype, vec, affine, pool, residual, chunk)
 
 
 @functools.cache

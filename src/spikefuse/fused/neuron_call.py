@@ -15,7 +15,7 @@ from ..program import NeuronProgram
 from .spike_bits import memory_order
 
 #: What :meth:`NeuronCall.forward` keeps for backward: ``(checkpoints,)`` (the tensor may be
-#: None: for T <= CHUNK the cuda backend needs nothing), or None when nothing was kept.
+#: None: where T fits one chunk the cuda backend needs nothing), or None when nothing was kept.
 Kept = tuple[Tensor | None] | None
 
 
@@ -90,7 +90,7 @@ class NeuronCall:
         nothing was kept).
 
         With ``save``, what the backend's forward saves is kept if it is small (the cuda
-        backend's chunk checkpoints: 1/CHUNK of x's elements); a saved [T, N] sequence (the
+        backend's chunk checkpoints: one step per chunk of x's); a saved [T, N] sequence (the
         reference backend's H) would be as large as x, so it is recomputed in backward instead.
         """
         keep = save and not self.kernels.SAVES_SEQUENCE
