@@ -526,10 +526,15 @@ class NeuronKernel:
     def _bptt_min_blocks(self) -> int:
         """Backward's launch bound: 2 resident blocks where registers hold more than 12 values
         of H per thread (CHUNK x VEC), else 4; 3 for residual kernels at 10 or more (R's loads
-        too: at 64 registers PLIF's residual backward spilled, nvcc for sm_90)."""
-        if self.vec * self.chunk > 12:
+        too) and pooled kernels with learnable parameters at 12: at 64 registers PLIF's
+        spilled there (nvcc for sm_90)."""
+        values = self.vec * self.chunk
+        if values > 12:
             return 2
-        return 3 if self.residual and self.vec * self.chunk >= 10 else 4
+        crowded = (self.residual and values >= 10) or (
+            self.pool > 1 and bool(self.learnable) and values >= 12
+        )
+        return 3 if crowded else 4
 
     def _fptt_min_blocks(self) -> int:
         """Forward's launch bound: it keeps no chunk of H, so with 16-bit storage 64 registers

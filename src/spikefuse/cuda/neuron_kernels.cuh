@@ -477,11 +477,13 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 else
                     w_start[k] = 0.0f;
             }
+            // the chunk's steps (all CHUNK but in the last chunk), compared with the constant j
+            const int steps = min(CHUNK, T - t0);
             // the chunk's loads first: independent, so they overlap
             pack_t xp[CHUNK], gsp[CHUNK], rp[CHUNK];
 #pragma unroll
             for (int j = 0; j < CHUNK; ++j) {
-                if (t0 + j >= T)
+                if (j >= steps)
                     break;
                 xp[j] = load_pack(a.x_seq, x_base + j * x_step);
                 gsp[j] = grad_spike_pack(a, t0 + j, n, slot);
@@ -495,7 +497,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 float v = v_start[k], w = w_start[k];
 #pragma unroll
                 for (int j = 0; j < CHUNK; ++j) {
-                    if (t0 + j >= T)
+                    if (j >= steps)
                         break;
                     const float x = neuron_input(
                         to_float(xp[j].e[k]), scale, shift, k, residual_at(rp[j], k));
@@ -508,7 +510,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
             //              (+ dL/dW[t] (∂Z[t]/∂H[t] + jump Θ'))
 #pragma unroll
             for (int j = CHUNK - 1; j >= 0; --j) {
-                if (t0 + j >= T)
+                if (j >= steps)
                     continue;
                 pack_t gxp, gvp, grp;
                 if constexpr (!AFFINE)
@@ -524,12 +526,13 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                     const float w_prev = j == 0 ? w_start[k] : wc[j - 1][k];
                     const float spike = h >= p.v_threshold ? 1.0f : 0.0f;
                     const float sg = surrogate_grad(h - p.v_threshold);
-                    float grad_v_seq = 0.0f;  // dL/dV[t] through the V sequence (if v_seq)
+                    // dL/dV[t]: from step t+1, plus the V sequence's (if v_seq; affine: none)
+                    float grad_v = grad_v_carry[k];
                     if constexpr (!AFFINE)
                         if (a.grad_v_seq)
-                            grad_v_seq = to_float(gvp.e[k]);
-                    const float grad_v = grad_v_carry[k] + grad_v_seq;
-                    float grad_h = to_float(gsp[j].e[k]) * sg + grad_v * dv_dh(h, spike, sg, p);
+                            grad_v += to_float(gvp.e[k]);
+                    // Gradients need not match torch bit for bit (forward's H does): FMAs here
+                    float grad_h = fmaf(grad_v, dv_dh(h, spike, sg, p), to_float(gsp[j].e[k]) * sg);
                     if constexpr (ADAPTIVE) {
                         const float grad_w = grad_w_carry[k];  // dL/dW[t]
                         grad_h += grad_w
@@ -540,9 +543,9 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                     const float grad_x = grad_h * dh_dx(v_prev, x, w_prev, h, p);
                     if constexpr (SUMS) {
                         sum_g[k] += grad_x;
-                        sum_gy[k] += grad_x * (y - mean[k]);
+                        sum_gy[k] = fmaf(grad_x, y - mean[k], sum_gy[k]);
                     } else if constexpr (AFFINE) {
-                        const float grad_y = scale[k] * grad_x + coef_y[k] * y + coef_0[k];
+                        const float grad_y = fmaf(scale[k], grad_x, fmaf(coef_y[k], y, coef_0[k]));
                         gxp.e[k] = from_float(grad_y);  // dL/dY
                         grad_y_total[k] += grad_y;
                         if constexpr (RESIDUAL)
