@@ -365,7 +365,9 @@ def affine_fptt(
     y = _memory_of(y, plan)
     spikes = _empty(plan.steps, y)
     residual = None if residual is None else _laid_out(residual, plan.steps[1], y.dtype)
-    v_ckpt = affine_saved_like(program, spikes if pool == 1 else y, save_for_backward)
+    # sized by the chunk the kernel is compiled for (a step of the neurons: pooled, y's)
+    steps = spikes if pool == 1 else y
+    v_ckpt = checkpoints_like(program, steps, save_for_backward, plan.kernel.chunk)[0]
     if plan.N:
         pointers = {
             "x_seq": y.data_ptr(),

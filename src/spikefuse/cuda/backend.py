@@ -86,10 +86,11 @@ def fptt(
     v_seq = torch.empty_like(x) if store_v_seq else None
     v_last = x.new_empty(x.shape[1:], dtype=torch.float32)
     w_last = torch.empty_like(v_last) if adaptive else None
-    v_ckpt, w_ckpt = saved_like(program, x, save_for_backward)
+    chunk = chunk_steps(T, CHUNK)
+    v_ckpt, w_ckpt = checkpoints_like(program, x, save_for_backward, chunk)
     if N:
         vec = vector_width(N, x, vec=VEC)
-        kernel = kernel_for(program, x.dtype, vec, chunk=chunk_steps(T, CHUNK))
+        kernel = kernel_for(program, x.dtype, vec, chunk=chunk)
         v0, w0 = _contiguous(v0), _contiguous(w0)  # bound: alive until the launch
         pointers = {
             "x_seq": x.data_ptr(),
