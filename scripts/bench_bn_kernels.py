@@ -51,7 +51,7 @@ def main() -> None:
             bias = torch.randn(C, device="cuda", generator=gen) * 0.1
             bn = (mean, invstd, weight, bias)
             forward = (program, y, *bn, None, constants, 0.0, True, pool)
-            spikes, saved = affine.affine_fptt(*forward)
+            spikes, saved, _ = affine.affine_fptt(*forward)
             grad = torch.empty_like(spikes).normal_(generator=gen)  # laid out like the spikes
             common = (program, y, grad, saved, None, constants, 0.0, *bn)
             _, sums, _ = affine.affine_bptt(*common, grad_y=False, pool=pool)

@@ -34,36 +34,41 @@ from test_fused import (
 )
 
 
-@pytest.mark.parametrize("step", [16, 1 << 24], ids=["in-steps", "at-once"])
+@pytest.mark.parametrize("step", [32, 1 << 24], ids=["in-steps", "at-once"])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_pack_bits_round_trip(n, dtype, step, monkeypatch):
     monkeypatch.setattr(spike_bits, "_PACK_STEP", step)  # several steps and a partial last one
     spikes = (torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5).to(dtype)
     packed = pack_bits(spikes, (0,))
-    assert packed.dtype == torch.uint8 and packed.numel() == 4 * -(-n // 32) + 1  # + NaN flag
+    words = -(-n // 32)
+    assert packed.dtype == torch.uint8 and packed.numel() == 5 * words  # + a NaN flag per word
     assert torch.equal(unpack_bits(packed, spikes.shape, dtype, (0,)), spikes)
-    bits = packed[:-1, None].bitwise_right_shift(torch.arange(8, dtype=torch.uint8)) & 1
+    bits = packed[: 4 * words, None].bitwise_right_shift(torch.arange(8, dtype=torch.uint8)) & 1
     assert torch.equal(bits.flatten()[:n], spikes.to(torch.uint8))  # bit k of byte i: 8 i + k
-    assert not bits.flatten()[n:].any() and packed[-1] == 0  # zero past n; no NaN
+    assert not bits.flatten()[n:].any() and not packed[4 * words :].any()  # zero past n; no NaN
 
 
 def test_pack_bits_layout():
-    """Little-endian 32-bit words: the bytes of the first 8 values, then the next 8, ..."""
+    """Little-endian 32-bit words: the bytes of the first 8 values, then the next 8, ...; then
+    a NaN flag byte per word."""
     spikes = torch.zeros(40)
     spikes[[0, 9, 10, 39]] = 1
-    assert pack_bits(spikes, (0,)).tolist() == [1, 6, 0, 0, 128, 0, 0, 0, 0]
+    assert pack_bits(spikes, (0,)).tolist() == [1, 6, 0, 0, 128, 0, 0, 0, 0, 0]
+    spikes[35] = float("nan")
+    assert pack_bits(spikes, (0,)).tolist() == [1, 6, 0, 0, 136, 0, 0, 0, 0, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_packed_nan_comes_back_as_nan(dtype, monkeypatch):
     """1 bit cannot hold a NaN spike (a neuron whose input was NaN): unpacking then gives NaN
-    in every element, never a valid-looking 1 (nor, in float16, an infinite count)."""
-    monkeypatch.setattr(spike_bits, "_PACK_STEP", 16)
-    spikes = torch.ones(5, 7, dtype=dtype)  # 35 ones: a float16 sum of 65536 would be inf
-    spikes[3, 2] = float("nan")
-    packed = PackedSpikes.of(spikes)
-    assert packed.unpack().isnan().all()
+    in the 32 elements of its word, never a valid-looking 1."""
+    monkeypatch.setattr(spike_bits, "_PACK_STEP", 32)
+    spikes = torch.ones(5, 14, dtype=dtype)
+    spikes[3, 2] = float("nan")  # element 44: the second word's
+    out = PackedSpikes.of(spikes).unpack().flatten()
+    assert out[32:64].isnan().all() and torch.equal(out[:32], spikes.flatten()[:32])
+    assert torch.equal(out[64:], spikes.flatten()[64:])
     spikes[3, 2] = 1
     assert torch.equal(PackedSpikes.of(spikes).unpack(), spikes)
 
@@ -119,7 +124,8 @@ def test_min_memory_keeps_only_the_packed_input():
     x = torch.randn(t, b, 3, h, w)
     spikes = t * b * c * h * w
     vectors = 2 * c * 4  # mean, invstd
-    assert saved_bytes(fuse(model, memory="min"), x) == spikes // 8 + 1 + 2 * vectors  # + NaN flag
+    packed = spikes // 8 + spikes // 32  # + a NaN flag byte per 32 spikes
+    assert saved_bytes(fuse(model, memory="min"), x) == packed + 2 * vectors
     assert saved_bytes(fuse(model), x) == 2 * (4 * spikes + vectors)  # y of both blocks
 
 

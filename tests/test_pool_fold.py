@@ -347,11 +347,11 @@ class PoolingKernels:
         return x, out, view, scale
 
     def affine_fptt(self, program, y, mean, invstd, weight, bias, learnable, constants, v_init,
-                    save_for_backward, pool=1, residual=None):  # fmt: skip
+                    save_for_backward, pool=1, residual=None, pack_spikes=False):  # fmt: skip
         assert residual is None  # no residual blocks here
         self.calls.append(("fptt", pool, tuple(y.shape)))
         args = (program, y, mean, invstd, weight, bias, constants, v_init, pool)
-        return self._pooled_spikes(*args)[1], None
+        return self._pooled_spikes(*args)[1], None, None  # no packing: blocks recompute
 
     def affine_bptt(self, program, y, grad_spikes, saved_v, learnable, constants, v_init, mean,
                     invstd, weight, bias, totals=None, inv_count=0.0, *, grad_y, pool=1,

@@ -141,10 +141,13 @@ class AffineKernels(Protocol):
         save_for_backward: bool,
         pool: int = 1,
         residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(spikes, chunk checkpoints or None) of neuron(y * scale[c] + shift[c] [+ residual]);
-        ``pool`` = k > 1: the spikes averaged over k x k windows instead (channels-last maps);
-        ``residual``: y's shape and dtype, unpooled."""
+        pack_spikes: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(spikes, chunk checkpoints or None, packed spikes or None) of neuron(y * scale[c] +
+        shift[c] [+ residual]); ``pool`` = k > 1: the spikes averaged over k x k windows
+        instead (channels-last maps); ``residual``: y's shape and dtype, unpooled;
+        ``pack_spikes``: also the pooled means' packing (:class:`spikefuse.fused.spike_bits.
+        PackedSpikes`' bits, the k² spikes of each), where the kernels write it."""
         ...
 
     def can_pool(self, y: torch.Tensor, pool: int) -> bool:

@@ -214,7 +214,7 @@ def test_pass_two_may_write_dl_dy_over_y(dtype, case):
     gamma = torch.rand(C, generator=g, device="cuda") + 0.5
     beta = torch.rand(C, generator=g, device="cuda") * 0.6 - 0.2
     bn = {"mean": mean, "invstd": invstd, "weight": gamma, "bias": beta}
-    spikes, ckpt = kernels.affine_fptt(
+    spikes, ckpt, _ = kernels.affine_fptt(
         call.program, y, **bn, learnable=None, constants=call.constants, v_init=call.v_init,
         save_for_backward=True, pool=pool, residual=residual,
     )  # fmt: skip

@@ -1,15 +1,20 @@
 """1-bit spike packing on the GPU (spikefuse.cuda.spike_bits): the kernels write the same bytes as
 the torch composites (the CPU path), give the values back exactly, keep a NaN, and replay in a
-CUDA graph."""
+CUDA graph; the BN-folded forward kernels write the same packing of their spikes (pooled: of the
+window means), which fused blocks restore their output from in backward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from spikefuse.cuda import spike_bits as cuda_bits
-from spikefuse.fused import spike_bits
-from spikefuse.fused.spike_bits import PackedSpikes
+from spikefuse.fused import FusedBlock, paper_lif, spike_bits
+from spikefuse.fused.recompute import recipe_of
+from spikefuse.fused.spike_bits import PackedSpikes, compact
+
+from .variants import AFFINE_CHUNK
 
 pytestmark = pytest.mark.gpu
 
@@ -33,12 +38,16 @@ def test_kernels_match_the_torch_packing(n, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_packed_nan_comes_back_as_nan_everywhere(dtype):
+def test_a_packed_nan_comes_back_as_nan_in_its_word(dtype):
     spikes = random_spikes(5000, dtype)
-    spikes[4321] = float("nan")
+    spikes[4321] = float("nan")  # word 135: elements 4320 .. 4351
     packed = cuda_bits.pack(spikes)
-    assert packed[-1] == 1 and torch.equal(packed, spike_bits._pack_torch(spikes))
-    assert cuda_bits.unpack(packed, torch.empty_like(spikes)).isnan().all()
+    flags = packed[4 * cuda_bits.packed_words(5000) :]
+    assert flags.nonzero().flatten().tolist() == [135]
+    assert torch.equal(packed, spike_bits._pack_torch(spikes))
+    out = cuda_bits.unpack(packed, torch.empty_like(spikes))
+    assert out[4320:4352].isnan().all()
+    assert torch.equal(out[:4320], spikes[:4320]) and torch.equal(out[4352:], spikes[4352:])
 
 
 def test_a_channels_last_map_round_trips_in_its_layout():
@@ -61,4 +70,126 @@ def test_pack_and_unpack_replay_in_a_cuda_graph():
     assert torch.equal(out, spikes)
     spikes[7] = float("nan")
     graph.replay()
-    assert out.isnan().all()
+    assert out[:32].isnan().all() and torch.equal(out[32:], spikes[32:])
+
+
+def conv_block(
+    dtype: torch.dtype, channels: int, pool: bool, memory: str = "default"
+) -> FusedBlock:
+    """Conv2d(3x3, ``dtype``) -> BatchNorm2d (float32) -> the paper's LIF [-> AvgPool2d(2)] on
+    CUDA."""
+    conv, bn = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+    conv, bn = conv.to("cuda", dtype), bn.cuda()
+    pooling = nn.AvgPool2d(2) if pool else None
+    return FusedBlock(conv, bn, paper_lif(), pool=pooling, memory=memory)
+
+
+def restored(out: torch.Tensor) -> tuple[torch.Tensor, PackedSpikes | None]:
+    """What backward gets back for a block's output (its recipe run), and the packing the
+    recipe unpacks (None: it recomputes instead)."""
+    recipe = recipe_of(out)
+    assert recipe is not None
+    packing = getattr(recipe, "__self__", None)
+    return recipe(), packing if isinstance(packing, PackedSpikes) else None
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal strides where they matter (a dimension of size 1 has any)."""
+    return all(n == 1 or s == t for n, s, t in zip(a.shape, a.stride(), b.stride(), strict=True))
+
+
+# (T, B, C, H, W): means per step in whole warps (the kernels pack), T past the longest chunk.
+PACKED_SHAPES = [(4, 2, 32, 8, 8), (max(AFFINE_CHUNK.values()) + 2, 4, 64, 4, 4), (3, 2, 64, 2, 2)]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("shape", PACKED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pooled_blocks_restore_their_output_from_the_bits_the_kernels_wrote(dtype, shape):
+    """The pooled forward kernel's packing (the 4 spikes behind each mean) gives the means back
+    exactly, in the output's layout; a NaN comes back as NaN in its word."""
+    T, B, C, H, W = shape
+    g = torch.Generator(device="cuda").manual_seed(T * C)
+    block = conv_block(dtype, C, pool=True)
+    x = (torch.rand(shape, device="cuda", generator=g) > 0.6).to(dtype).requires_grad_()
+    out = block(x)
+    got, packing = restored(out)
+    assert packing is not None and packing.window == 4
+    assert torch.equal(got, out) and same_layout(got, out)
+    x = x.detach().clone()
+    x[1, 0, 0, 1, 1] = float("nan")  # NaN from step 1 on in the neurons it reaches
+    out = block(x.requires_grad_())
+    got, packing = restored(out)
+    nan = out.isnan()
+    assert nan.any() and got[nan].isnan().all()
+    assert torch.equal(got[~got.isnan()], out[~got.isnan()])
+    words = packing.bits[4 * cuda_bits.packed_words(out.numel(), packing.window) :]
+    assert 0 < words.count_nonzero() <= nan.sum()  # flagged: only words holding a NaN
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["unpooled", "pooled-odd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_other_blocks_recompute_their_output(dtype, pool):
+    """Unpooled blocks, and pooled ones whose means per step are not whole warps (2 x 3 x 3 x 3
+    = 54), rerun the forward kernel instead."""
+    block = conv_block(dtype, 3, pool)
+    x = (torch.rand(4, 2, 3, 6, 6, device="cuda") > 0.6).to(dtype).requires_grad_()
+    out = block(x)
+    got, packing = restored(out)
+    assert packing is None and torch.equal(got, out)
+
+
+@pytest.mark.parametrize("memory", ["default", "min"])
+def test_a_min_memory_block_keeps_the_packing_of_its_pooled_input(memory, no_tf32):
+    """memory="min": the block after a pooled block keeps the 4-bit packing the pooling kernels
+    wrote as its input (1/8 of the float32 map; so does a min-memory pooled block's output), and
+    the training step equals the default mode's."""
+
+    def model(memory: str) -> nn.Sequential:
+        torch.manual_seed(0)
+        first = conv_block(torch.float32, 32, pool=True, memory=memory)
+        return nn.Sequential(first, conv_block(torch.float32, 32, pool=False, memory="min"))
+
+    x = (torch.rand(4, 2, 32, 8, 8, device="cuda") > 0.6).float()
+    low, default = model(memory), model("default")
+    pooled = low[0](x.requires_grad_())
+    kept = compact(pooled)
+    assert isinstance(kept, PackedSpikes) and kept.window == 4
+    assert kept.bits.numel() == cuda_bits.packed_bytes(pooled.numel(), 4)
+    assert torch.equal(kept.unpack(), pooled)
+    grads = []
+    for net in (default, low):
+        net(x).sum().backward()
+        grads.append([x.grad.clone()] + [p.grad for p in net.parameters()])
+        x.grad = None
+    for got, want in zip(grads[1], grads[0], strict=True):  # y recomputed: float32 rounding
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_block_restores_its_output_in_a_cuda_graph_replay():
+    """Capture forward and backward of two blocks (the second saves the first's output, which
+    backward restores from its bits); replays match eager gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(conv_block(torch.float32, 32, False), conv_block(torch.float32, 32, True))
+    x = (torch.rand(4, 2, 32, 8, 8, device="cuda") > 0.6).float()
+
+    def step() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=False)
+        model(x).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            want = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(x).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    for _ in range(2):
+        model.zero_grad(set_to_none=False)
+        graph.replay()
+        for got, expected in zip(grads, want, strict=True):  # cuDNN may sum in another order
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

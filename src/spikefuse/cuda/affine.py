@@ -41,6 +41,7 @@ from .runtime import (
     pointer,
     vector_width,
 )
+from .spike_bits import packed_bytes, packed_words
 
 
 def channel_layout(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -341,7 +342,8 @@ def affine_fptt(
     save_for_backward: bool,
     pool: int = 1,
     residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    pack_spikes: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """spikes = neuron(BN(y) [+ residual]) for y [T, B, C, *] in one launch.
 
     BN(y) = y * scale[c] + shift[c] with scale = invstd * weight, shift = bias - mean * scale
@@ -358,6 +360,14 @@ def affine_fptt(
 
     Unpooled, y may be one step repeated over time (stride 0 over T, ``expand``): the kernel
     reads that step at every step.
+
+    ``pack_spikes``: a pooled launch also writes each mean as the k² spikes behind it, 1 bit
+    each (the packing :class:`~spikefuse.fused.spike_bits.PackedSpikes` reads, in the means'
+    memory order), returned third; else, and where the kernel cannot (:func:`_packs`), None.
+    Only pooled kernels pack: restoring their output by rerunning this launch would read k²
+    elements of y per mean, while an unpooled output costs about the same to recompute from y
+    as to unpack (one read of y per spike against one write), so its bits would only take
+    memory.
     """
     check_input(y)
     _check_residual(residual, y, pool)
@@ -368,17 +378,41 @@ def affine_fptt(
     # sized by the chunk the kernel is compiled for (a step of the neurons: pooled, y's)
     steps = spikes if pool == 1 else y
     v_ckpt = checkpoints_like(program, steps, save_for_backward, plan.kernel.chunk)[0]
+    packed, window = None, pool * pool
+    if pack_spikes and _packs(plan, pool):
+        packed = torch.empty(
+            packed_bytes(spikes.numel(), window), dtype=torch.uint8, device=y.device
+        )
     if plan.N:
         pointers = {
             "x_seq": y.data_ptr(),
             "spike_seq": spikes.data_ptr(),
+            **_packing_pointers(packed, spikes.numel(), window),
             "v_ckpt": pointer(v_ckpt),
             "learnable": pointer(learnable),
             "residual_seq": pointer(residual),
             **_bn_pointers(mean, invstd, weight, bias),
         }
         launch(plan.kernel, True, y.device, plan.grid, plan.args(pointers, v_init, constants))
-    return spikes, v_ckpt
+    return spikes, v_ckpt, packed
+
+
+def _packs(plan: _Plan, pool: int) -> bool:
+    """Whether the forward kernel of ``plan`` packs its means: a pooled kernel (a mean takes
+    k² = 4 bits, :data:`POOLS`, which unpacking reads) of whole warps (the lanes of a word
+    exchange their bits)."""
+    return pool > 1 and plan.N // (pool * pool) % 32 == 0
+
+
+def _packing_pointers(packed: torch.Tensor | None, n: int, window: int) -> dict[str, int]:
+    """The kernel's ``spike_words`` and ``spike_nan``: the words, then the flags, of the
+    packing ``packed`` of n values of ``window`` bits (None: no fields, null)."""
+    if packed is None:
+        return {}
+    return {
+        "spike_words": packed.data_ptr(),
+        "spike_nan": packed.data_ptr() + 4 * packed_words(n, window),
+    }
 
 
 def affine_bptt(

@@ -160,6 +160,15 @@ ARG_POINTERS = (
         "const float*", "w0", "W[-1] [N], or null: every neuron starts at w_init", "two_state"
     ),
     ArgPointer("scalar_t*", "spike_seq", "S [T, N] (pooled: the windows' means)", "both"),
+    ArgPointer(
+        "unsigned int*",
+        "spike_words",
+        "pooled: each mean's WINDOW spikes, 1 bit each, or null",
+        "affine",
+    ),
+    ArgPointer(
+        "unsigned char*", "spike_nan", "per word of spike_words: a NaN spike in it", "affine"
+    ),
     ArgPointer("scalar_t*", "v_seq", "V [T, N], or null", "plain"),
     ArgPointer("float*", "v_last", "V[T-1] [N], or null", "plain"),
     ArgPointer("float*", "w_last", "W[T-1] [N], or null", "two_state"),

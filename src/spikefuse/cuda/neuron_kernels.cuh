@@ -158,6 +158,35 @@ __device__ __forceinline__ float spike_of(const float h, const P& p)
     return h >= p.v_threshold ? 1.0f : (isnan(h) ? h : 0.0f);
 }
 
+// The pooled kernels' forward may also write each mean as the WINDOW spikes behind it, one bit
+// each, as spikefuse/cuda/spike_bits.cuh lays packings out: a fused block keeps those bits to
+// restore its output in backward (the next layer's saved input) instead of recomputing it from
+// Y, which reads WINDOW elements of Y per mean. LANES neighbouring lanes fill a 32-bit word,
+// which their first lane writes with the word's NaN flag. The launcher passes spike_words only
+// where every warp is whole (means per step a multiple of 32), so all lanes take the shuffles.
+
+// The thread's bits (bit k: its window's neuron k's spike) of mean `element` of [T, N / WINDOW].
+template <class Args>
+__device__ __forceinline__ void store_spike_bits(const Args& a, const long long element,
+                                                 unsigned int bits, const bool nan)
+{
+    if constexpr (POOL > 1 && 32 % WINDOW == 0) {
+        constexpr int LANES = 32 / WINDOW;
+        const int lane = threadIdx.x % 32, first_lane = lane - lane % LANES;
+        bits <<= (lane - first_lane) * WINDOW;
+#pragma unroll
+        for (int offset = 1; offset < LANES; offset <<= 1)
+            bits |= __shfl_xor_sync(0xffffffffu, bits, offset);
+        const unsigned int group = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1u) << first_lane;
+        const bool nan_in_word = (__ballot_sync(0xffffffffu, nan) & group) != 0u;
+        if (lane == first_lane) {
+            const long long word = element * WINDOW / 32;
+            a.spike_words[word] = bits;
+            a.spike_nan[word] = nan_in_word;
+        }
+    }
+}
+
 // Forward through time: S[t], V[t] (if v_seq), V (and W) at chunk ends, last V (and W).
 template <class Args>
 __device__ __forceinline__ void neuron_fptt(const Args& a)
@@ -328,12 +357,17 @@ __device__ __forceinline__ void neuron_fptt_pooled(const Args& a)
                 if (g + j >= end)
                     break;
                 float total = 0.0f;  // of the window's spikes
+                unsigned int bits = 0u;
 #pragma unroll
                 for (int k = 0; k < WINDOW; ++k) {
                     const float x = __fmaf_rn(to_float(yp[j][k]), scale, shift);  // neuron_input
-                    total += spike_of(step(v[k], w[k], x, p), p);
+                    const float spike = spike_of(step(v[k], w[k], x, p), p);
+                    total += spike;
+                    bits |= (unsigned int)(spike != 0.0f) << k;
                 }
                 a.spike_seq[(g + j) * outputs + i] = from_float(total * (1.0f / WINDOW));
+                if (a.spike_words)
+                    store_spike_bits(a, (g + j) * outputs + i, bits, isnan(total));
             }
         }
         if (a.v_ckpt && t0 + CHUNK < T) {  // the state the next chunk starts from

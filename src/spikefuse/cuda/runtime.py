@@ -150,10 +150,28 @@ def launch_named(
     params = _OnePointer(ctypes.addressof(buffer))  # kernelParams: one pointer, to the struct
     call = (entry[1], *grid, *block, 0, _current_stream(index), ctypes.addressof(params), 0)
     if current == index:
-        _driver_launch()(*call)
+        _launch_in_context(call, index)
     else:  # the function belongs to that device's context
         with torch.cuda.device(index):
-            _driver_launch()(*call)
+            _launch_in_context(call, index)
+
+
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def _launch_in_context(call: tuple, index: int) -> None:
+    """``cuLaunchKernel(*call)`` in device ``index``'s primary context. A thread that has made
+    no CUDA runtime call yet has no current context (e.g. an autograd worker whose backward
+    starts with a spikefuse kernel, as in ``out.sum().backward()`` into a block that unpacks
+    its input): the launch fails there, so the device is set, which makes its primary context
+    current as the runtime's first call would, and the launch is retried."""
+    try:
+        _driver_launch()(*call)
+    except Exception as exc:  # CuPy's CUDADriverError, which carries the CUresult
+        if getattr(exc, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
+            raise
+        _cupy().cuda.runtime.setDevice(index)
+        _driver_launch()(*call)
 
 
 def check_input(x: torch.Tensor) -> None:

@@ -1,12 +1,13 @@
 """1-bit packing of binary spikes on the GPU: one kernel each way, at memory bandwidth.
 
-:func:`pack` and :func:`unpack` read and write the packing that
-:mod:`spikefuse.fused.spike_bits` defines (ceil(n / 32) little-endian 32-bit words of bits, then
-a NaN flag byte); the kernels are in ``spike_bits.cuh`` next to this file. Packing reads the
-values once and writes n / 8 bytes (the torch composite it replaces took six passes); unpacking
-reads the bits and writes the values once, 16 bytes per thread. Compiled once per storage
-dtype and device with NVRTC through :mod:`.runtime`, launched on PyTorch's current stream, no
-host sync: CUDA-graph capturable once loaded.
+:func:`pack` and :func:`unpack` read and write the packing that :mod:`spikefuse.fused.spike_bits`
+defines (little-endian 32-bit words of bits, then a NaN flag byte per word; see ``spike_bits.cuh``
+next to this file, which holds the kernels). The pooling neuron kernels write the same packing of
+their output (:func:`spikefuse.cuda.affine.affine_fptt`, 4 bits a mean), which :func:`unpack` reads
+too. Packing reads the values once and writes n / 8 bytes (the torch composite it replaces took six
+passes); unpacking reads the bits and writes the values once, 16 bytes per thread. Compiled once per
+storage dtype and device with NVRTC through :mod:`.runtime`, launched on PyTorch's current stream,
+no host sync: CUDA-graph capturable once loaded.
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ SOURCE_PATH = Path(__file__).with_name("spike_bits.cuh")
 SOURCE_NAME = "spikefuse/cuda/spike_bits.cuh"
 UNROLL = 4  # values per thread of the pack kernel (loads in flight before any is used)
 
-#: The kernels' one argument, ``Args`` in spike_bits.cuh: values, words, flag, n.
-ARGS = struct.Struct("=3Qq")
+#: The kernels' one argument, ``Args`` in spike_bits.cuh: values, words, flags, n, window.
+ARGS = struct.Struct("=3Q2q")
 
 
-def packed_bytes(n: int) -> int:
-    """Bytes of the packing of n values: ceil(n / 32) 32-bit words, then the NaN flag byte."""
-    return 4 * -(-n // 32) + 1
+def packed_words(n: int, window: int = 1) -> int:
+    """32-bit words of the packing of n values of ``window`` bits each."""
+    return -(-n * window // 32)
+
+
+def packed_bytes(n: int, window: int = 1) -> int:
+    """Bytes of the packing of n values of ``window`` bits each: the words, then one NaN flag
+    byte per word."""
+    return 5 * packed_words(n, window)
 
 
 @dataclass(frozen=True)
@@ -69,15 +76,20 @@ def kernels_for(dtype: torch.dtype) -> SpikeBitsKernels:
 
 
 def _launch(
-    source: str, name: str, values: torch.Tensor, packed: torch.Tensor, per_thread: int
+    source: str,
+    name: str,
+    values: torch.Tensor,
+    packed: torch.Tensor,
+    per_thread: int,
+    window: int = 1,
 ) -> None:
     """Launch kernel ``name`` of ``source`` on n = values.numel() values (none: nothing to do),
     each thread taking ``per_thread`` of them."""
     n = values.numel()
     if n == 0:
         return
-    flag = packed.data_ptr() + packed.numel() - 1
-    args = ARGS.pack(values.data_ptr(), packed.data_ptr(), flag, n)
+    flags = packed.data_ptr() + 4 * packed_words(n, window)
+    args = ARGS.pack(values.data_ptr(), packed.data_ptr(), flags, n, window)
     grid = (-(-n // (BLOCK_THREADS * per_thread)), 1, 1)
     launch_named(source, name, values.device, grid, (BLOCK_THREADS, 1, 1), args)
 
@@ -86,16 +98,18 @@ def pack(flat: torch.Tensor) -> torch.Tensor:
     """The packing (uint8 [:func:`packed_bytes` (n)]) of ``flat``: a contiguous 1-D CUDA tensor
     of 0/1 values (NaN allowed) in float32, float16 or bfloat16."""
     packed = torch.empty(packed_bytes(flat.numel()), dtype=torch.uint8, device=flat.device)
-    packed[-1:].zero_()  # the kernel only sets the flag
     kernels = kernels_for(flat.dtype)
     _launch(kernels.source, kernels.pack_name, flat, packed, UNROLL)
     return packed
 
 
-def unpack(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write the values that :func:`pack` packed into ``out`` (a new, so 16-byte aligned,
-    contiguous 1-D CUDA tensor of their number, float32, float16 or bfloat16) and return it:
-    NaN in every element when a NaN was packed."""
+def unpack(packed: torch.Tensor, out: torch.Tensor, window: int = 1) -> torch.Tensor:
+    """Write the values packed at ``window`` bits each (1: by :func:`pack`; 4: the 2 x 2 means
+    the pooled neuron kernels pack) into ``out`` (a new, so 16-byte aligned, contiguous 1-D CUDA
+    tensor of their number, float32, float16 or bfloat16) and return it: NaN in every element
+    of a word whose flag is set."""
+    if window not in (1, 2, 4):  # VEC values of `window` bits within one word
+        raise ValueError(f"spikefuse: unpacking {window}-bit values (1, 2 or 4 supported)")
     kernels = kernels_for(out.dtype)
-    _launch(kernels.source, kernels.unpack_name, out, packed, kernels.vec)
+    _launch(kernels.source, kernels.unpack_name, out, packed, kernels.vec, window)
     return out

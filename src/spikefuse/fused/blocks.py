@@ -23,7 +23,7 @@ from .bn_neuron import BNNeuronFunction, bn_neuron_forward, kernels_pool, repeat
 from .low_memory import SynapseRecomputeFunction
 from .neuron_call import NeuronCall
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
-from .spike_bits import compact, expand, is_spikes, mark_spikes
+from .spike_bits import PackedSpikes, compact, expand, is_spikes, mark_packed, mark_spikes
 from .statistics import BNSpec, BNStats, bn_statistics, is_distributed, refuse_join
 from .traced import traced_bn_neuron
 
@@ -499,7 +499,7 @@ class FusedBlock(MultiStepOnly, nn.Module):
         neuron, learnable, bn, stats = self._prepare(y)
         weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
         pool = self._kernel_pool(y, stats, neuron, residual)
-        spikes = SynapseRecomputeFunction.apply(
+        spikes, packed = SynapseRecomputeFunction.apply(
             x,
             kept_y,
             weight,
@@ -515,6 +515,9 @@ class FusedBlock(MultiStepOnly, nn.Module):
             repeat,
             *self.synapse.parameters(),
         )
+        recipe = self._restored_from_bits(spikes, packed, pool)
+        if recipe is not None:  # else the next layer keeps the spikes (packed where binary)
+            mark_recomputable(spikes, recipe)
         return self._tagged(self._pooled(spikes, pool))
 
     def _kernel_pool(
@@ -576,18 +579,44 @@ class FusedBlock(MultiStepOnly, nn.Module):
         save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
         pool = self._kernel_pool(y, stats, neuron, residual)
         kept = None if residual is None or not save else compact(residual)
-        out = BNNeuronFunction.apply(
-            kept_y, weight, bias, learnable, stats, bn, neuron, save, pool, residual, kept, repeat
+        out, packed = BNNeuronFunction.apply(
+            kept_y,
+            weight,
+            bias,
+            learnable,
+            stats,
+            bn,
+            neuron,
+            save,
+            pool,
+            residual,
+            kept,
+            repeat,
+            save,  # pooling kernels also pack the spikes behind their means
         )
         if not save:
             return self._tagged(self._pooled(out, pool))
-        y, learnable = y.detach(), None if learnable is None else learnable.detach()
+        recipe = self._restored_from_bits(out, packed, pool)
+        if recipe is None:  # the kernels' output, recomputed
+            y, learnable = y.detach(), None if learnable is None else learnable.detach()
 
-        def recipe() -> Tensor:  # the kernels' output, recomputed
-            shortcut = None if kept is None else expand(kept)
-            return bn_neuron_forward(y, stats, neuron, learnable, False, pool, shortcut)[0]
+            def recipe() -> Tensor:
+                shortcut = None if kept is None else expand(kept)
+                return bn_neuron_forward(y, stats, neuron, learnable, False, pool, shortcut)[0]
 
         return self._tagged(self._pooled(mark_recomputable(out, recipe), pool, recipe))
+
+    @staticmethod
+    def _restored_from_bits(out: Tensor, packed: Tensor | None, pool: int) -> Recipe | None:
+        """Where the pooling kernels packed their output ``out`` (the spikes behind each mean,
+        ``packed``): tag out with that packing, which a min-memory block keeps as its input
+        instead of the map (:func:`~.spike_bits.compact`), and return the recipe that unpacks
+        it (the next layer's saved input, restored in backward). Else None."""
+        if packed is None:
+            return None
+        packing = PackedSpikes.written(packed, out, pool * pool)
+        mark_packed(out, packing)
+        return packing.unpack
 
     def _pooled(self, out: Tensor, kernel_pool: int, recipe: Recipe | None = None) -> Tensor:
         """The block's output from the neuron's: ``out`` as it is, or where the block pools and

@@ -99,16 +99,19 @@ def bn_neuron_forward(
     save: bool,
     pool: int = 1,
     residual: Tensor | None = None,
-) -> tuple[Tensor, Kept]:
+    pack_spikes: bool = False,
+) -> tuple[Tensor, Kept, Tensor | None]:
     """Spikes [T, B, C, *] in y's dtype (and layout, with the cuda backend) from the synapse
-    output y (no BN when stats is None), and the neuron state backward may reuse (see
-    :meth:`NeuronCall.forward`). ``pool`` = k > 1 (where :func:`kernels_pool`): the spikes
-    averaged over k x k windows [T, B, C, H/k, W/k] instead. ``residual``: a tensor like y
-    added to the BN output (a residual block's shortcut; such a call never pools)."""
+    output y (no BN when stats is None), the neuron state backward may reuse (see
+    :meth:`NeuronCall.forward`), and with ``pack_spikes`` the pooled spikes' packing where the
+    BN-folded kernels write it (see ``AffineKernels.affine_fptt``; else None). ``pool`` =
+    k > 1 (where :func:`kernels_pool`): the spikes averaged over k x k windows
+    [T, B, C, H/k, W/k] instead. ``residual``: a tensor like y added to the BN output (a
+    residual block's shortcut; such a call never pools)."""
     _check_pool(stats, neuron, pool)
     affine = _affine(neuron, y, residual)
     if stats is not None and affine is not None:
-        spikes, checkpoints = affine.affine_fptt(
+        spikes, checkpoints, packed = affine.affine_fptt(
             program=neuron.program,
             y=y,
             mean=stats.mean,
@@ -121,10 +124,11 @@ def bn_neuron_forward(
             save_for_backward=save,
             pool=pool,
             residual=residual,
+            pack_spikes=pack_spikes,
         )
-        return spikes, ((checkpoints,) if save else None)
+        return spikes, ((checkpoints,) if save else None), packed
     spikes, saved = neuron.forward(_neuron_input(y, stats, residual), learnable, save)
-    return spikes.to(y.dtype), saved
+    return spikes.to(y.dtype), saved, None
 
 
 def bn_neuron_backward(
@@ -403,17 +407,19 @@ class BNNeuronFunction(torch.autograd.Function):
     """spikes = neuron(BN(y) [+ residual]); saves y and per-channel vectors only (see the module
     docstring), and a residual as ``kept_residual``.
 
-    ``apply(y, weight, bias, learnable, stats, bn, neuron, save, pool, residual,
-    kept_residual, repeat)``: ``stats`` from :func:`~spikefuse.fused.statistics.bn_statistics`
-    (None: no BN); ``weight``/``bias`` are BN's gamma/beta (or None), inputs so that autograd
-    tracks them (``stats`` already holds their values); ``save`` whether a backward will follow
-    (keep the neuron's checkpoints); ``pool`` = k > 1 (where :func:`kernels_pool`): return the
-    spikes averaged over k x k windows; ``residual``: a tensor like y added to the BN output
-    (None: none), kept for backward as ``kept_residual`` (itself, or its 1-bit packing when it
-    is spikes: :func:`~spikefuse.fused.spike_bits.compact`); ``repeat`` = T > 1: y is one step
-    [1, B, C, *] that each of T steps repeats (an input image's synapse output): the block
-    runs on the view y.expand(T, ...), keeps only the one step, and y's gradient is the sum of
-    the steps' (the BN-folded kernels sum it themselves).
+    ``apply(y, weight, bias, learnable, stats, bn, neuron, save, pool, residual, kept_residual,
+    repeat, pack_spikes)`` returns ``(spikes, packed)``, packed being the spikes' packing where
+    ``pack_spikes`` asks for it and the BN-folded kernels write it (else None; see
+    :func:`bn_neuron_forward`). ``stats`` from :func:`~spikefuse.fused.statistics.bn_statistics`
+    (None: no BN); ``weight``/``bias`` are BN's gamma/beta (or None), inputs so that autograd tracks
+    them (``stats`` already holds their values); ``save`` whether a backward will follow (keep the
+    neuron's checkpoints); ``pool`` = k > 1 (where :func:`kernels_pool`): return the spikes averaged
+    over k x k windows; ``residual``: a tensor like y added to the BN output (None: none), kept for
+    backward as ``kept_residual`` (itself, or its 1-bit packing when it is spikes:
+    :func:`~spikefuse.fused.spike_bits.compact`); ``repeat`` = T > 1: y is one step [1, B, C, *]
+    that each of T steps repeats (an input image's synapse output): the block runs on the view
+    y.expand(T, ...), keeps only the one step, and y's gradient is the sum of the steps' (the
+    BN-folded kernels sum it themselves).
     """
 
     @staticmethod
@@ -431,9 +437,12 @@ class BNNeuronFunction(torch.autograd.Function):
         residual: Tensor | None = None,
         kept_residual: Compact | None = None,
         repeat: int = 1,
-    ) -> Tensor:
+        pack_spikes: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
         steps = repeated(y, repeat)
-        spikes, saved = bn_neuron_forward(steps, stats, neuron, learnable, save, pool, residual)
+        spikes, saved, packed = bn_neuron_forward(
+            steps, stats, neuron, learnable, save, pool, residual, pack_spikes
+        )
         save_bn_context(
             ctx,
             y,
@@ -447,11 +456,16 @@ class BNNeuronFunction(torch.autograd.Function):
             residual=kept_residual,
         )
         ctx.pool, ctx.repeat = pool, repeat
-        return spikes
+        # no zeros made in backward for the packing's gradient (it has none): autograd would
+        # allocate them like the packing, at the peak of memory
+        ctx.set_materialize_grads(False)
+        return spikes, packed
 
     @staticmethod
-    def backward(ctx: Any, grad_spikes: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad_spikes: Tensor | None, _: None) -> tuple[Tensor | None, ...]:
         forbid_double_backward("a fused block (BNNeuronFunction)")
+        if grad_spikes is None:  # the spikes did not reach what backward started from
+            return (None,) * len(ctx.needs_input_grad)
         kept_y, learnable, stats, saved, kept_residual = load_bn_context(ctx)
         y = expand(kept_y)  # y itself: it is never packed
         needs = ctx.needs_input_grad[1:4]
@@ -470,7 +484,7 @@ class BNNeuronFunction(torch.autograd.Function):
         )
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         grads = (grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None, None)
-        return *grads, grad_residual, None, None
+        return *grads, grad_residual, None, None, None
 
 
 def repeated(y: Tensor, repeat: int) -> Tensor:

@@ -118,15 +118,17 @@ def synapse_input_grad(
 
 
 class SynapseRecomputeFunction(torch.autograd.Function):
-    """spikes = neuron(BN(synapse(x))), keeping x (1-bit packed when it is spikes) for backward.
+    """spikes = neuron(BN(synapse(x))), keeping x for backward as :func:`compact` keeps it (1-bit
+    packed when it is spikes, the packing the kernels wrote of a pooled block's output).
 
-    ``apply(x, y, weight, bias, learnable, stats, bn, neuron, residual, kept_residual, block,
-    pool, repeat, *synapse_params)``: y is ``block``'s synapse output for x, computed by the
-    caller without autograd (and freed after this forward); backward recomputes it from x and
-    differentiates it with respect to x and ``synapse_params`` (the synapse's weight and
-    bias). ``repeat`` = T > 1: x is an input repeated over time that needs no gradient and y
-    the synapse output of its one step [1, B, ...], as :class:`BNNeuronFunction` takes it
-    (backward then recomputes that one step). The other arguments are BNNeuronFunction's.
+    ``apply(x, y, weight, bias, learnable, stats, bn, neuron, residual, kept_residual, block, pool,
+    repeat, *synapse_params)`` returns ``(spikes, packed)`` as :class:`BNNeuronFunction` does
+    (packed: the pooling kernels' packing of their output, else None). y is ``block``'s synapse
+    output for x, computed by the caller without autograd (and freed after this forward); backward
+    recomputes it from x and differentiates it with respect to x and ``synapse_params`` (the
+    synapse's weight and bias). ``repeat`` = T > 1: x is an input repeated over time that needs no
+    gradient and y the synapse output of its one step [1, B, ...], as :class:`BNNeuronFunction`
+    takes it (backward then recomputes that one step). The other arguments are BNNeuronFunction's.
     """
 
     @staticmethod
@@ -147,8 +149,8 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         repeat: int,
         *synapse_params,
     ):
-        spikes, saved = bn_neuron_forward(
-            repeated(y, repeat), stats, neuron, learnable, True, pool, residual
+        spikes, saved, packed = bn_neuron_forward(
+            repeated(y, repeat), stats, neuron, learnable, True, pool, residual, True
         )
         save_bn_context(
             ctx,
@@ -168,11 +170,14 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.block, ctx.pool, ctx.repeat = block, pool, repeat
         ctx.synapse_params = synapse_params  # parameters: alive anyway, not activations
-        return spikes
+        ctx.set_materialize_grads(False)  # as BNNeuronFunction: no zeros for the packing
+        return spikes, packed
 
     @staticmethod
-    def backward(ctx, grad_spikes):
+    def backward(ctx, grad_spikes, _):
         forbid_double_backward("a fused block (memory='min')")
+        if grad_spikes is None:  # the spikes did not reach what backward started from
+            return (None,) * len(ctx.needs_input_grad)
         kept, learnable, stats, saved, kept_residual = load_bn_context(ctx)
         shape, x_dtype = ctx.geometry
         block, pool, repeat = ctx.block, ctx.pool, ctx.repeat

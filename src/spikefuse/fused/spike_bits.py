@@ -3,8 +3,11 @@
 A fused block's output holds only 0 and 1 (or NaN where the neuron's input was NaN); what keeps
 such a tensor for backward (the minimal-memory mode's block input, a residual block's shortcut,
 a layer's saved input where no recipe recomputes it: see :mod:`.recompute`) keeps it at 1 bit
-per element (8 per byte: 1/32 of float32) as a :class:`PackedSpikes`, plus
-one flag: a packed NaN comes back as NaN in every element, so backward sees it.
+per element (8 per byte: 1/32 of float32) as a :class:`PackedSpikes`, plus a flag byte per 32
+elements: a packed NaN comes back as NaN in the 32 elements of its word, so backward sees it.
+The pooling BN-folded neuron kernels write the same packing of their output, the k² spikes
+behind each k x k mean at 1 bit each, which a fused block then keeps to restore its output in
+backward instead of recomputing it (see :mod:`.recompute`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ..cuda import unavailable_reason
 from .device_constants import device_constant
 
 _SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
+_PACKING = "_spikefuse_packing"  # tag: the packing a kernel wrote of the tensor (mark_packed)
 
 
 def mark_spikes(t: Tensor) -> Tensor:
@@ -57,29 +61,40 @@ def memory_order(t: Tensor) -> tuple[int, ...]:
     return order if t.permute(order).is_contiguous() else tuple(range(t.dim()))
 
 
-# Elements the torch composites pack or unpack per step (a multiple of 8): their temporaries
-# stay this size (16 MiB of bool) instead of growing with the block.
+# Elements the torch composites pack or unpack per step (a multiple of 32: a step's words are its
+# own): their temporaries stay this size (16 MiB of bool) instead of growing with the block.
 _PACK_STEP = 1 << 24
 
 
 def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
-    """0/1 values → uint8 [4 ceil(n / 32) + 1], read in ``order`` (:func:`memory_order`: no
-    copy): ceil(n / 32) little-endian 32-bit words (bit k of byte i: element 8 i + k), then a
-    byte that is 1 when a value was NaN (a neuron's input was NaN): 1 bit cannot hold it, so
-    :func:`unpack_bits` then gives NaN everywhere rather than a valid-looking 1 there. One
-    kernel on CUDA (:mod:`spikefuse.cuda.spike_bits`), torch ops elsewhere: the same bytes."""
+    """0/1 values → uint8 [5 W], W = ceil(n / 32), read in ``order`` (:func:`memory_order`: no
+    copy): W little-endian 32-bit words (bit k of byte i: element 8 i + k), then W bytes, byte w
+    1 when a value of word w was NaN (a neuron's input was NaN): 1 bit cannot hold it, so
+    :func:`unpack_bits` then gives NaN in that word's elements rather than a valid-looking 1.
+    One kernel on CUDA (:mod:`spikefuse.cuda.spike_bits`), torch ops elsewhere: the same bytes."""
     flat = spikes.permute(order).reshape(-1)
     return cuda_bits.pack(flat) if unavailable_reason(flat) is None else _pack_torch(flat)
 
 
 def unpack_bits(
-    packed: Tensor, shape: torch.Size, dtype: torch.dtype, order: tuple[int, ...]
+    packed: Tensor,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    order: tuple[int, ...],
+    window: int = 1,
 ) -> Tensor:
-    """The inverse of :func:`pack_bits` (NaN everywhere if a NaN was packed): a tensor of
-    ``shape`` with the packed tensor's memory layout (a dense ``order``)."""
+    """The inverse of :func:`pack_bits` (NaN in the elements of a word that held a NaN): a
+    tensor of ``shape`` with the packed tensor's memory layout (a dense ``order``).
+    ``window`` = k² > 1: the packing the pooled neuron kernels write of k x k window means
+    (k² bits per value, on CUDA)."""
     flat = torch.empty(shape.numel(), dtype=dtype, device=packed.device)
-    unpack = cuda_bits.unpack if unavailable_reason(flat) is None else _unpack_torch
-    dense = unpack(packed, flat).view([shape[d] for d in order])
+    if unavailable_reason(flat) is None:
+        cuda_bits.unpack(packed, flat, window)
+    elif window == 1:
+        _unpack_torch(packed, flat)
+    else:  # only the CUDA neuron kernels write such a packing
+        raise ValueError(f"spikefuse: a packing of {window}-bit values unpacks on CUDA only")
+    dense = flat.view([shape[d] for d in order])
     inverse = sorted(range(len(order)), key=lambda d: order[d])
     return dense.permute(inverse)
 
@@ -88,19 +103,20 @@ def _pack_torch(flat: Tensor) -> Tensor:
     """:func:`pack_bits` of a 1-D tensor with torch ops, in steps of :data:`_PACK_STEP`."""
     n = flat.numel()
     packed = torch.empty(cuda_bits.packed_bytes(n), dtype=torch.uint8, device=flat.device)
-    packed[-(-n // 8) : -1].zero_()  # the last word's bytes past the last value's
+    flags = packed[4 * cuda_bits.packed_words(n) :]
     weights = _bit_weights(flat.device)
-    total = flat.new_zeros(())  # NaN when any value is (spikes hold no infinities)
     for start in range(0, n, _PACK_STEP):
         values = flat[start : start + _PACK_STEP]
-        total += values.sum()
-        bits = (values != 0).to(torch.uint8)
-        pad = -bits.numel() % 8  # only in the last, partial byte
+        bits, nans = (values != 0).to(torch.uint8), values.isnan()
+        pad = -values.numel() % 32  # only in the last, partial word
         if pad:
-            bits = torch.cat([bits, bits.new_zeros(pad)])
+            bits, nans = (
+                torch.cat([bits, bits.new_zeros(pad)]),
+                torch.cat([nans, nans.new_zeros(pad)]),
+            )
         part = (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
         packed[start // 8 : start // 8 + part.shape[0]] = part
-    packed[-1] = total.isnan()
+        flags[start // 32 : start // 32 + part.shape[0] // 4] = nans.view(-1, 32).any(dim=1)
     return packed
 
 
@@ -109,41 +125,66 @@ def _unpack_torch(packed: Tensor, flat: Tensor) -> Tensor:
     :data:`_PACK_STEP`; returns flat."""
     n, dtype = flat.numel(), flat.dtype
     weights = _bit_weights(packed.device)
-    poison = torch.where(packed[-1] != 0, float("nan"), 0.0).to(dtype)  # NaN: a NaN was packed
+    flags = packed[4 * cuda_bits.packed_words(n) :]
     for start in range(0, n, _PACK_STEP):
         part = flat[start : start + _PACK_STEP]
-        byte = packed[start // 8 : start // 8 + -(-part.numel() // 8)]
+        size = part.numel()
+        byte = packed[start // 8 : start // 8 + -(-size // 8)]
         bits = (byte[:, None] & weights) != 0
-        torch.add(bits.view(-1)[: part.numel()], poison, out=part)
+        # NaN in the elements of a word that held a NaN, 0 elsewhere
+        word_flags = flags[start // 32 : start // 32 + -(-size // 32)]
+        poison = torch.where(word_flags != 0, float("nan"), 0.0).to(dtype)
+        torch.add(bits.view(-1)[:size], poison.repeat_interleave(32)[:size], out=part)
     return flat
 
 
 @dataclass(frozen=True)
 class PackedSpikes:
-    """A binary tensor kept at 1 bit per element: :meth:`unpack` gives it back (same values,
-    shape, dtype and memory layout)."""
+    """A binary tensor kept at 1 bit per element (or a tensor of k x k window means of spikes at
+    ``window`` = k² bits per element): :meth:`unpack` gives it back (same values, shape, dtype
+    and memory layout)."""
 
-    bits: Tensor  # uint8 [4 ceil(n / 32) + 1]: the bits, then whether a NaN was packed
+    bits: Tensor  # uint8 [5 W]: W words of bits, then per word whether a NaN was packed
     shape: torch.Size
     dtype: torch.dtype
     order: tuple[int, ...]  # the dimension order of the tensor's memory (memory_order)
+    window: int = 1  # bits per element
 
     @classmethod
     def of(cls, spikes: Tensor) -> PackedSpikes:
         order = memory_order(spikes)
         return cls(pack_bits(spikes, order), spikes.shape, spikes.dtype, order)
 
+    @classmethod
+    def written(cls, bits: Tensor, like: Tensor, window: int) -> PackedSpikes:
+        """The packing ``bits`` that a neuron kernel wrote of its output ``like`` (in like's
+        memory order) at ``window`` bits per element."""
+        return cls(bits, like.shape, like.dtype, memory_order(like), window)
+
     def unpack(self) -> Tensor:
-        return unpack_bits(self.bits, self.shape, self.dtype, self.order)
+        return unpack_bits(self.bits, self.shape, self.dtype, self.order, self.window)
 
 
 #: A tensor kept for backward: itself, or its packing when it is spikes (:func:`compact`).
 Compact = Tensor | PackedSpikes
 
 
+def mark_packed(t: Tensor, packing: PackedSpikes) -> Tensor:
+    """Tag ``t`` with the packing a kernel wrote of it (a pooled block's output: the spikes
+    behind each mean), which :func:`compact` then keeps instead of t, until t is modified in
+    place; returns t."""
+    if not t.is_inference():
+        setattr(t, _PACKING, (t._version, packing))
+    return t
+
+
 def compact(t: Tensor) -> Compact:
-    """``t`` packed at 1 bit per element when it is tagged spikes (:func:`is_spikes`), else
-    ``t`` itself; :func:`expand` gives it back."""
+    """``t`` as kept for backward: the packing a kernel wrote of it (:func:`mark_packed`; of t
+    itself, not of a view), its packing at 1 bit per element when it is tagged spikes
+    (:func:`is_spikes`), else ``t`` itself; :func:`expand` gives it back."""
+    tag = None if t.is_inference() else getattr(t, _PACKING, None)
+    if tag is not None and tag[0] == t._version:
+        return tag[1]
     return PackedSpikes.of(t) if is_spikes(t) else t
 
 
@@ -152,8 +193,9 @@ def expand(kept: Compact) -> Tensor:
     return kept.unpack() if isinstance(kept, PackedSpikes) else kept
 
 
-#: How a packing lays its bits out: (shape, dtype, memory order) of the packed tensor.
-Packing = tuple[torch.Size, torch.dtype, tuple[int, ...]]
+#: How a packing lays its bits out: (shape, dtype, memory order, bits per element) of the
+#: packed tensor.
+Packing = tuple[torch.Size, torch.dtype, tuple[int, ...], int]
 
 
 def split(kept: Compact) -> tuple[Tensor, Packing | None]:
@@ -161,7 +203,7 @@ def split(kept: Compact) -> tuple[Tensor, Packing | None]:
     against in-place edits, seen by saved-tensor hooks) and its packing (None: a plain tensor);
     :func:`join` puts them back together."""
     if isinstance(kept, PackedSpikes):
-        return kept.bits, (kept.shape, kept.dtype, kept.order)
+        return kept.bits, (kept.shape, kept.dtype, kept.order, kept.window)
     return kept, None
 
 

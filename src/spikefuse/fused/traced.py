@@ -80,7 +80,7 @@ def bn_neuron_fptt(
     save: bool,
 ) -> tuple[Tensor, Tensor]:
     stats, neuron = _call(y, mean, invstd, weight, bias, program, backend, constants, v_init, count)
-    spikes, kept = bn_neuron_forward(y, stats, neuron, learnable, save)
+    spikes, kept, _ = bn_neuron_forward(y, stats, neuron, learnable, save)
     if spikes.stride() != y.stride():  # the layout the fake promises: y's
         spikes = torch.empty_like(y).copy_(spikes)
     checkpoints = kept[0] if kept is not None else None
