@@ -142,7 +142,7 @@ def test_other_blocks_recompute_their_output(dtype, pool):
 @pytest.mark.parametrize("memory", ["default", "min"])
 def test_a_min_memory_block_keeps_the_packing_of_its_pooled_input(memory, no_tf32):
     """memory="min": the block after a pooled block keeps the 4-bit packing the pooling kernels
-    wrote as its input (1/8 of the float32 map; so does a min-memory pooled block's output), and
+    wrote as its input (5/32 of the float32 map; so does a min-memory pooled block's output), and
     the training step equals the default mode's."""
 
     def model(memory: str) -> nn.Sequential:

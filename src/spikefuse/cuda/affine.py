@@ -401,7 +401,8 @@ def _packs(plan: _Plan, pool: int) -> bool:
     """Whether the forward kernel of ``plan`` packs its means: a pooled kernel (a mean takes
     k² = 4 bits, :data:`POOLS`, which unpacking reads) of whole warps (the lanes of a word
     exchange their bits)."""
-    return pool > 1 and plan.N // (pool * pool) % 32 == 0
+    window = pool * pool
+    return pool > 1 and 32 % window == 0 and plan.N // window % 32 == 0
 
 
 def _packing_pointers(packed: torch.Tensor | None, n: int, window: int) -> dict[str, int]:

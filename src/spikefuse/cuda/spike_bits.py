@@ -4,7 +4,7 @@
 defines (little-endian 32-bit words of bits, then a NaN flag byte per word; see ``spike_bits.cuh``
 next to this file, which holds the kernels). The pooling neuron kernels write the same packing of
 their output (:func:`spikefuse.cuda.affine.affine_fptt`, 4 bits a mean), which :func:`unpack` reads
-too. Packing reads the values once and writes n / 8 bytes (the torch composite it replaces took six
+too. Packing reads the values once and writes 5 n / 32 bytes (bits and flags) (the torch composite it replaces took six
 passes); unpacking reads the bits and writes the values once, 16 bytes per thread. Compiled once per
 storage dtype and device with NVRTC through :mod:`.runtime`, launched on PyTorch's current stream,
 no host sync: CUDA-graph capturable once loaded.

@@ -456,7 +456,10 @@ class FusedBlock(MultiStepOnly, nn.Module):
         default mode does not: the block's input where the default mode recomputes it (fused-
         block spikes), and the block's output, which then has no recipe, so the next layer
         keeps it (its spikes packed, a pooled map whole). Packed spikes count 1 bit per
-        element. Cost: one synapse forward on the steps it runs on."""
+        element. Cost: one synapse forward on the steps it runs on. Where the pooling
+        kernels pack their means (CUDA), both modes keep those bits instead, so the two
+        pooled-map terms over-count what "min" adds: the rule then leans to the default mode
+        (kept as measured, session 22, for lack of a GPU run of the exact terms)."""
         images = repeated_over_time(x)  # kept by the caller in either mode
         T = x.shape[0]
         steps = 1 if images else T

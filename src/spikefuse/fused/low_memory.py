@@ -2,8 +2,9 @@
 
 The DATE'22 blocks keep their synapse (Conv/Linear) output y for backward. With
 ``memory="min"`` a block keeps its *input* instead, packed at 1 bit per element when that
-input is the spike output of another fused block (8 elements per byte: 1/32 of float32), and
-recomputes y = synapse(input) in backward before the BatchNorm-neuron backward. The synapse's
+input is the spike output of another fused block (8 elements per byte: 1/32 of float32, plus a
+NaN flag byte per 32), or as the 4 bits per mean that the pooling kernels of the block before
+wrote of their output, and recomputes y = synapse(input) in backward before the BatchNorm-neuron backward. The synapse's
 own backward is then called explicitly, weight gradient first, input gradient last; a Conv
 with a string padding or a non-zero padding mode differentiates the recomputed graph with
 autograd instead. Backward costs one more synapse forward per block; the gradients equal the

@@ -3,11 +3,13 @@
 A Conv/Linear saves its input for ``dL/dW``; a pooling layer may save its input too. When that
 input is the spike output of a fused block, it is a function of what the block keeps anyway
 (its synapse output and per-channel vectors), so, as in the DATE'22 paper, it is recomputed in
-backward (one forward kernel launch) instead of being stored. :func:`saving_recomputed`
-intercepts the save; the tensor's *recipe* (a function returning a tensor equal to it, element
-for element and with the same strides) is set by :func:`mark_recomputable`. Spikes without a
-recipe (the output of a block in the minimal-memory mode, which keeps no synapse output) are
-saved packed at 1 bit per element instead (:mod:`.spike_bits`).
+backward (one forward kernel launch) instead of being stored; a pooled block whose kernels
+packed the spikes behind its means restores them by unpacking those bits instead.
+:func:`saving_recomputed` intercepts the save; the tensor's *recipe* (a function returning a
+tensor equal to it, element for element and with the same strides) is set by
+:func:`mark_recomputable`. Spikes without a recipe (the output of an unpooled block in the
+minimal-memory mode, which keeps no synapse output) are saved packed at 1 bit per element
+instead (:mod:`.spike_bits`).
 
 Fused blocks tag their spikes; :class:`~spikefuse.fused.SpikePool` tags its output with the
 pooling applied to the recipe. Views that cover the same memory (flatten, unflatten) use the

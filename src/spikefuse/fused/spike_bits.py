@@ -4,10 +4,10 @@ A fused block's output holds only 0 and 1 (or NaN where the neuron's input was N
 such a tensor for backward (the minimal-memory mode's block input, a residual block's shortcut,
 a layer's saved input where no recipe recomputes it: see :mod:`.recompute`) keeps it at 1 bit
 per element (8 per byte: 1/32 of float32) as a :class:`PackedSpikes`, plus a flag byte per 32
-elements: a packed NaN comes back as NaN in the 32 elements of its word, so backward sees it.
-The pooling BN-folded neuron kernels write the same packing of their output, the k² spikes
-behind each k x k mean at 1 bit each, which a fused block then keeps to restore its output in
-backward instead of recomputing it (see :mod:`.recompute`).
+elements: a packed NaN comes back as NaN in the elements of its 32-bit word, so backward sees
+it. The pooling BN-folded neuron kernels write the same packing of their output, the k² spikes
+behind each k x k mean at 1 bit each (a word: 8 means of 2 x 2), which a fused block then keeps
+to restore its output in backward instead of recomputing it (see :mod:`.recompute`).
 """
 
 from __future__ import annotations
@@ -178,13 +178,20 @@ def mark_packed(t: Tensor, packing: PackedSpikes) -> Tensor:
     return t
 
 
-def compact(t: Tensor) -> Compact:
-    """``t`` as kept for backward: the packing a kernel wrote of it (:func:`mark_packed`; of t
-    itself, not of a view), its packing at 1 bit per element when it is tagged spikes
-    (:func:`is_spikes`), else ``t`` itself; :func:`expand` gives it back."""
+def packing_of(t: Tensor) -> PackedSpikes | None:
+    """The packing a kernel wrote of ``t`` itself (:func:`mark_packed`; not of a view of it),
+    while t is unmodified, else None."""
     tag = None if t.is_inference() else getattr(t, _PACKING, None)
-    if tag is not None and tag[0] == t._version:
-        return tag[1]
+    return tag[1] if tag is not None and tag[0] == t._version else None
+
+
+def compact(t: Tensor) -> Compact:
+    """``t`` as kept for backward: the packing a kernel wrote of it (:func:`packing_of`), its
+    packing at 1 bit per element when it is tagged spikes (:func:`is_spikes`), else ``t``
+    itself; :func:`expand` gives it back."""
+    packing = packing_of(t)
+    if packing is not None:
+        return packing
     return PackedSpikes.of(t) if is_spikes(t) else t
 
 
