@@ -15,6 +15,7 @@ from spikefuse.cuda import spike_bits as cuda_bits
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock, blocks, spike_bits
 from spikefuse.fused.blocks import SpikePool
+from spikefuse.fused.recompute import recipe_of
 from spikefuse.fused.spike_bits import (
     PackedSpikes,
     is_spikes,
@@ -141,6 +142,21 @@ def test_only_tagged_spikes_are_packed():
 
 def _packs(x: torch.Tensor) -> bool:
     return is_spikes(x)
+
+
+def test_a_kernel_written_packing_is_kept_and_is_the_recipe():
+    """A tensor tagged with the packing a kernel wrote of it (mark_packed; here written by the
+    torch path): compact keeps that packing, and unpacking it is the tensor's recipe, also for
+    a same-memory view; an in-place edit drops both."""
+    x = (torch.rand(3, 2, 4, 5, generator=torch.Generator().manual_seed(0)) > 0.5).float()
+    packing = PackedSpikes.of(x)
+    spike_bits.mark_packed(x, packing)
+    assert spike_bits.compact(x) is packing
+    assert torch.equal(recipe_of(x)(), x) and torch.equal(
+        recipe_of(x.flatten(0, 1))(), x.flatten(0, 1)
+    )
+    x.mul_(1.0)
+    assert spike_bits.packing_of(x) is None and recipe_of(x) is None
 
 
 def test_memory_mode_is_validated():

@@ -41,7 +41,7 @@ from .runtime import (
     pointer,
     vector_width,
 )
-from .spike_bits import packed_bytes, packed_words
+from .spike_bits import flags_at, packed_bytes
 
 
 def channel_layout(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -412,7 +412,7 @@ def _packing_pointers(packed: torch.Tensor | None, n: int, window: int) -> dict[
         return {}
     return {
         "spike_words": packed.data_ptr(),
-        "spike_nan": packed.data_ptr() + 4 * packed_words(n, window),
+        "spike_nan": packed.data_ptr() + flags_at(n, window),
     }
 
 

@@ -3,11 +3,11 @@
 :func:`pack` and :func:`unpack` read and write the packing that :mod:`spikefuse.fused.spike_bits`
 defines (little-endian 32-bit words of bits, then a NaN flag byte per word; see ``spike_bits.cuh``
 next to this file, which holds the kernels). The pooling neuron kernels write the same packing of
-their output (:func:`spikefuse.cuda.affine.affine_fptt`, 4 bits a mean), which :func:`unpack` reads
-too. Packing reads the values once and writes 5 n / 32 bytes (bits and flags) (the torch composite it replaces took six
-passes); unpacking reads the bits and writes the values once, 16 bytes per thread. Compiled once per
-storage dtype and device with NVRTC through :mod:`.runtime`, launched on PyTorch's current stream,
-no host sync: CUDA-graph capturable once loaded.
+their output (:func:`spikefuse.cuda.affine.affine_fptt`, 4 bits a mean), which :func:`unpack`
+reads too. Packing reads the values once and writes 5 n / 32 bytes, bits and flags (the torch
+composite it replaces took six passes); unpacking reads the bits and writes the values once, 16
+bytes per thread. Compiled once per storage dtype and device with NVRTC through :mod:`.runtime`,
+launched on PyTorch's current stream, no host sync: CUDA-graph capturable once loaded.
 """
 
 from __future__ import annotations
@@ -37,8 +37,13 @@ def packed_words(n: int, window: int = 1) -> int:
 
 def packed_bytes(n: int, window: int = 1) -> int:
     """Bytes of the packing of n values of ``window`` bits each: the words, then one NaN flag
-    byte per word."""
+    byte per word (from byte :func:`flags_at` on)."""
     return 5 * packed_words(n, window)
+
+
+def flags_at(n: int, window: int = 1) -> int:
+    """The byte offset of the NaN flags in the packing of n values of ``window`` bits each."""
+    return 4 * packed_words(n, window)
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,7 @@ def _launch(
     n = values.numel()
     if n == 0:
         return
-    flags = packed.data_ptr() + 4 * packed_words(n, window)
+    flags = packed.data_ptr() + flags_at(n, window)
     args = ARGS.pack(values.data_ptr(), packed.data_ptr(), flags, n, window)
     grid = (-(-n // (BLOCK_THREADS * per_thread)), 1, 1)
     launch_named(source, name, values.device, grid, (BLOCK_THREADS, 1, 1), args)

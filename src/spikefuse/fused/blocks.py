@@ -518,10 +518,8 @@ class FusedBlock(MultiStepOnly, nn.Module):
             repeat,
             *self.synapse.parameters(),
         )
-        recipe = self._restored_from_bits(spikes, packed, pool)
-        if recipe is not None:  # else the next layer keeps the spikes (packed where binary)
-            mark_recomputable(spikes, recipe)
-        return self._tagged(self._pooled(spikes, pool))
+        # without bits the next layer keeps the spikes (packed where binary)
+        return self._tagged(self._pooled(self._with_bits(spikes, packed, pool), pool))
 
     def _kernel_pool(
         self, y: Tensor, stats: BNStats | None, neuron: NeuronCall, residual: Tensor | None
@@ -583,43 +581,29 @@ class FusedBlock(MultiStepOnly, nn.Module):
         pool = self._kernel_pool(y, stats, neuron, residual)
         kept = None if residual is None or not save else compact(residual)
         out, packed = BNNeuronFunction.apply(
-            kept_y,
-            weight,
-            bias,
-            learnable,
-            stats,
-            bn,
-            neuron,
-            save,
-            pool,
-            residual,
-            kept,
-            repeat,
-            save,  # pooling kernels also pack the spikes behind their means
+            kept_y, weight, bias, learnable, stats, bn, neuron, save, pool, residual, kept, repeat
         )
         if not save:
             return self._tagged(self._pooled(out, pool))
-        recipe = self._restored_from_bits(out, packed, pool)
-        if recipe is None:  # the kernels' output, recomputed
-            y, learnable = y.detach(), None if learnable is None else learnable.detach()
+        if packed is not None:  # restored by unpacking (packed only where the kernels pooled)
+            return self._tagged(self._with_bits(out, packed, pool))
+        y, learnable = y.detach(), None if learnable is None else learnable.detach()
 
-            def recipe() -> Tensor:
-                shortcut = None if kept is None else expand(kept)
-                return bn_neuron_forward(y, stats, neuron, learnable, False, pool, shortcut)[0]
+        def recipe() -> Tensor:  # the kernels' output, recomputed
+            shortcut = None if kept is None else expand(kept)
+            return bn_neuron_forward(y, stats, neuron, learnable, False, pool, shortcut)[0]
 
         return self._tagged(self._pooled(mark_recomputable(out, recipe), pool, recipe))
 
     @staticmethod
-    def _restored_from_bits(out: Tensor, packed: Tensor | None, pool: int) -> Recipe | None:
-        """Where the pooling kernels packed their output ``out`` (the spikes behind each mean,
-        ``packed``): tag out with that packing, which a min-memory block keeps as its input
-        instead of the map (:func:`~.spike_bits.compact`), and return the recipe that unpacks
-        it (the next layer's saved input, restored in backward). Else None."""
+    def _with_bits(out: Tensor, packed: Tensor | None, pool: int) -> Tensor:
+        """``out``, tagged with ``packed`` where the pooling kernels packed it (the spikes
+        behind each mean): unpacking it is then out's recipe (the next layer's saved input,
+        restored in backward), and a min-memory block keeps it as its input instead of the
+        map (:func:`~.spike_bits.compact`)."""
         if packed is None:
-            return None
-        packing = PackedSpikes.written(packed, out, pool * pool)
-        mark_packed(out, packing)
-        return packing.unpack
+            return out
+        return mark_packed(out, PackedSpikes.written(packed, out, pool * pool))
 
     def _pooled(self, out: Tensor, kernel_pool: int, recipe: Recipe | None = None) -> Tensor:
         """The block's output from the neuron's: ``out`` as it is, or where the block pools and

@@ -408,8 +408,8 @@ class BNNeuronFunction(torch.autograd.Function):
     docstring), and a residual as ``kept_residual``.
 
     ``apply(y, weight, bias, learnable, stats, bn, neuron, save, pool, residual, kept_residual,
-    repeat, pack_spikes)`` returns ``(spikes, packed)``, packed being the spikes' packing where
-    ``pack_spikes`` asks for it and the BN-folded kernels write it (else None; see
+    repeat)`` returns ``(spikes, packed)``, packed being the spikes' packing where a backward
+    will follow (``save``) and the BN-folded kernels write it (else None; see
     :func:`bn_neuron_forward`). ``stats`` from :func:`~spikefuse.fused.statistics.bn_statistics`
     (None: no BN); ``weight``/``bias`` are BN's gamma/beta (or None), inputs so that autograd tracks
     them (``stats`` already holds their values); ``save`` whether a backward will follow (keep the
@@ -437,11 +437,10 @@ class BNNeuronFunction(torch.autograd.Function):
         residual: Tensor | None = None,
         kept_residual: Compact | None = None,
         repeat: int = 1,
-        pack_spikes: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         steps = repeated(y, repeat)
         spikes, saved, packed = bn_neuron_forward(
-            steps, stats, neuron, learnable, save, pool, residual, pack_spikes
+            steps, stats, neuron, learnable, save, pool, residual, pack_spikes=save
         )
         save_bn_context(
             ctx,
@@ -484,7 +483,7 @@ class BNNeuronFunction(torch.autograd.Function):
         )
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         grads = (grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None, None)
-        return *grads, grad_residual, None, None, None
+        return *grads, grad_residual, None, None
 
 
 def repeated(y: Tensor, repeat: int) -> Tensor:

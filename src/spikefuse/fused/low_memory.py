@@ -1,14 +1,13 @@
 """The fused blocks' minimal-memory mode: keep only the block's input, recompute the synapse.
 
-The DATE'22 blocks keep their synapse (Conv/Linear) output y for backward. With
-``memory="min"`` a block keeps its *input* instead, packed at 1 bit per element when that
-input is the spike output of another fused block (8 elements per byte: 1/32 of float32, plus a
-NaN flag byte per 32), or as the 4 bits per mean that the pooling kernels of the block before
-wrote of their output, and recomputes y = synapse(input) in backward before the BatchNorm-neuron backward. The synapse's
-own backward is then called explicitly, weight gradient first, input gradient last; a Conv
-with a string padding or a non-zero padding mode differentiates the recomputed graph with
-autograd instead. Backward costs one more synapse forward per block; the gradients equal the
-default mode's to rounding.
+The DATE'22 blocks keep their synapse (Conv/Linear) output y for backward. With ``memory="min"`` a
+block keeps its *input* instead, packed at 1 bit per element when that input is the spike output of
+another fused block (8 elements per byte: 1/32 of float32, plus a NaN flag byte per 32), or as the 4
+bits per mean that the pooling kernels of the block before wrote of their output, and recomputes y =
+synapse(input) in backward before the BatchNorm-neuron backward. The synapse's own backward is then
+called explicitly, weight gradient first, input gradient last; a Conv with a string padding or a
+non-zero padding mode differentiates the recomputed graph with autograd instead. Backward costs one
+more synapse forward per block; the gradients equal the default mode's to rounding.
 
 Backward holds at most two block-sized tensors besides the upstream gradient: the recomputed
 y (with the input unpacked for it alone), which the BN-folded kernels overwrite with dL/dy;
@@ -151,7 +150,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         *synapse_params,
     ):
         spikes, saved, packed = bn_neuron_forward(
-            repeated(y, repeat), stats, neuron, learnable, True, pool, residual, True
+            repeated(y, repeat), stats, neuron, learnable, True, pool, residual, pack_spikes=True
         )
         save_bn_context(
             ctx,

@@ -7,7 +7,8 @@ backward (one forward kernel launch) instead of being stored; a pooled block who
 packed the spikes behind its means restores them by unpacking those bits instead.
 :func:`saving_recomputed` intercepts the save; the tensor's *recipe* (a function returning a
 tensor equal to it, element for element and with the same strides) is set by
-:func:`mark_recomputable`. Spikes without a recipe (the output of an unpooled block in the
+:func:`mark_recomputable`, or is unpacking the packing tagged by
+:func:`~.spike_bits.mark_packed`. Spikes without a recipe (the output of an unpooled block in the
 minimal-memory mode, which keeps no synapse output) are saved packed at 1 bit per element
 instead (:mod:`.spike_bits`).
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .spike_bits import PackedSpikes, is_spikes
+from .spike_bits import PackedSpikes, is_spikes, packing_of
 
 Recipe = Callable[[], Tensor]
 _TAG = "_spikefuse_recipe"
@@ -47,10 +48,14 @@ def mark_recomputable(t: Tensor, recipe: Recipe) -> Tensor:
 
 
 def _valid_recipe(t: Tensor) -> Recipe | None:
+    """t's own recipe: its tag, or unpacking the packing a kernel wrote of it."""
     if t.is_inference():
         return None
     tag = getattr(t, _TAG, None)
-    return tag.recipe if tag is not None and tag.version == t._version else None
+    if tag is not None and tag.version == t._version:
+        return tag.recipe
+    packing = packing_of(t)
+    return None if packing is None else packing.unpack
 
 
 def recipe_of(t: Tensor) -> Recipe | None:

@@ -103,7 +103,7 @@ def _pack_torch(flat: Tensor) -> Tensor:
     """:func:`pack_bits` of a 1-D tensor with torch ops, in steps of :data:`_PACK_STEP`."""
     n = flat.numel()
     packed = torch.empty(cuda_bits.packed_bytes(n), dtype=torch.uint8, device=flat.device)
-    flags = packed[4 * cuda_bits.packed_words(n) :]
+    flags = packed[cuda_bits.flags_at(n) :]
     weights = _bit_weights(flat.device)
     for start in range(0, n, _PACK_STEP):
         values = flat[start : start + _PACK_STEP]
@@ -125,7 +125,7 @@ def _unpack_torch(packed: Tensor, flat: Tensor) -> Tensor:
     :data:`_PACK_STEP`; returns flat."""
     n, dtype = flat.numel(), flat.dtype
     weights = _bit_weights(packed.device)
-    flags = packed[4 * cuda_bits.packed_words(n) :]
+    flags = packed[cuda_bits.flags_at(n) :]
     for start in range(0, n, _PACK_STEP):
         part = flat[start : start + _PACK_STEP]
         size = part.numel()
@@ -171,8 +171,8 @@ Compact = Tensor | PackedSpikes
 
 def mark_packed(t: Tensor, packing: PackedSpikes) -> Tensor:
     """Tag ``t`` with the packing a kernel wrote of it (a pooled block's output: the spikes
-    behind each mean), which :func:`compact` then keeps instead of t, until t is modified in
-    place; returns t."""
+    behind each mean), until t is modified in place: :func:`compact` then keeps the packing
+    instead of t, and unpacking it is t's recipe (:mod:`.recompute`); returns t."""
     if not t.is_inference():
         setattr(t, _PACKING, (t._version, packing))
     return t
