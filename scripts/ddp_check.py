@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 scripts/ddp_check.py --dtype float32 --steps 5
     torchrun --nproc_per_node=2 scripts/ddp_check.py --model sew_resnet18 --memory min
     torchrun --nproc_per_node=2 scripts/ddp_check.py --repeated   # input images.expand(T, ...)
+    torchrun --nproc_per_node=2 scripts/ddp_check.py --memory min --chunked  # batch chunks
     torchrun --nproc_per_node=2 scripts/ddp_check.py --share-gpu  # a 1-GPU machine: gloo on cuda:0
 
 Every rank trains the DDP-wrapped fused model on its slice of a global batch and, alongside, a
@@ -53,7 +54,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from spikefuse import functional, layer, models, neuron, surrogate
-from spikefuse.fused import FusedBlock, fuse, paper_lif
+from spikefuse.fused import FusedBlock, fuse, low_memory, paper_lif
 from spikefuse.fused.blocks import MEMORY_MODES
 from spikefuse.neuron import BaseNode
 
@@ -274,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="feed images.expand(T, ...) (no input gradient): the first block runs one step",
     )
+    parser.add_argument(
+        "--chunked",
+        action="store_true",
+        help="memory='min' blocks run in batch chunks of one sample whatever their size "
+        "(statistics and sums combined over chunks, then processes)",
+    )
     parser.add_argument("--batch", type=int, default=4, help="per-process batch size")
     parser.add_argument(
         "--dtype",
@@ -288,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         help="every rank on cuda:0, communicating through gloo (a machine with one GPU)",
     )
     args = parser.parse_args(argv)
+    if args.chunked and args.memory != "min":
+        parser.error("--chunked is memory='min''s batch chunking: add --memory min")
+    if args.chunked:  # every map is "large", and no chunk holds more than one sample
+        low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES = 0, 1
     if args.share_gpu and not torch.cuda.is_available():
         parser.error("--share-gpu needs a CUDA GPU, and PyTorch sees none")
     use_cuda = args.share_gpu or (

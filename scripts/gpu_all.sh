@@ -23,7 +23,7 @@ case "$task" in
       echo "DDP check: SKIPPED (needs a GPU)" | tee "$OUT/ddp_check.log"
     else
       : > "$OUT/ddp_check.log"
-      for run in "cnn default" "cnn default --repeated" "sew_resnet18 default" \
+      for run in "cnn default" "cnn default --repeated" "cnn min --chunked" "sew_resnet18 default" \
                  "sew_resnet18 min" "sew_resnet18 auto" "spiking_resnet19 default" \
                  "spiking_resnet19 min" "spiking_resnet19 auto"; do
         read -r model memory extra <<< "$run"

@@ -80,6 +80,12 @@ def test_two_processes_match_one_process_on_an_input_repeated_over_time():
     _assert_all_pass(_run_ddp_check("--dtype", "float64", "--repeated"), checks=1)
 
 
+def test_min_memory_blocks_in_batch_chunks_match_one_process():
+    """memory="min" blocks run in chunks of one sample: the statistics combine over the chunks,
+    then over the processes, and backward's sums likewise."""
+    _assert_all_pass(_run_ddp_check("--memory", "min", "--chunked", "--dtype", "float64"), 1)
+
+
 @pytest.mark.parametrize("memory", ["default", "min", "auto"])
 def test_fused_sew_resnet18_two_processes_match_one_process(memory):
     """SEW-ResNet-18 (every BatchNorm fused and synchronised), every memory mode."""

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from conftest import gen
-from spikefuse import fuse, layer
+from spikefuse import fuse, layer, neuron
 from spikefuse.cuda import spike_bits as cuda_bits
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, blocks, spike_bits
+from spikefuse.fused import FusedBlock, blocks, low_memory, spike_bits
 from spikefuse.fused.blocks import SpikePool
 from spikefuse.fused.recompute import recipe_of
 from spikefuse.fused.spike_bits import (
@@ -399,3 +399,132 @@ def test_an_unfused_conv_saves_a_min_blocks_spikes_packed(packed):
     low = fuse(copy.deepcopy(model), memory="min")
     assert_same_training_step(fuse(model), low, x, FP64_TOL)
     assert packed == [(6, 4, 6, 6)]  # the unfused conv's merged input [T*B, C, H, W]
+
+
+def plif_node() -> neuron.ParametricLIFNode:
+    return neuron.ParametricLIFNode(init_tau=3.0, step_mode="m", backend="torch")
+
+
+@pytest.mark.parametrize("node", ["lif", "plif"])
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_min_memory_in_batch_chunks_equals_the_default_mode(chunks, node, monkeypatch):
+    """Blocks whose synapse output is large run in equal batch chunks (here every block with
+    BatchNorm, in ``chunks``): outputs, input and parameter gradients and the running
+    statistics equal the default mode's in float64, in training and in eval."""
+    parts = []
+    real_parts = blocks.batch_parts
+    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: chunks)
+    monkeypatch.setattr(
+        blocks,
+        "batch_parts",
+        lambda *a: parts.append(a) or real_parts(*a),  # type: ignore[func-returns-value]
+    )
+    make = lif if node == "lif" else plif_node
+    x = torch.rand(5, 4, 3, 8, 8, dtype=torch.float64, generator=gen(3)) * 2
+    default = fuse(conv_stack(torch.float64, node=make))
+    low = fuse(conv_stack(torch.float64, node=make), memory="min")
+    for _ in range(2):  # twice: the running statistics move
+        assert_same_training_step(default, low, x, FP64_TOL)
+    assert parts == [(4, chunks)] * 8  # four blocks, two steps
+    default.eval()
+    low.eval()
+    assert_same_training_step(default, low, x, FP64_TOL)  # running statistics
+
+
+@pytest.mark.parametrize("spikes", [True, False], ids=["spike-input", "real-input"])
+@pytest.mark.parametrize(
+    "make", [m for k, m in SYNAPSES.items() if "autograd" not in k], ids=lambda m: ""
+)
+def test_min_memory_in_batch_chunks_for_every_synapse(make, spikes, monkeypatch):
+    """Every synapse with an explicit backward, bias or not, spikes (packed, unpacked by
+    chunks) or real input, with and without an input gradient: chunked equals the default
+    mode in float64."""
+    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 3)
+    synapse = make()
+    model = _synapse_pair(synapse)
+    if spikes:  # tagged inside the model: the test's copies of x drop the tag
+        model = nn.Sequential(TagSpikes(), *model)
+    default, low = fuse(copy.deepcopy(model)), fuse(copy.deepcopy(model), memory="min")
+    x = torch.rand(5, 6, *SHAPES[type(synapse)], dtype=torch.float64, generator=gen(5)) * 2
+    if spikes:
+        x = (x > 1).double()
+    for _ in range(2):
+        assert_same_training_step(default, low, x, FP64_TOL)
+    frozen = x.detach()
+    (default(frozen).sum() + low(frozen).sum()).backward()
+    for p_d, p_l in zip(default.parameters(), low.parameters(), strict=True):
+        torch.testing.assert_close(p_l.grad, p_d.grad, **FP64_TOL)
+
+
+def test_a_chunked_block_keeps_its_input_packed_and_unpacks_it_by_chunks(monkeypatch):
+    """Spike input in 2 chunks: each chunk's input is kept packed (as much as the whole
+    input's packing, rows padded to 16 bytes), and backward unpacks one chunk at a time, never
+    the whole input."""
+    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 2)
+    t, b, c, h, w = 4, 8, 16, 8, 8
+    model = nn.Sequential(*conv_bn_lif(3, c), *conv_bn_lif(c, c))
+    x = torch.randn(t, b, 3, h, w)
+    spikes = t * b * c * h * w
+    vectors = 2 * c * 4  # mean, invstd
+    # the first block keeps the model input itself (it is the caller's anyway)
+    assert saved_bytes(fuse(model, memory="min"), x) == spikes // 8 + spikes // 32 + 2 * vectors
+    unpacked = []
+    real_unpack = PackedSpikes.unpack
+    monkeypatch.setattr(
+        PackedSpikes, "unpack", lambda p: unpacked.append(p.shape) or real_unpack(p)
+    )
+    fuse(model, memory="min")(x.requires_grad_()).sum().backward()
+    assert unpacked and set(unpacked) == {torch.Size((t * b // 2, c, h, w))}
+
+
+@pytest.mark.parametrize(
+    ("batch", "mib", "chunks"),
+    [(64, 255, 1), (64, 256, 8), (64, 320, 8), (64, 1024, 32), (6, 400, 6), (7, 300, 7)],
+)
+def test_batch_chunks_are_the_fewest_equal_ones_within_the_bound(batch, mib, chunks):
+    assert (low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES) == (256 << 20, 48 << 20)
+    assert low_memory.batch_chunks(batch, mib << 20) == chunks
+
+
+class TagSpikes(nn.Module):
+    """Tags its (0/1) input as a fused block's spikes, as if one made it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mark_spikes(x * 1)
+
+
+def test_a_packing_is_cut_into_its_batch_chunks_where_they_fill_words():
+    t, b, n = 3, 4, 16
+    values = (torch.rand(t, b, n, generator=gen(2)) > 0.5).float()
+    values[2, 1, 3] = float("nan")
+    whole = PackedSpikes.of(values)
+    restored = whole.unpack()  # the NaN poisons its word: the 32 values of 2 samples
+    for index in (0, 1):
+        part = spike_bits.packing_part(whole, index, 2)
+        assert part is not None and part.shape == (t, 2, n)
+        chunk = restored[:, 2 * index : 2 * index + 2]
+        assert torch.equal(part.unpack().nan_to_num(7), chunk.nan_to_num(7))
+    assert restored.isnan().sum() == 32
+    assert spike_bits.packing_part(whole, 0, 4) is None  # 16 bits a step: not whole words
+    assert spike_bits.packing_part(PackedSpikes.of(values.transpose(0, 1)), 0, 2) is None
+
+
+def test_packings_of_batch_chunks_join_into_the_whole_ones():
+    """Per step, the chunks' words in batch order, then their flags: the packing of the whole."""
+    t, b, n = 3, 4, 16
+    values = (torch.rand(t, b, n, generator=gen(1)) > 0.5).float()
+    values[1, 2, 5] = float("nan")
+    order = (0, 1, 2)
+    parts = [pack_bits(values[:, i : i + 2].contiguous(), order) for i in (0, 2)]
+    assert torch.equal(spike_bits.joined_batch_chunks(parts, t), pack_bits(values, order))
+
+
+def test_auto_memory_never_chunks(monkeypatch):
+    """memory="auto" recomputes unchunked: its rule prices one synapse forward."""
+    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 2)
+    chunked = []
+    monkeypatch.setattr(blocks.FusedBlock, "_forward_chunked", lambda *a: chunked.append(a))
+    model = fuse(nn.Sequential(*conv_bn_lif(3, 8), *conv_bn_lif(8, 8)), memory="auto")
+    model(torch.rand(2, 4, 3, 8, 8).requires_grad_()).sum().backward()
+    assert "min" in [b.memory_choice for b in model.modules() if isinstance(b, FusedBlock)]
+    assert not chunked

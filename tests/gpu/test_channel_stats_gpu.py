@@ -286,7 +286,7 @@ def test_distributed_local_statistics_use_the_kernel(kernel_calls):
     """Each process's local (mean, var) before the all-reduce: the kernel on channels-last y."""
     y = torch.randn(40, 16, 5, 5, device="cuda").contiguous(memory_format=torch.channels_last)
     y = y.unflatten(0, (5, 8))
-    mean, var = statistics._local_mean_var(y)
+    mean, var = statistics.local_mean_var(y)
     assert kernel_calls == [(5 * 8 * 25, 16)]
     want_var, want_mean = torch.var_mean(y.double(), dim=(0, 1, 3, 4), correction=0)
     assert mean_error(mean, want_mean, want_var.rsqrt()) <= EXACT

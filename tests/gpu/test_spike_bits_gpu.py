@@ -193,3 +193,92 @@ def test_a_block_restores_its_output_in_a_cuda_graph_replay():
         graph.replay()
         for got, expected in zip(grads, want, strict=True):  # cuDNN may sum in another order
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("steps", [4, max(AFFINE_CHUNK.values()) + 2], ids=["T4", "T-past-a-chunk"])
+def test_min_memory_in_batch_chunks_matches_the_default_mode(steps, no_tf32, monkeypatch):
+    """memory="min" blocks in 2 batch chunks (a pooled block; an unpooled one, which keeps the
+    pooled block's packing; another, which packs its input spikes per chunk): the pooled output
+    keeps the chunks' packings joined into the whole map's, and a training step (eager, then
+    replayed from a CUDA graph) equals the default mode's to float32 rounding (and the rare
+    spike that rounding flips)."""
+    from spikefuse.fused import blocks
+
+    def model(memory: str) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            conv_block(torch.float32, 32, pool=True, memory=memory),
+            conv_block(torch.float32, 32, pool=False, memory=memory),
+            conv_block(torch.float32, 32, pool=False, memory=memory),
+        )
+
+    default, low = model("default"), model("min")
+    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 2)
+    x = (torch.rand(steps, 4, 32, 8, 8, device="cuda") > 0.6).float().requires_grad_()
+    pooled = low[0](x)
+    kept = compact(pooled)
+    assert isinstance(kept, PackedSpikes) and kept.window == 4
+    assert torch.equal(kept.unpack(), pooled)
+    del pooled, kept  # their autograd graph would keep the parameters' AccumulateGrad nodes
+    # (made on this stream) alive into the capture below, which then fails
+
+    def step(net: nn.Sequential) -> list[torch.Tensor]:
+        x.grad = None
+        net.zero_grad(set_to_none=False)
+        net(x).sum().backward()
+        return [x.grad.clone()] + [p.grad.clone() for p in net.parameters()]
+
+    want = step(default)
+    # The statistics and the weight gradients summed over chunks round differently, which
+    # can flip a spike whose potential sits on the threshold (changing a few gradients
+    # locally): equal to 1e-3 of each gradient's norm.
+    for got, expected in zip(step(low), want, strict=True):
+        assert (got - expected).norm() <= 1e-3 * expected.norm()
+    frozen = x.detach()  # a new leaf's gradient would accumulate outside the capture's stream
+
+    def params_step() -> list[torch.Tensor]:
+        low.zero_grad(set_to_none=False)
+        low(frozen).sum().backward()
+        return [p.grad.clone() for p in low.parameters()]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # kernels compiled and the allocator warm before capture
+            eager = params_step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    low.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        low(frozen).sum().backward()
+    graph.replay()
+    for got, expected in zip([p.grad for p in low.parameters()], eager, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)  # cuDNN's sum order
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("features", [100, 128])
+def test_a_chunked_linear_block_on_spikes_matches_the_default_mode(features, monkeypatch):
+    """Linear -> BN -> LIF in 2 batch chunks on tagged spikes [3, 2, features]: a chunk's step
+    of 100 bits is no whole number of words (backward unpacks the input whole), one of 128
+    is (backward unpacks the chunks' parts of the packing)."""
+    from spikefuse.fused import blocks
+    from spikefuse.fused.spike_bits import mark_spikes
+
+    def block(memory: str) -> FusedBlock:
+        torch.manual_seed(0)
+        linear, bn = nn.Linear(features, 64), nn.BatchNorm1d(64)
+        return FusedBlock(linear.cuda(), bn.cuda(), paper_lif(), memory=memory)
+
+    default, low = block("default"), block("min")
+    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 2)
+    spikes = (torch.rand(3, 2, features, device="cuda") > 0.5).float()
+    grads = []
+    for net in (default, low):
+        x = mark_spikes(spikes.clone()).requires_grad_()
+        net(x).sum().backward()
+        grads.append([x.grad] + [p.grad for p in net.parameters()])
+    # the Linear's bias gradient is rounding noise (~1e-6: BatchNorm removes the bias)
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert (got - want).norm() <= 1e-3 * want.norm() + 1e-4

@@ -20,11 +20,25 @@ from ..functional import repeat_over_time, repeated_over_time
 from ..neuron import BaseNode, LIFNode
 from ..ops import forbid_double_backward, run_neuron
 from .bn_neuron import BNNeuronFunction, bn_neuron_forward, kernels_pool, repeated
-from .low_memory import SynapseRecomputeFunction
+from .low_memory import (
+    ChunkedSynapseFunction,
+    SynapseRecomputeFunction,
+    batch_chunks,
+    batch_parts,
+    explicit_backward,
+)
 from .neuron_call import NeuronCall
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
 from .spike_bits import PackedSpikes, compact, expand, is_spikes, mark_packed, mark_spikes
-from .statistics import BNSpec, BNStats, bn_statistics, is_distributed, refuse_join
+from .statistics import (
+    BNSpec,
+    BNStats,
+    bn_statistics,
+    bn_statistics_of_chunks,
+    is_distributed,
+    local_mean_var,
+    refuse_join,
+)
 from .traced import traced_bn_neuron
 
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
@@ -365,6 +379,28 @@ class FusedBlock(MultiStepOnly, nn.Module):
             merged = merged.contiguous(memory_format=torch.channels_last)
         return merged
 
+    def _merged_part(self, x: Tensor, part: slice) -> Tensor:
+        """x[:, part] as the synapse's [T*b, ...] batch in the layout it runs in: a view of x
+        where it is that already (the whole batch, dense), else a copy."""
+        src = x[:, part]
+        layout = torch.channels_last if self._runs_channels_last(x) else torch.contiguous_format
+        if src.shape[1] == x.shape[1]:
+            view = src.flatten(0, 1)  # a copy (of the logical order) where not viewable
+            if view.is_contiguous(memory_format=layout):
+                return view
+        merged = torch.empty(
+            (src.shape[0] * src.shape[1], *src.shape[2:]),
+            dtype=x.dtype,
+            device=x.device,
+            memory_format=layout,
+        )
+        merged.unflatten(0, src.shape[:2]).copy_(src)
+        return merged
+
+    def _synapse_merged(self, merged: Tensor, steps: int) -> Tensor:
+        """The synapse output [T, b, ...] of a merged batch [T*b, ...] of ``steps`` steps."""
+        return self._kind.forward(self.synapse, merged).unflatten(0, (steps, -1))
+
     def _synapse_call(self, x: Tensor) -> Tensor:
         """y = synapse(x) on [T, B, ...] (memory="min" recomputes it in backward). The torch base
         class's forward: spikefuse layers would otherwise re-split T and B.
@@ -410,22 +446,26 @@ class FusedBlock(MultiStepOnly, nn.Module):
             return self._kind.forward(self.synapse, merged).unflatten(0, x.shape[:2])
 
     def _prepare(
-        self, y: Tensor
+        self, y: Tensor, statistics: bool = True
     ) -> tuple[NeuronCall, Tensor | None, BNSpec | None, BNStats | None]:
         """(neuron call, learnable values, BN spec, statistics) for this call's synapse output:
-        everything is checked before BatchNorm counts the batch and updates its statistics."""
+        everything is checked before BatchNorm counts the batch and updates its statistics
+        (``statistics=False``: the caller takes them; None here)."""
         if torch.compiler.is_compiling():  # no module state written while tracing
             neuron = NeuronCall.from_node(self.node, y)
         else:
             neuron = self._neuron_call = NeuronCall.from_node(self.node, y, self._neuron_call)
         if self.bn is not None and is_distributed(self.process_group):
             refuse_join()
-        # the node's NaN check (a host sync: eager anomaly mode only)
-        if not torch.compiler.is_compiling() and torch.is_anomaly_enabled():
-            self.node._check_no_nan(y, None)
+        self._check_anomaly(y)
         learnable = self.node.learnable_values(y.device, compute_dtype(y.dtype))
         bn = self._bn_spec()
-        return neuron, learnable, bn, None if bn is None else bn_statistics(y, bn)
+        return neuron, learnable, bn, None if bn is None or not statistics else bn_statistics(y, bn)
+
+    def _check_anomaly(self, y: Tensor) -> None:
+        """The node's NaN check of its input (a host sync: eager anomaly mode only)."""
+        if not torch.compiler.is_compiling() and torch.is_anomaly_enabled():
+            self.node._check_no_nan(y, None)
 
     def recomputes(self, x: Tensor) -> bool:
         """Whether a training call on ``x`` keeps only the input and recomputes the synapse
@@ -495,6 +535,9 @@ class FusedBlock(MultiStepOnly, nn.Module):
         """memory="min": y is computed without autograd here and recomputed in backward (of
         an input repeated over time, as in :meth:`forward`, only one step)."""
         repeat = self._repeat(x)
+        chunks = self._batch_chunks(x, repeat, residual)
+        if chunks > 1:
+            return self._forward_chunked(x, batch_parts(x.shape[1], chunks))
         with torch.no_grad():
             kept_y = self._synapse_kept(x, repeat)
         y = repeated(kept_y, repeat)
@@ -519,6 +562,58 @@ class FusedBlock(MultiStepOnly, nn.Module):
             *self.synapse.parameters(),
         )
         # without bits the next layer keeps the spikes (packed where binary)
+        return self._tagged(self._pooled(self._with_bits(spikes, packed, pool), pool))
+
+    def _batch_chunks(self, x: Tensor, repeat: int, residual: Tensor | None) -> int:
+        """How many batch chunks memory="min" runs this call in (1: none; see
+        :func:`~.low_memory.batch_chunks`): blocks with BatchNorm whose synapse backward is
+        explicit, on an input that is not repeated over time, without a residual. Not with
+        "auto", whose rule prices recomputing at one synapse forward (chunks take three)."""
+        if self.memory != "min" or self.bn is None or repeat > 1 or residual is not None:
+            return 1
+        if not explicit_backward(self.synapse):
+            return 1
+        device = x.device.type
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+        per_step, _ = self._synapse_geometry(x.shape[1:])
+        return batch_chunks(x.shape[1], per_step * x.shape[0] * dtype.itemsize)
+
+    def _forward_chunked(self, x: Tensor, parts: list[slice]) -> Tensor:
+        """memory="min" in equal batch chunks (:class:`~.low_memory.ChunkedSynapseFunction`):
+        a first pass over the chunks takes the batch statistics (each chunk's y computed and
+        dropped), then the Function recomputes each chunk for the neuron."""
+        steps = x.shape[0]
+        with torch.no_grad():
+            y = self._synapse_merged(self._merged_part(x, parts[0]), steps)
+        neuron, learnable, bn, _ = self._prepare(y, statistics=False)
+        assert bn is not None  # chunked blocks have BatchNorm
+        if bn.batch_stats:
+            moments = [local_mean_var(y)]
+            with torch.no_grad():
+                for part in parts[1:]:
+                    del y  # before the next chunk's
+                    y = self._synapse_merged(self._merged_part(x, part), steps)
+                    self._check_anomaly(y)
+                    moments.append(local_mean_var(y))
+            stats = bn_statistics_of_chunks(moments, bn, y)
+        else:
+            stats = bn_statistics(y, bn)
+        pool = self._kernel_pool(y, stats, neuron, None)
+        del y
+        spikes, packed = ChunkedSynapseFunction.apply(
+            x,
+            bn.weight,
+            bn.bias,
+            learnable,
+            stats,
+            bn,
+            neuron,
+            self,
+            pool,
+            parts,
+            *self.synapse.parameters(),
+        )
         return self._tagged(self._pooled(self._with_bits(spikes, packed, pool), pool))
 
     def _kernel_pool(

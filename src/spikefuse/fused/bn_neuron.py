@@ -309,16 +309,8 @@ def bn_neuron_grads(
         grad_residual = None if residual is None else g.to(residual.dtype)
         grad_y = g.to(y.dtype, copy=residual is not None)  # never the residual's tensor too
         return _summed_if_repeated(grad_y, y), None, None, grad_learnable, grad_residual
-    grad_weight = sums[1] * stats.invstd if needs[0] else None
-    grad_bias = sums[0] if needs[1] else None
-    totals, inv_count = None, 0.0
-    if bn.batch_stats:
-        totals, count = sums, stats.count
-        if is_distributed(bn.group):  # the local sums stay the local parameter gradients
-            totals = all_reduce_sums(sums.clone(), bn.group)
-        if isinstance(count, Tensor):  # the count over all processes stays on the device
-            totals, count = totals / count, 1
-        inv_count = 1.0 / count
+    grad_weight, grad_bias = bn_affine_grads(sums, stats, needs)
+    totals, inv_count = batch_totals(sums, stats, bn)
     grad_y, grad_residual = bn_input_grad(
         g,
         y,
@@ -334,6 +326,27 @@ def bn_neuron_grads(
         overwrite_y,
     )
     return _summed_if_repeated(grad_y, y), grad_weight, grad_bias, grad_learnable, grad_residual
+
+
+def bn_affine_grads(
+    sums: Tensor, stats: BNStats, needs: tuple[bool, ...]
+) -> tuple[Tensor | None, Tensor | None]:
+    """(dL/dgamma, dL/dbeta) from pass 1's local per-channel sums, each None unless ``needs``
+    (gamma, beta) asks: DDP averages the local gradients."""
+    return (sums[1] * stats.invstd if needs[0] else None), (sums[0] if needs[1] else None)
+
+
+def batch_totals(sums: Tensor, stats: BNStats, bn: BNSpec) -> tuple[Tensor | None, float]:
+    """(totals, inv_count) for pass 2 (:func:`bn_input_grad`): the per-channel sums over all
+    processes and 1 / their count with batch statistics, else (None, 0)."""
+    if not bn.batch_stats:
+        return None, 0.0
+    totals, count = sums, stats.count
+    if is_distributed(bn.group):  # the local sums stay the local parameter gradients
+        totals = all_reduce_sums(sums.clone(), bn.group)
+    if isinstance(count, Tensor):  # the count over all processes stays on the device
+        totals, count = totals / count, 1
+    return totals, 1.0 / count
 
 
 def _summed_if_repeated(grad_y: Tensor, y: Tensor) -> Tensor:

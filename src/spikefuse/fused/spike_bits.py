@@ -165,6 +165,40 @@ class PackedSpikes:
         return unpack_bits(self.bits, self.shape, self.dtype, self.order, self.window)
 
 
+def joined_batch_chunks(parts: list[Tensor], steps: int) -> Tensor:
+    """The packing of a [T, B, ...] tensor from the packings the kernels wrote of its equal
+    batch chunks [T, B / K, ...] in batch order (each of a step's words whole: the kernels pack
+    only such chunks): per step, the chunks' words one after another, then their flags
+    likewise (a packing is in memory order, steps outermost, then the batch)."""
+    words = parts[0].numel() // 5  # 4 bytes of bits and a flag byte per word
+
+    def joined(lo: int, hi: int) -> Tensor:  # [T, K, bytes per chunk and step], flattened
+        return torch.stack([p[lo:hi].view(steps, -1) for p in parts], 1).flatten()
+
+    return torch.cat([joined(0, 4 * words), joined(4 * words, 5 * words)])
+
+
+def packing_part(packing: PackedSpikes, index: int, chunks: int) -> PackedSpikes | None:
+    """The packing of batch chunk ``index`` of ``chunks`` equal ones [T, B / K, ...] of the
+    tensor ``packing`` holds (a copy of 1/K of its bytes; the inverse of
+    :func:`joined_batch_chunks`), or None where they do not lie in whole words of their own:
+    the steps and then the batch outermost in memory, each chunk's step a whole number of
+    words."""
+    shape, window = packing.shape, packing.window
+    steps, batch = shape[0], shape[1]
+    step_bits = shape.numel() // max(steps, 1) * window
+    if packing.order[:2] != (0, 1) or batch % chunks or step_bits % (32 * chunks):
+        return None
+    words = cuda_bits.packed_words(shape.numel(), window)
+
+    def part(lo: int, hi: int) -> Tensor:  # chunk index's bytes of every step, in step order
+        return packing.bits[lo:hi].view(steps, chunks, -1)[:, index].flatten()
+
+    bits = torch.cat([part(0, 4 * words), part(4 * words, 5 * words)])
+    chunk_shape = torch.Size((steps, batch // chunks, *shape[2:]))
+    return PackedSpikes(bits, chunk_shape, packing.dtype, packing.order, window)
+
+
 #: A tensor kept for backward: itself, or its packing when it is spikes (:func:`compact`).
 Compact = Tensor | PackedSpikes
 

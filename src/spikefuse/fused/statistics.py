@@ -150,8 +150,9 @@ def _eager_cuda(y: Tensor) -> bool:
     return y.is_cuda and not torch.compiler.is_compiling()
 
 
-def _local_mean_var(y: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-channel mean and biased variance of y [T, B, C, *] in the compute dtype, one pass."""
+def local_mean_var(y: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance [C] of y [T, B, C, *] on this process, in the
+    compute dtype, one pass."""
     if _eager_cuda(y):
         # float32 statistics of any storage dtype and layout without a float32 copy of y. They
         # come as 1/sqrt(var) (0 where var is 0).
@@ -168,16 +169,25 @@ def batch_stats(
 ) -> tuple[Tensor, Tensor, int | Tensor]:
     """Per-channel (mean, biased var) over all dims but C, across processes; and the count n.
 
-    Each process computes its local mean/var in one pass; processes then all-reduce
-    (n·mean, n·(var + mean²), n) in float64 so recombining the moments loses nothing. A process
-    with no samples (n = 0) contributes zeros instead of the NaN moments of an empty tensor. Across
-    processes n stays a 0-dim tensor: reading it on the host would stall the GPU stream.
+    Each process computes its local mean/var in one pass (:func:`reduce_moments` combines them).
+    A process with no samples (n = 0) contributes zeros instead of the NaN moments of an empty
+    tensor.
     """
     count = y.numel() // y.shape[2]
     if count == 0:  # no samples here: contribute nothing (n = 0) to the statistics of the rest
         mean = var = y.new_zeros(y.shape[2], dtype=compute_dtype(y.dtype))
     else:
-        mean, var = _local_mean_var(one_step_if_repeated(y))
+        mean, var = local_mean_var(one_step_if_repeated(y))
+    return reduce_moments(mean, var, count, group)
+
+
+def reduce_moments(
+    mean: Tensor, var: Tensor, count: int, group: dist.ProcessGroup | None
+) -> tuple[Tensor, Tensor, int | Tensor]:
+    """This process's per-channel (mean, biased var) of ``count`` values each, combined with the
+    other processes' when distributed: they all-reduce (n·mean, n·(var + mean²), n) in float64,
+    so recombining the moments loses nothing. Across processes n stays a 0-dim tensor: reading
+    it on the host would stall the GPU stream."""
     if not is_distributed(group):
         return mean, var, count
     n = float(count)
@@ -296,11 +306,33 @@ def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
                     _count_tensor(local_count, mean),
                 )
             return BNStats(mean, invstd, weight, bias, local_count)
-    mean, var, count = batch_stats(y, bn.group)
+    return _from_moments(*batch_stats(y, bn.group), bn, y)
+
+
+@torch.no_grad()
+def bn_statistics_of_chunks(moments: list[tuple[Tensor, Tensor]], bn: BNSpec, y: Tensor) -> BNStats:
+    """:func:`bn_statistics` of a synapse output computed in equal batch chunks, from each
+    chunk's per-channel (mean, biased variance) (:func:`local_mean_var`): the union's mean is
+    the chunks' mean, its variance the mean of their variances plus the variance of their
+    means. ``y`` is one chunk (its dtype and count per channel)."""
+    means, variances = (torch.stack(m) for m in zip(*moments, strict=True))
+    mean = means.mean(0)
+    var = variances.mean(0) + (means - mean).square().mean(0)
+    count = len(moments) * (y.numel() // y.shape[2])
+    return _from_moments(*reduce_moments(mean, var, count, bn.group), bn, y)
+
+
+def _from_moments(mean: Tensor, var: Tensor, count: int | Tensor, bn: BNSpec, y: Tensor) -> BNStats:
+    """BNStats of the batch moments (over all processes), updating the running statistics where
+    this call tracks them (torch's rule: unbiased variance; momentum, or the cumulative average
+    where it is None)."""
+    cd = compute_dtype(y.dtype)
+    weight, bias = _detached_as(bn.weight, cd), _detached_as(bn.bias, cd)
+    running_mean, running_var, momentum = bn.running_mean, bn.running_var, bn.momentum
     if isinstance(count, int):
         _check_count(count, y)
-    if running is not None:
-        running_mean, running_var, tracked, _ = running
+    if bn.num_batches_tracked is not None and running_mean is not None and running_var is not None:
+        tracked = bn.num_batches_tracked
         tracked.add_(1)
         factor = 1.0 / tracked if momentum is None else momentum
         unbiased = var * (count / (count - 1))
