@@ -29,7 +29,17 @@ from .low_memory import (
 )
 from .neuron_call import NeuronCall
 from .recompute import Recipe, mark_recomputable, recipe_of, saving_recomputed
-from .spike_bits import PackedSpikes, compact, expand, is_spikes, mark_packed, mark_spikes
+from .spike_bits import (
+    PackedSpikes,
+    compact,
+    expand,
+    is_spikes,
+    mark_means,
+    mark_packed,
+    mark_spikes,
+    means_window,
+)
+from .spike_linear import SpikeLinearFunction, takes_split_path
 from .statistics import (
     BNSpec,
     BNStats,
@@ -433,9 +443,10 @@ class FusedBlock(MultiStepOnly, nn.Module):
         """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe, or
         packed at 1 bit per element where it has none (a min-memory block's output)."""
         merged = x.flatten(0, 1)
-        recipe = recipe_of(merged)
+        recipe = recipe_of(merged) or _merged_recipe(recipe_of(x))
         spikes = recipe is None and is_spikes(merged)
-        if recipe is None and not spikes:  # nothing to recompute (e.g. the network's input)
+        split = self._kind is nn.Linear and takes_split_path(x, self.synapse.weight)
+        if recipe is None and not spikes and not split:  # nothing to recompute or split
             return self._synapse_call(x)
         if self._runs_channels_last(merged):  # recompute in the conv's layout
             recipe = None if recipe is None else _channels_last(recipe)
@@ -443,7 +454,11 @@ class FusedBlock(MultiStepOnly, nn.Module):
             if spikes:  # a copy, if one was made, holds the same spikes
                 mark_spikes(merged)
         with saving_recomputed(merged, recipe):  # the very tensor the synapse saves
-            return self._kind.forward(self.synapse, merged).unflatten(0, x.shape[:2])
+            if split:
+                y = SpikeLinearFunction.apply(merged, self.synapse.weight, self.synapse.bias)
+            else:
+                y = self._kind.forward(self.synapse, merged)
+            return y.unflatten(0, x.shape[:2])
 
     def _prepare(
         self, y: Tensor, statistics: bool = True
@@ -719,9 +734,9 @@ class FusedBlock(MultiStepOnly, nn.Module):
         return WindowAvgPool.apply(merged, self._window, self._window)
 
     def _tagged(self, out: Tensor) -> Tensor:
-        """The output, tagged as binary spikes unless it is a pooled map (memory="min" packs a
-        next block's binary input at 1 bit per element)."""
-        return mark_spikes(out) if self.pool is None else out
+        """The output, tagged as binary spikes (memory="min" packs a next block's binary input
+        at 1 bit per element), or as the means of k x k spikes where the block pools."""
+        return mark_spikes(out) if self.pool is None else mark_means(out, self._window**2)
 
     def _traced_forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """What ``torch.compile`` traces: the synapse, the eager block's statistics (and
@@ -889,9 +904,20 @@ class SpikePool(MultiStepOnly, nn.Module):
             out = self._pool(merged)
         if recipe is not None:
             mark_recomputable(out, lambda: self._pool(recipe()))
-        if self._kind is nn.MaxPool2d and is_spikes(merged):  # the maximum of spikes: spikes
+        window = means_window(merged)  # 1: spikes; k²: means of k² spikes
+        if window == 1 and self._kind is nn.MaxPool2d:  # the maximum of spikes: spikes
             mark_spikes(out)
+        elif window is not None and self._kind is nn.MaxPool2d:  # the largest of such means
+            mark_means(out, window)
+        elif window is not None and self._window is not None:  # means of k x k of them
+            mark_means(out, window * self._window[0] * self._window[1])
         return out.unflatten(0, x.shape[:2])
+
+
+def _merged_recipe(recipe: Recipe | None) -> Recipe | None:
+    """The recipe of x.flatten(0, 1), from x's (where the tag is on x, a view: the merged view
+    of its memory does not see it)."""
+    return None if recipe is None else lambda: recipe().flatten(0, 1)
 
 
 def _weight_layout_after_load(block: FusedBlock, incompatible_keys: Any) -> None:

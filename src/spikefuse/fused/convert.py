@@ -63,7 +63,7 @@ from .blocks import (
     hook_kinds,
     pool_fold_problem,
 )
-from .recompute import RecomputedInput
+from .recompute import RecomputedInput, flatten_keeps_tags
 
 log = logging.getLogger("spikefuse.fuse")
 MODEL = "<model>"  # how reports name the model itself
@@ -1042,6 +1042,12 @@ class _Fuser:
                 self.report.recomputed_inputs.append(_join(path, name))
         for owner, chains in owners.items():
             self._rewrite(root, path, owner, chains)
+        for module in root.modules():  # a flattened copy of fused spikes keeps their tags
+            if (
+                isinstance(module, nn.Flatten)
+                and flatten_keeps_tags not in module._forward_hooks.values()
+            ):
+                module.register_forward_hook(flatten_keeps_tags)
 
     def _fuse(self, root: nn.Module, path: str, chain: _Chain) -> None:
         _replace(root, path, chain, self.process_group, self.memory, self.unfused_keys)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .spike_bits import PackedSpikes, is_spikes, packing_of
+from .spike_bits import PackedSpikes, is_spikes, mark_means, mark_spikes, means_window, packing_of
 
 Recipe = Callable[[], Tensor]
 _TAG = "_spikefuse_recipe"
@@ -171,3 +171,25 @@ class RecomputedInput:
     def _exit(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         if not torch.compiler.is_compiling():
             self._active.pop().__exit__(None, None, None)
+
+
+def flatten_keeps_tags(module: torch.nn.Module, args: tuple, out: object) -> None:
+    """A forward hook for ``nn.Flatten`` (what :func:`~spikefuse.fused.fuse` puts on them): the
+    output gets the input's tags, that it holds spikes or means of spikes (which lets a Linear
+    block run on bf16 terms, :mod:`.spike_linear`), and the flattening of its recipe, without
+    which the next layer would keep the output for backward where flattening copied the input
+    (a channels-last map, the layout of a Conv block's output). A tag on a view is not seen
+    from another view of the same memory, so a flattening view is tagged too."""
+    if torch.compiler.is_compiling() or not args or not isinstance(args[0], Tensor):
+        return
+    x = args[0]
+    if not isinstance(out, Tensor):
+        return
+    window = means_window(x)
+    if window == 1:
+        mark_spikes(out)
+    elif window is not None:
+        mark_means(out, window)
+    recipe = recipe_of(x)
+    if recipe is not None:
+        mark_recomputable(out, lambda: module.forward(recipe()))

@@ -23,6 +23,7 @@ from .device_constants import device_constant
 
 _SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
 _PACKING = "_spikefuse_packing"  # tag: the packing a kernel wrote of the tensor (mark_packed)
+_MEANS = "_spikefuse_means"  # tag: the tensor holds means of k² spikes (mark_means)
 
 
 def mark_spikes(t: Tensor) -> Tensor:
@@ -44,6 +45,28 @@ def is_spikes(t: Tensor) -> bool:
         ):
             return True
     return False
+
+
+def mark_means(t: Tensor, window: int) -> Tensor:
+    """Tag ``t`` as the means of ``window`` = k² spikes each (a k x k average pooling of
+    spikes), until it is modified in place; returns t."""
+    if not t.is_inference():
+        setattr(t, _MEANS, (t._version, window))
+    return t
+
+
+def means_window(t: Tensor) -> int | None:
+    """k² of a tensor tagged by :func:`mark_means` (or of the tensor it is a view of), 1 of
+    tagged spikes, else None."""
+    if is_spikes(t):
+        return 1
+    for candidate in (t, t._base):
+        if candidate is None or candidate.is_inference():
+            continue
+        tag = getattr(candidate, _MEANS, None)
+        if tag is not None and tag[0] == candidate._version:
+            return tag[1]
+    return None
 
 
 def _bit_weights(device: torch.device) -> Tensor:

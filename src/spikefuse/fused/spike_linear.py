@@ -1,0 +1,154 @@
+"""A float32 Linear on spikes at float32 accuracy on bf16 tensor cores.
+
+Full float32 matmuls (PyTorch's default precision) run on CUDA cores, about 7 times slower
+than bf16 tensor cores on an H100. When one operand is spikes (0 and 1, or the 2 x 2 means of
+spikes a pooled block writes: multiples of 1/4), bf16 holds it exactly, so only the other needs
+splitting: W = hi + mid + lo, three bf16 terms (:mod:`spikefuse.cuda.bf16_split`, about 2^-26
+relative), and
+
+    y = x Wᵀ = x hiᵀ + x midᵀ + x loᵀ,
+
+each term a bf16 matmul whose products are exact in float32 and which accumulates in float32:
+the result is as accurate as the float32 matmul's (measured: a relative error of 8e-8 against
+float64 where the float32 matmul's is 3e-7). The three terms run as one matmul against the
+stacked [3 N, K] terms, their three outputs summed after. The weight gradient dL/dW = gᵀ x
+splits g the same way (one batched matmul, a product per term, summed after). The input
+gradient g W has no exact operand (it would need six products) and stays one float32 matmul.
+On an H200 the medium DATE'22 net's 8192 → 1024 layer (640 rows) takes about 0.28 ms less per
+training step this way.
+
+A fused Linear block takes this path (:func:`takes_split_path`) on CUDA, in float32 without
+autocast, when PyTorch's float32 matmul precision is full ("highest"/"ieee": with TF32 allowed
+the plain matmul is faster), on an input tagged as spikes or as means of 2 x 2 (4 x 4, ...)
+spikes (a pooled block's output, also through a Flatten), and where the matmul is large enough
+to pay for the split (:data:`MIN_ROWS`, :data:`MIN_MACS`). Not under torch.compile (the
+compiled graph runs torch's matmul).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..cuda import bf16_split as cuda_split
+from ..cuda import unavailable_reason
+from ..ops import forbid_double_backward
+from .spike_bits import means_window
+
+# The split costs a pass over W (4 bytes read, 6 written per weight) and saves about 85% of a
+# float32 matmul's time; on an H100 it pays from about 125 rows (x's batch) and a few hundred
+# microseconds of float32 work. Below these, the plain matmul runs.
+MIN_ROWS = 256
+MIN_MACS = 1 << 31  # multiply-adds of x Wᵀ (about 50 us of float32 matmul on an H100)
+
+
+def holds_bf16_exact_spikes(x: Tensor) -> bool:
+    """Whether ``x`` is tagged as values bf16 holds exactly: spikes, or the means of k x k
+    spikes where k² is a power of two up to 256 (multiples of 1/k²: 8 significant bits)."""
+    window = means_window(x)
+    return window is not None and window <= 256 and window & (window - 1) == 0
+
+
+def full_float32_matmul() -> bool:
+    """Whether PyTorch runs float32 CUDA matmuls in full float32 (not TF32)."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:  # torch without the fp32_precision settings
+        return not matmul.allow_tf32
+    if precision == "none":  # inherits the global setting
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision in ("none", "ieee")
+
+
+def _has_mm_out_dtype() -> bool:
+    try:
+        torch.ops.aten.mm.dtype  # noqa: B018 (the overloads exist from torch 2.8)
+        torch.ops.aten.bmm.dtype  # noqa: B018
+    except AttributeError:
+        return False
+    return True
+
+
+_MM_OUT_DTYPE = _has_mm_out_dtype()
+
+
+def takes_split_path(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``F.linear(x, weight)`` of a fused block (x: [..., K], as tagged: a view of it
+    does not see a tag put on another view) runs as :class:`SpikeLinearFunction` on x's rows
+    (see the module docstring)."""
+    rows, (outputs, inputs) = x.shape[:-1].numel(), weight.shape
+    return (
+        _MM_OUT_DTYPE
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and unavailable_reason(x) is None
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled(x.device.type)
+        and rows >= MIN_ROWS
+        and rows * outputs * inputs >= MIN_MACS
+        and full_float32_matmul()
+        and holds_bf16_exact_spikes(x)
+    )
+
+
+def split_bf16(t: Tensor) -> Tensor:
+    """bfloat16 [3, *t.shape]: hi, mid, lo with hi + mid + lo = t (float32) to about 2^-26
+    relative; one kernel on CUDA, torch ops elsewhere: the same bits."""
+    t = t.contiguous()
+    if unavailable_reason(t) is None:
+        return cuda_split.split(t)
+    hi = t.to(torch.bfloat16)
+    rest = t - hi.float()  # exact (Sterbenz), as in the kernel
+    mid = rest.to(torch.bfloat16)
+    return torch.stack((hi, mid, (rest - mid.float()).to(torch.bfloat16)))
+
+
+def matmul_bf16_float32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of bfloat16 matrices, accumulated and returned in float32 (exact products)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()  # the same products and float32 sums, for CPU tests
+
+
+def batched_matmul_bf16_float32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of batches of bfloat16 matrices, accumulated and returned in float32."""
+    if a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class SpikeLinearFunction(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` (x: [M, K] whose values bf16 holds exactly, weight:
+    [N, K], bias: [N] or None; all float32) on bf16 tensor cores at float32 accuracy. Saves x
+    and the weight, as F.linear does, so a recipe that stands in for x (a fused block's
+    spikes) still applies."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        rows, (outputs, inputs) = x.shape[0], weight.shape
+        terms = split_bf16(weight).view(3 * outputs, inputs)
+        out = matmul_bf16_float32(x.to(torch.bfloat16), terms.t())  # [M, 3 N]: one per term
+        out = out.view(rows, 3, outputs).sum(1)
+        return out if bias is None else out.add_(bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        forbid_double_backward("a fused Linear block on spikes")
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.mm(weight)
+        if ctx.needs_input_grad[1]:
+            terms = split_bf16(grad_out).transpose(1, 2)  # [3, N, M]: g = hi + mid + lo
+            # One float32 product per term, summed after: summed inside one matmul's
+            # accumulation instead (the terms stacked along M), the small terms' products lose
+            # bits on tensor cores (a relative error of 2e-6 against float32's 2e-7).
+            x_bf16 = x.to(torch.bfloat16).expand(3, *x.shape)
+            grad_w = batched_matmul_bf16_float32(terms, x_bf16).sum(0)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_out.sum(0)
+        return grad_x, grad_w, grad_b
