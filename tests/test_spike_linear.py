@@ -192,8 +192,8 @@ def test_fused_linear_blocks_on_spikes_match_the_unfused_model(monkeypatch):
     default_saved = saved_bytes(fuse(linear_stack()), x)
     taken = []
 
-    def split_on_spikes(merged, weight):
-        taken.append(holds_bf16_exact_spikes(merged))
+    def split_on_spikes(inputs, weight):
+        taken.append(holds_bf16_exact_spikes(inputs))
         return taken[-1]
 
     monkeypatch.setattr(blocks, "takes_split_path", split_on_spikes)

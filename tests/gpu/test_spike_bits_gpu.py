@@ -14,6 +14,7 @@ from spikefuse.fused import FusedBlock, paper_lif, spike_bits
 from spikefuse.fused.recompute import recipe_of
 from spikefuse.fused.spike_bits import PackedSpikes, compact
 
+from .replay import eager_and_replayed_grads
 from .variants import AFFINE_CHUNK
 
 pytestmark = pytest.mark.gpu
@@ -173,24 +174,8 @@ def test_a_block_restores_its_output_in_a_cuda_graph_replay():
     model = nn.Sequential(conv_block(torch.float32, 32, False), conv_block(torch.float32, 32, True))
     x = (torch.rand(4, 2, 32, 8, 8, device="cuda") > 0.6).float()
 
-    def step() -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=False)
-        model(x).sum().backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            want = step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model(x).sum().backward()
-    grads = [p.grad for p in model.parameters()]
-    for _ in range(2):
-        model.zero_grad(set_to_none=False)
-        graph.replay()
+    want, replays = eager_and_replayed_grads(model, x, replays=2)
+    for grads in replays:
         for got, expected in zip(grads, want, strict=True):  # cuDNN may sum in another order
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -235,25 +220,8 @@ def test_min_memory_in_batch_chunks_matches_the_default_mode(steps, no_tf32, mon
     # locally): equal to 1e-3 of each gradient's norm.
     for got, expected in zip(step(low), want, strict=True):
         assert (got - expected).norm() <= 1e-3 * expected.norm()
-    frozen = x.detach()  # a new leaf's gradient would accumulate outside the capture's stream
-
-    def params_step() -> list[torch.Tensor]:
-        low.zero_grad(set_to_none=False)
-        low(frozen).sum().backward()
-        return [p.grad.clone() for p in low.parameters()]
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # kernels compiled and the allocator warm before capture
-            eager = params_step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    low.zero_grad(set_to_none=False)
-    with torch.cuda.graph(graph):
-        low(frozen).sum().backward()
-    graph.replay()
-    for got, expected in zip([p.grad for p in low.parameters()], eager, strict=True):
+    eager, (replayed,) = eager_and_replayed_grads(low, x.detach())
+    for got, expected in zip(replayed, eager, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)  # cuDNN's sum order
 
 

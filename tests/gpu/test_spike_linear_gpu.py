@@ -16,6 +16,8 @@ from spikefuse.fused import blocks, fuse, paper_lif
 from spikefuse.fused.spike_bits import mark_spikes
 from spikefuse.fused.spike_linear import SpikeLinearFunction, split_bf16
 
+from .replay import eager_and_replayed_grads
+
 pytestmark = pytest.mark.gpu
 
 
@@ -102,8 +104,8 @@ def test_fused_linear_blocks_take_the_split_path_and_match_the_plain_matmul(no_t
     )
     taken, takes_split_path = [], blocks.takes_split_path
 
-    def spy(merged: torch.Tensor, weight: torch.Tensor) -> bool:
-        taken.append(takes_split_path(merged, weight))
+    def spy(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
+        taken.append(takes_split_path(inputs, weight))
         return taken[-1]
 
     def step(net: nn.Sequential) -> list[torch.Tensor]:
@@ -112,7 +114,7 @@ def test_fused_linear_blocks_take_the_split_path_and_match_the_plain_matmul(no_t
         return [p.grad.clone() for p in net.parameters()]
 
     plain = fuse(pooled_then_linear())
-    monkeypatch.setattr(blocks, "takes_split_path", lambda merged, weight: False)
+    monkeypatch.setattr(blocks, "takes_split_path", lambda inputs, weight: False)
     want = step(plain)
     split = fuse(pooled_then_linear())
     monkeypatch.setattr(blocks, "takes_split_path", spy)
@@ -125,20 +127,10 @@ def test_fused_linear_blocks_take_the_split_path_and_match_the_plain_matmul(no_t
     for g, w in zip(got, want, strict=True):
         assert (g - w).norm() <= 5e-3 * w.norm() + 1e-6
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # kernels compiled and the allocator warm before capture
-            eager = step(split)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    split.zero_grad(set_to_none=False)
-    with torch.cuda.graph(graph):
-        split(x).sum().backward()
-    graph.replay()
+    eager, (replayed,) = eager_and_replayed_grads(split, x)
     # cuDNN's and cuBLAS's sum orders differ from run to run (split-K): an element whose terms
     # cancel can move by 1e-5, so norm-wise
-    for g, e in zip([p.grad for p in split.parameters()], eager, strict=True):
+    for g, e in zip(replayed, eager, strict=True):
         assert (g - e).norm() <= 1e-4 * e.norm() + 1e-5
 
 

@@ -443,8 +443,10 @@ class FusedBlock(MultiStepOnly, nn.Module):
         """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe, or
         packed at 1 bit per element where it has none (a min-memory block's output)."""
         merged = x.flatten(0, 1)
-        recipe = recipe_of(merged) or _merged_recipe(recipe_of(x))
-        spikes = recipe is None and is_spikes(merged)
+        # x's tags (a tag on x, a view, is not seen from merged, another view of its memory)
+        x_recipe = recipe_of(x)
+        recipe = None if x_recipe is None else lambda: x_recipe().flatten(0, 1)
+        spikes = recipe is None and is_spikes(x)
         split = self._kind is nn.Linear and takes_split_path(x, self.synapse.weight)
         if recipe is None and not spikes and not split:  # nothing to recompute or split
             return self._synapse_call(x)
@@ -912,12 +914,6 @@ class SpikePool(MultiStepOnly, nn.Module):
         elif window is not None and self._window is not None:  # means of k x k of them
             mark_means(out, window * self._window[0] * self._window[1])
         return out.unflatten(0, x.shape[:2])
-
-
-def _merged_recipe(recipe: Recipe | None) -> Recipe | None:
-    """The recipe of x.flatten(0, 1), from x's (where the tag is on x, a view: the merged view
-    of its memory does not see it)."""
-    return None if recipe is None else lambda: recipe().flatten(0, 1)
 
 
 def _weight_layout_after_load(block: FusedBlock, incompatible_keys: Any) -> None:

@@ -1,0 +1,39 @@
+"""A training step captured in a CUDA graph, against the same step run eagerly."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def eager_and_replayed_grads(
+    net: nn.Module, x: torch.Tensor, replays: int = 1
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """The parameter gradients of ``net(x).sum()``: of an eager step (on a side stream, after
+    one warm-up step: kernels compiled and the allocator warm before capture), and of each of
+    ``replays`` replays of the captured step. ``x`` needs no gradient: a leaf's gradient would
+    accumulate outside the capture's stream."""
+
+    def grads() -> list[torch.Tensor]:
+        return [p.grad.clone() for p in net.parameters()]
+
+    def step() -> list[torch.Tensor]:
+        net.zero_grad(set_to_none=False)
+        net(x).sum().backward()
+        return grads()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            eager = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        net(x).sum().backward()
+    replayed = []
+    for _ in range(replays):
+        net.zero_grad(set_to_none=False)
+        graph.replay()
+        replayed.append(grads())
+    return eager, replayed
