@@ -19,7 +19,8 @@ floor" the same op under ``torch.compile`` (the floor of any compiled module: it
 wrappers). A second table compares every one-state neuron and Izhikevich with LIF on the cuda
 backend, timed in interleaved rounds (``--rounds``; each round times every neuron in turn, a
 neuron's figure is the median of its rounds) and given as ratios to LIF: the host's pace drifts
-within a process by more than the neurons differ.
+within a process by more than the neurons differ. Each of its steps first sets the neuron's
+parameter gradients to None, as a training step's ``optimizer.zero_grad()`` does.
 """
 
 from __future__ import annotations
@@ -227,6 +228,9 @@ def _compare_neurons(
         node = make().to(device)
 
         def run(x: torch.Tensor, node: neuron.BaseNode = node) -> torch.Tensor:
+            # A training step's optimizer.zero_grad(): learnable parameters (PLIF's tau) get
+            # their gradient stored, not added to the last step's with one more kernel.
+            node.zero_grad(set_to_none=True)
             node.reset()
             return node(x)
 
