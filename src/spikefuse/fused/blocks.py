@@ -907,9 +907,7 @@ class SpikePool(MultiStepOnly, nn.Module):
         if recipe is not None:
             mark_recomputable(out, lambda: self._pool(recipe()))
         window = means_window(merged)  # 1: spikes; k²: means of k² spikes
-        if window == 1 and self._kind is nn.MaxPool2d:  # the maximum of spikes: spikes
-            mark_spikes(out)
-        elif window is not None and self._kind is nn.MaxPool2d:  # the largest of such means
+        if window is not None and self._kind is nn.MaxPool2d:  # the largest: the same kind
             mark_means(out, window)
         elif window is not None and self._window is not None:  # means of k x k of them
             mark_means(out, window * self._window[0] * self._window[1])

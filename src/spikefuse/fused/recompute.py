@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .spike_bits import PackedSpikes, is_spikes, mark_means, mark_spikes, means_window, packing_of
+from .spike_bits import PackedSpikes, is_spikes, mark_means, means_window, packing_of
 
 Recipe = Callable[[], Tensor]
 _TAG = "_spikefuse_recipe"
@@ -180,15 +180,13 @@ def flatten_keeps_tags(module: torch.nn.Module, args: tuple, out: object) -> Non
     which the next layer would keep the output for backward where flattening copied the input
     (a channels-last map, the layout of a Conv block's output). A tag on a view is not seen
     from another view of the same memory, so a flattening view is tagged too."""
-    if torch.compiler.is_compiling() or not args or not isinstance(args[0], Tensor):
+    if torch.compiler.is_compiling() or not args:
         return
     x = args[0]
-    if not isinstance(out, Tensor):
+    if not isinstance(x, Tensor) or not isinstance(out, Tensor):
         return
     window = means_window(x)
-    if window == 1:
-        mark_spikes(out)
-    elif window is not None:
+    if window is not None:
         mark_means(out, window)
     recipe = recipe_of(x)
     if recipe is not None:

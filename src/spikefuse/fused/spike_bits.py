@@ -49,7 +49,11 @@ def is_spikes(t: Tensor) -> bool:
 
 def mark_means(t: Tensor, window: int) -> Tensor:
     """Tag ``t`` as the means of ``window`` = k² spikes each (a k x k average pooling of
-    spikes), until it is modified in place; returns t."""
+    spikes), until it is modified in place; returns t. A window of 1 tags spikes
+    (:func:`mark_spikes`): what :func:`means_window` gives back, so a layer that keeps its
+    input's kind of values passes ``means_window(x)`` on as it is."""
+    if window == 1:
+        return mark_spikes(t)
     if not t.is_inference():
         setattr(t, _MEANS, (t._version, window))
     return t
