@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -20,8 +22,10 @@ def run_on(stream: torch.cuda.Stream, fn: Callable[[], R]) -> R:
     return result
 
 
-def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> torch.cuda.graph:
-    """``torch.cuda.graph(graph, stream=stream)`` after dropping cuBLAS's workspaces.
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> Iterator[None]:
+    """``torch.cuda.graph(graph, stream=stream)`` after dropping cuBLAS's workspaces and
+    collecting garbage, with Python's cyclic garbage collector off until the capture ends.
 
     cuBLAS keeps one workspace per stream (32 MiB on Hopper) for the life of the process.
     Dropped first, the capture allocates its workspace in the graph's own pool. A later drop,
@@ -29,9 +33,23 @@ def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> torch.c
     to other tensors. The warm-up's workspace is freed first, so a capture on the warm-up
     stream peaks at the eager step's memory. Captured on a fresh stream without the drop, it
     would peak 65 MiB above it on the medium network.
+
+    Destroying a CUDA graph during another capture invalidates that capture (the destructor's
+    calls are not permitted while a stream captures). A dropped graph that sits in a reference
+    cycle (``torch.cuda.make_graphed_callables``' results do) is destroyed only when the
+    collector runs, which can happen at any allocation, and PyTorch no longer collects before
+    a capture. So the garbage is collected here first, and the collector waits for the end.
     """
     torch._C._cuda_clearCublasWorkspaces()
-    return torch.cuda.graph(graph, stream=stream)
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def capture_step(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:

@@ -12,6 +12,7 @@ and their error is recorded, not checked (reduce-overhead's fp32 error is checke
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import pytest
@@ -23,6 +24,16 @@ from spikefuse import functional, fuse, layer, models, neuron, surrogate
 from spikefuse.graphs import capture_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.quick]
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage_after():
+    """Destroy the graphs a test leaves in reference cycles (make_graphed_callables' results):
+    the collector destroying one during a later test's capture would invalidate that capture
+    (see spikefuse.graphs.capturing)."""
+    yield
+    gc.collect()
+
 
 FUSED = pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 AMP = pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
@@ -125,16 +136,41 @@ def start(case, fused: bool, amp: bool) -> tuple[dict[str, torch.Tensor], nn.Mod
     return eager(base, x, labels, amp), copy.deepcopy(base), x, labels
 
 
+def dead_graph_in_a_cycle() -> None:
+    """Capture a small graph and drop it in a reference cycle, as make_graphed_callables'
+    results are dropped: only the garbage collector destroys it."""
+    y = torch.zeros(4, device="cuda")
+    y.add_(1)  # loads the kernel before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y.add_(1)
+    cycle: list[object] = [graph]
+    cycle.append(cycle)
+
+
 @AMP
 @FUSED
 def test_cuda_graph_replay_matches_eager(case, fused, amp):
+    """capture_step's replay gives the eager step's results, also with a dead graph around:
+    destroying a graph during another capture invalidates that capture (its destructor's calls
+    are not permitted then), and the collector may run at any allocation. Here a graph is
+    dropped in a reference cycle in the last warm-up step and a collection runs in the
+    captured one; capture_step collected it first. (The GPU check's first run on a fresh
+    machine failed this way three times, in make_graphed_callables, on the previous test's
+    graphs.)"""
     want, net, x, labels = start(case, fused, amp)
     loss = {}
+    calls = []
 
     def step():
+        calls.append(None)
         for p in net.parameters():
             p.grad = None
         loss["value"] = loss_and_grads(net, x, labels, amp).detach()
+        if len(calls) == 3:  # the last warm-up step
+            dead_graph_in_a_cycle()
+        if len(calls) == 4:  # the captured step: as if the collector ran at an allocation
+            gc.collect()
 
     capture_step(step)()
     torch.cuda.synchronize()
