@@ -8,27 +8,30 @@ from torch import nn
 from spikefuse.graphs import capturing
 
 
+def grads(net: nn.Module) -> list[torch.Tensor]:
+    """Copies of the parameters' gradients."""
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def step_grads(net: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The parameter gradients of ``net(x).sum()``, from zeroed gradients."""
+    net.zero_grad(set_to_none=False)
+    net(x).sum().backward()
+    return grads(net)
+
+
 def eager_and_replayed_grads(
     net: nn.Module, x: torch.Tensor, replays: int = 1
 ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
-    """The parameter gradients of ``net(x).sum()``: of an eager step (on a side stream, after
-    one warm-up step: kernels compiled and the allocator warm before capture), and of each of
-    ``replays`` replays of the captured step. ``x`` needs no gradient: a leaf's gradient would
-    accumulate outside the capture's stream."""
-
-    def grads() -> list[torch.Tensor]:
-        return [p.grad.clone() for p in net.parameters()]
-
-    def step() -> list[torch.Tensor]:
-        net.zero_grad(set_to_none=False)
-        net(x).sum().backward()
-        return grads()
-
+    """:func:`step_grads` of an eager step (on a side stream, after one warm-up step: kernels
+    compiled and the allocator warm before capture), and of each of ``replays`` replays of the
+    captured step. ``x`` needs no gradient: a leaf's gradient would accumulate outside the
+    capture's stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            eager = step()
+            eager = step_grads(net, x)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with capturing(graph, stream):
@@ -37,7 +40,7 @@ def eager_and_replayed_grads(
     for _ in range(replays):
         net.zero_grad(set_to_none=False)
         graph.replay()
-        replayed.append(grads())
+        replayed.append(grads(net))
     return eager, replayed
 
 

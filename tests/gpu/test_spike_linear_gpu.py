@@ -16,7 +16,7 @@ from spikefuse.fused import blocks, fuse, paper_lif
 from spikefuse.fused.spike_bits import mark_spikes
 from spikefuse.fused.spike_linear import SpikeLinearFunction, split_bf16
 
-from .replay import assert_close_but_for_sum_order, eager_and_replayed_grads
+from .replay import assert_close_but_for_sum_order, eager_and_replayed_grads, step_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -108,17 +108,12 @@ def test_fused_linear_blocks_take_the_split_path_and_match_the_plain_matmul(no_t
         taken.append(takes_split_path(inputs, weight))
         return taken[-1]
 
-    def step(net: nn.Sequential) -> list[torch.Tensor]:
-        net.zero_grad(set_to_none=False)
-        net(x).sum().backward()
-        return [p.grad.clone() for p in net.parameters()]
-
     plain = fuse(pooled_then_linear())
     monkeypatch.setattr(blocks, "takes_split_path", lambda inputs, weight: False)
-    want = step(plain)
+    want = step_grads(plain, x)
     split = fuse(pooled_then_linear())
     monkeypatch.setattr(blocks, "takes_split_path", spy)
-    got = step(split)
+    got = step_grads(split, x)
     assert taken == [True, True]
     # Rounding that differs from the plain matmul's (8e-8 against 3e-7 of float64) flips the
     # spikes whose potential sits on the threshold among the 2 x 8.4 M neurons of the Linear
