@@ -636,6 +636,20 @@ def test_vanilla_baseline_computes_the_same_network():
     assert_same_training_step(vanilla, ours, x, FP64_TOL)
 
 
+@pytest.mark.parametrize("model", ["small", "resnet19"])
+def test_ann_floor_is_the_vanilla_network_with_relu_for_its_neurons(model):
+    """bench e2e's "ann" row (eager PyTorch's host floor for the network's layers): the
+    vanilla network's layers and parameters, a ReLU wherever vanilla has its LIF; it trains."""
+    cpu = torch.device("cpu")
+    ann, vanilla = (e2e.build(v, model, cpu) for v in ("ann", "vanilla"))
+    assert [p.shape for p in ann.parameters()] == [p.shape for p in vanilla.parameters()]
+    relus = sum(isinstance(m, nn.ReLU) for m in ann.modules())
+    assert relus == sum(isinstance(m, e2e.VanillaLIF) for m in vanilla.modules()) > 0
+    assert not any(isinstance(m, e2e.VanillaLIF) for m in ann.modules())
+    if model == "small":
+        e2e.training_step(ann, cpu, T=2, batch=2, amp=None)()
+
+
 @pytest.mark.parametrize("variant", e2e.VARIANTS)
 def test_every_e2e_bench_variant_builds(variant):
     """Review: 'vanilla-compile' was listed but rejected by build()."""

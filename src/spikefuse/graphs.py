@@ -10,6 +10,8 @@ from typing import TypeVar
 import torch
 
 R = TypeVar("R")
+# What CUDA reports when a capture is ended after an operation invalidated it.
+INVALIDATED = "operation failed due to a previous error during capture"
 
 
 def run_on(stream: torch.cuda.Stream, fn: Callable[[], R]) -> R:
@@ -39,14 +41,37 @@ def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> Iterato
     cycle (``torch.cuda.make_graphed_callables``' results do) is destroyed only when the
     collector runs, which can happen at any allocation, and PyTorch no longer collects before
     a capture. So the garbage is collected here first, and the collector waits for the end.
+
+    A capture that fails leaves the process as it found it. An invalidated capture (e.g. a
+    host sync such as ``loss.item()`` inside the step) makes ``torch.cuda.graph`` raise while
+    ending it, before PyTorch takes the CUDA random generators out of capture mode and before
+    it restores the current stream: every later random op would then fail ("Offset increment
+    outside graph capture"), and work would stay queued on the capture stream. So on any error
+    the generators get back their state from before the capture (randomness drawn inside the
+    failed capture is not consumed) and the current stream is restored.
     """
     torch._C._cuda_clearCublasWorkspaces()
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
+    current = torch.cuda.current_stream()  # initialises CUDA, and so its generators
+    generators = torch.cuda.default_generators
+    before = [generator.clone_state() for generator in generators]
     try:
         with torch.cuda.graph(graph, stream=stream):
             yield
+    except BaseException as error:
+        for generator, state in zip(generators, before, strict=True):
+            generator.graphsafe_set_state(state)
+        torch.cuda.set_stream(current)
+        if INVALIDATED in str(error):  # PyTorch's message names the consequence, not the cause
+            error.add_note(
+                "spikefuse: the CUDA graph capture was invalidated by an operation not "
+                "permitted while capturing (the first error above names it), typically a host "
+                "sync in the step: loss.item(), print(tensor), .cpu(), torch.cuda.synchronize(). "
+                "The random generators and the current stream are as they were before it."
+            )
+        raise
     finally:
         if collecting:
             gc.enable()

@@ -179,6 +179,34 @@ def test_cuda_graph_replay_matches_eager(case, fused, amp):
     assert err <= 1e-5, f"worst normalised error {err:.2e} over the loss and the gradients"
 
 
+def test_a_failed_capture_leaves_random_numbers_and_captures_working():
+    """A host sync in the captured step (here ``.item()``) invalidates the capture, and PyTorch
+    raises while ending it, before it takes the CUDA random generator out of capture mode and
+    restores the current stream: every later random op failed ("Offset increment outside graph
+    capture"; in the GPU check's first runs on fresh machines, 24 tests after one failed
+    capture). capture_step raises and leaves the process as it was: random numbers, dropout
+    and a new capture with random numbers in it work."""
+    x = torch.ones(8, device="cuda")
+    stream = torch.cuda.current_stream()
+    with pytest.raises(RuntimeError) as raised:
+        capture_step(lambda: x.sum().item())
+    assert "typically a host sync in the step" in raised.value.__notes__[0]
+    assert torch.cuda.current_stream() == stream
+    torch.rand(4, device="cuda")
+    nn.functional.dropout(x, 0.5)
+    noise = torch.zeros(2, 4, device="cuda")
+
+    def draw() -> None:
+        noise[1].copy_(noise[0])
+        noise[0].uniform_()
+
+    replay = capture_step(draw)
+    replay()
+    replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(noise[0], noise[1])  # a fresh draw at every replay
+
+
 def peak_growth(run) -> int:
     """Bytes ``run()`` allocated at its peak above what was allocated before, starting with no
     cuBLAS workspaces (cuBLAS keeps one per stream it ran on, for the life of the process)."""

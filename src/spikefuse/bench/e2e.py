@@ -9,8 +9,11 @@ followed by BatchNorm and the paper's LIF)::
     medium: 128C-128C-AP-256C-256C-AP-512C-512C-AP-1024FC-512FC-10FC
     large:  128C-128C-128C-AP-256C-256C-256C-AP-512C-512C-512C-AP-1024FC-512FC-10FC
 
-Variants: ``vanilla`` (plain PyTorch: Conv/BN on the merged T·B batch, a Python loop over T for
-the LIF with a rectangular-surrogate autograd function), ``vanilla-compile`` (``torch.compile``
+Variants: ``ann`` (the same layers in plain PyTorch with ``nn.ReLU`` for the neurons and no
+time loop: no spiking network, but the host time any eager PyTorch implementation of these
+layers needs on the machine, the floor under the eager variants' host column), ``vanilla``
+(plain PyTorch: Conv/BN on the merged T·B batch, a Python loop over T for the LIF with a
+rectangular-surrogate autograd function), ``vanilla-compile`` (``torch.compile``
 of it), ``spikefuse`` (the network as a SpikingJelly user writes it: ``layer.Conv2d`` →
 ``layer.BatchNorm2d`` → ``neuron.LIFNode(tau=4/3, decay_input=False, v_threshold=0.25,
 surrogate_function=surrogate.Sigmoid())``, ``layer.AvgPool2d``, ...; cuda backend on GPUs) and
@@ -90,6 +93,7 @@ ZOO = {
     ),
 }
 VARIANTS = (
+    "ann",
     "vanilla",
     "vanilla-compile",
     "spikefuse",
@@ -173,14 +177,15 @@ def network(name: str, make: dict[str, Callable[..., list[nn.Module]]]) -> nn.Se
     return nn.Sequential(*layers)
 
 
-def vanilla_model(name: str) -> nn.Sequential:
-    """Plain PyTorch: Conv/BN on the merged T·B batch, :class:`VanillaLIF` per layer."""
+def vanilla_model(name: str, make_neuron: Callable[[], nn.Module] = VanillaLIF) -> nn.Sequential:
+    """Plain PyTorch: Conv/BN on the merged T·B batch, then ``make_neuron()`` per layer
+    (:class:`VanillaLIF`; the ``ann`` variant's ``nn.ReLU``)."""
     make: dict[str, Callable[..., list[nn.Module]]] = {
         "conv": lambda i, o: [
             Merged(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o)),
-            VanillaLIF(),
+            make_neuron(),
         ],
-        "fc": lambda i, o: [Merged(nn.Linear(i, o, bias=False), nn.BatchNorm1d(o)), VanillaLIF()],
+        "fc": lambda i, o: [Merged(nn.Linear(i, o, bias=False), nn.BatchNorm1d(o)), make_neuron()],
         "pool": lambda: [Merged(nn.AvgPool2d(2))],
         "flatten": lambda: [Merged(nn.Flatten())],
         "classifier": lambda i, o: [Merged(nn.Linear(i, o))],
@@ -235,11 +240,13 @@ def spikefuse_model(
     return network(name, make)
 
 
-def zoo_model(model: str, backend: str | None) -> nn.Module:
-    """A :data:`ZOO` network with :func:`sj_lif`-like neurons, or the vanilla Python-loop LIF
-    when ``backend`` is None."""
+def zoo_model(
+    model: str, backend: str | None, make_neuron: Callable[[], nn.Module] = VanillaLIF
+) -> nn.Module:
+    """A :data:`ZOO` network with :func:`sj_lif`-like neurons, or with ``make_neuron()`` (the
+    vanilla Python-loop LIF; the ``ann`` variant's ``nn.ReLU``) when ``backend`` is None."""
     if backend is None:
-        return ZOO[model].build(spiking_neuron=lambda **_: VanillaLIF(), step_mode="m")
+        return ZOO[model].build(spiking_neuron=lambda **_: make_neuron(), step_mode="m")
     return ZOO[model].build(
         spiking_neuron=neuron.LIFNode,
         **SJ_LIF,
@@ -258,6 +265,8 @@ def build(variant: str, model: str, device: torch.device) -> nn.Module:
     """The variant's model (``+graph`` is applied to its training step, not here)."""
     backend = "cuda" if device.type == "cuda" else "torch"
     base, _, mode = variant.partition("+")
+    if base == "ann":  # the same layers, ReLU for the neurons: eager PyTorch's own host floor
+        return zoo_model(model, None, nn.ReLU) if model in ZOO else vanilla_model(model, nn.ReLU)
     if base in ("vanilla", "vanilla-compile"):
         net = zoo_model(model, None) if model in ZOO else vanilla_model(model)
         return compiled(net) if variant == "vanilla-compile" else net
