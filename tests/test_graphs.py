@@ -60,7 +60,8 @@ class FakeCUDA:
 @pytest.fixture
 def fake_cuda(monkeypatch) -> FakeCUDA:
     """torch.cuda.graph replaced by a context that records where the capture begins and ends,
-    and whether the garbage collector was on then."""
+    and whether the garbage collector was on then; the generators and the current stream by
+    :class:`FakeCUDA`'s."""
     cuda = FakeCUDA()
     monkeypatch.setattr(torch.cuda, "graph", cuda.capture)
     monkeypatch.setattr(torch.cuda, "default_generators", cuda.generators)
