@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spikefuse.graphs import capturing
+from spikefuse.graphs import capturing, run_on
 
 
 def grads(net: nn.Module) -> list[torch.Tensor]:
@@ -28,11 +28,8 @@ def eager_and_replayed_grads(
     captured step. ``x`` needs no gradient: a leaf's gradient would accumulate outside the
     capture's stream."""
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            eager = step_grads(net, x)
-    torch.cuda.current_stream().wait_stream(stream)
+    run_on(stream, lambda: step_grads(net, x))  # the warm-up step
+    eager = run_on(stream, lambda: step_grads(net, x))
     graph = torch.cuda.CUDAGraph()
     with capturing(graph, stream):
         net(x).sum().backward()
