@@ -81,3 +81,14 @@ def test_channels_innermost_reads_the_geometry_as_is_contiguous_does(make):
         y = y.unflatten(0, (2, 3))
     want = y.permute(0, 1, *range(3, y.dim()), 2).is_contiguous()
     assert backends.channels_innermost(y.shape, y.stride()) == want
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5, 6), (2, 3, 4, 5), (2, 3, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_as_channels_innermost_copies_once_into_the_kernels_layout(shape, dtype):
+    t = torch.randn(shape)  # contiguous: channels innermost only for [T, B, C]
+    out = backends.as_channels_innermost(t, dtype)
+    assert backends.channels_innermost(out.shape, out.stride())
+    assert out.shape == t.shape and out.dtype == dtype
+    assert torch.equal(out, t.to(dtype))
+    assert backends.as_channels_innermost(out, dtype) is out  # already laid out: no copy

@@ -53,6 +53,22 @@ def channels_innermost(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
+def as_channels_innermost(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t [T, B, C, *S] in ``dtype``, dense with channels innermost (:func:`channels_innermost`):
+    t itself where it is that already, else one copy."""
+    if t.dtype == dtype and channels_innermost(t.shape, t.stride()):
+        return t
+    order = (0, 1, *range(3, t.dim()), 2)
+    inverse = sorted(range(t.dim()), key=order.__getitem__)
+    permuted = t.permute(order)
+    dense = (  # one copy either way (.to with the same dtype would return the view itself)
+        permuted.contiguous()
+        if t.dtype == dtype
+        else permuted.to(dtype, memory_format=torch.contiguous_format)
+    )
+    return dense.permute(inverse)
+
+
 class FPTTOut(NamedTuple):
     spikes: torch.Tensor  # [T, *], x dtype
     v_seq: torch.Tensor | None  # [T, *], x dtype; None unless store_v_seq

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends import channels_innermost, repeats_one_step
+from ..backends import as_channels_innermost, channels_innermost, repeats_one_step
 from ..program import NeuronProgram
 from .codegen import (
     AFFINE_BPTT_VEC,
@@ -119,13 +119,6 @@ def _pooled_empty(y: torch.Tensor, pool: int) -> torch.Tensor:
     h, w = H // pool, W // pool
     strides = (B * h * w * C, h * w * C, 1, w * C, C)
     return torch.empty_strided((T, B, C, h, w), strides, dtype=y.dtype, device=y.device)
-
-
-def _as_channels_innermost(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t [T, B, C, H, W] in ``dtype`` with channels innermost in memory, copied only if needed."""
-    if t.dtype == dtype and channels_innermost(t.shape, t.stride()):
-        return t
-    return t.permute(0, 1, 3, 4, 2).to(dtype).contiguous().permute(0, 1, 4, 2, 3)
 
 
 def _laid_out(t: torch.Tensor, strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -467,7 +460,7 @@ def affine_bptt(
     plan = _plan_for(program, y, pool, residual, False, grad_spikes, residual)
     y = _memory_of(y, plan)
     if pool > 1:
-        grad_spikes = _as_channels_innermost(grad_spikes, y.dtype)
+        grad_spikes = as_channels_innermost(grad_spikes, y.dtype)
     else:
         grad_spikes = _laid_out(grad_spikes, plan.steps[1], y.dtype)
     residual = None if residual is None else _laid_out(residual, plan.steps[1], y.dtype)

@@ -116,7 +116,7 @@ def saving_recomputed(x: Tensor, recipe: Recipe | None = None) -> Iterator[None]
     memory = _memory_key(x)
 
     def pack(t: Tensor) -> object:
-        if not (_dense(t) and _memory_key(t) == memory):
+        if not (_memory_key(t) == memory and _dense(t)):
             return t
         return PackedSpikes.of(t) if recipe is None else _Restore(recipe, t)
 
