@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -114,16 +114,14 @@ class MultiStepOnly:
 
 def hook_kinds(module: nn.Module) -> str | None:
     """'forward hooks', 'backward hooks' or both, where ``module`` has any (registered on it,
-    not globally); else None. A fused block never calls its modules, so none of them run."""
-    kinds = [
-        kind
-        for kind, hooks in (
-            ("forward", (module._forward_hooks, module._forward_pre_hooks)),
-            ("backward", (module._backward_hooks, module._backward_pre_hooks)),
-        )
-        if any(hooks)
-    ]
-    return " and ".join(kinds) + " hooks" if kinds else None
+    not globally); else None. A fused block never calls its modules, so none of them run.
+    Checked on every block call: attribute reads only, where there are none."""
+    forward = module._forward_hooks or module._forward_pre_hooks
+    backward = module._backward_hooks or module._backward_pre_hooks
+    if not (forward or backward):
+        return None
+    kinds = [kind for kind, present in (("forward", forward), ("backward", backward)) if present]
+    return " and ".join(kinds) + " hooks"
 
 
 def _synapse_kind(module: nn.Module) -> type[nn.Module] | None:
@@ -139,6 +137,31 @@ def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
         return False
     trailing = target[len(target) - len(shape) :]
     return all(size in (1, want) for size, want in zip(shape, trailing, strict=True))
+
+
+Child = TypeVar("Child")
+
+
+class _Submodule(Generic[Child]):
+    """A registered child module (or None) read straight from the block's ``_modules``: the
+    block's hot path reads its synapse, BatchNorm, neuron and pooling about a dozen times a call,
+    and ``nn.Module.__getattr__`` (the fallback after a failed attribute lookup) costs several
+    times a plain read each time. Assigning still goes through ``nn.Module.__setattr__``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, block: None, owner: type | None = None) -> _Submodule[Child]: ...
+    @overload
+    def __get__(self, block: nn.Module, owner: type | None = None) -> Child: ...
+    def __get__(self, block: nn.Module | None, owner: type | None = None) -> Any:
+        if block is None:
+            return self
+        try:
+            return block._modules[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
 
 
 class FusedBlock(MultiStepOnly, nn.Module):
@@ -208,6 +231,10 @@ class FusedBlock(MultiStepOnly, nn.Module):
     restarts_every_call = True
     # The last call's neuron call, reused while the node is unchanged (see NeuronCall.from_node).
     _neuron_call: NeuronCall | None = None
+    synapse = _Submodule["nn.Linear | _ConvNd"]()
+    bn = _Submodule["nn.modules.batchnorm._BatchNorm | None"]()
+    node = _Submodule[BaseNode]()
+    pool = _Submodule["nn.AvgPool2d | None"]()
 
     def __init__(
         self,
@@ -272,12 +299,14 @@ class FusedBlock(MultiStepOnly, nn.Module):
             if problem is not None:
                 raise SpikefuseError(f"FusedBlock: the pooling cannot be folded in: {problem}")
         assert isinstance(synapse, (nn.Linear, _ConvNd))  # what _synapse_kind accepts
-        self.synapse: nn.Linear | _ConvNd = synapse
-        self.bn, self.node = bn, node
+        # registered even where None, so that the class's _Submodule reads find them
+        self.register_module("synapse", synapse)
+        self.register_module("bn", bn)
+        self.register_module("node", node)
         # the mode of what it replaces (an eval model's blocks stay in eval); not train(),
         # which would also set the BatchNorm (one frozen with bn.eval() stays frozen)
         self.training = synapse.training
-        self.pool = cast("nn.AvgPool2d | None", pool)  # pool_fold_problem checked it
+        self.register_module("pool", pool)  # pool_fold_problem checked it
         # k of the block's k x k average pooling (1: none)
         self._window = 1 if pool is None else _pair(pool.kernel_size)[0]
         self._kind = kind

@@ -21,7 +21,8 @@ in-place edit) has no valid recipe and is saved as it is.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -97,21 +98,20 @@ def _strided(source: Tensor, shape: torch.Size, stride: tuple[int, ...]) -> Tens
     return source.as_strided(shape, stride, source.storage_offset())
 
 
-@contextlib.contextmanager
-def saving_recomputed(x: Tensor, recipe: Recipe | None = None) -> Iterator[None]:
-    """While active, autograd saves ``x`` (or a same-memory view of it) as ``recipe``.
+def saving_recomputed(x: Tensor, recipe: Recipe | None = None) -> AbstractContextManager[None]:
+    """A context in which autograd saves ``x`` (or a same-memory view of it) as ``recipe``.
 
     ``recipe`` defaults to x's own (see :func:`recipe_of`); without one, x is saved packed at
     1 bit per element if it is tagged spikes (:func:`~.spike_bits.is_spikes`), else the context
     does nothing. Other saved tensors (weights) and copies made by an op (e.g. an autocast
     cast) are saved as they are. PyTorch applies only the innermost saved-tensor hooks, so
     while this context is active a caller's own (``torch.autograd.graph.save_on_cpu``, ...)
-    do not see what the layer inside saves.
+    do not see what the layer inside saves. Returns torch's hooks context itself (no
+    generator-based wrapper: this runs in every fused block's forward).
     """
     recipe = recipe or recipe_of(x)
     if not _dense(x) or (recipe is None and not is_spikes(x)):
-        yield
-        return
+        return contextlib.nullcontext()
     # Autograd keeps the pack hook as long as what it saved: it must not hold x itself.
     memory = _memory_key(x)
 
@@ -120,8 +120,7 @@ def saving_recomputed(x: Tensor, recipe: Recipe | None = None) -> Iterator[None]
             return t
         return PackedSpikes.of(t) if recipe is None else _Restore(recipe, t)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-        yield
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
 
 class _Restore:
