@@ -180,6 +180,24 @@ def test_block_reuses_its_neuron_call_until_the_node_changes():
     assert torch.equal(fresh(x), out)
 
 
+def test_block_submodules_read_and_assign_as_module_attributes():
+    """The block reads its submodules straight from _modules (host time): they are registered
+    (also where None), assigning one replaces what the next call runs, and a non-module is
+    refused as nn.Module refuses it."""
+    torch.manual_seed(0)
+    block = FusedBlock(nn.Linear(5, 6), None, lif()).eval()
+    assert [name for name, _ in block.named_children()] == ["synapse", "node"]
+    assert block.bn is None and block.pool is None and block.node is block._modules["node"]
+    x = torch.randn(T, B, 5)
+    block.node = lif(v_threshold=0.05)
+    assert torch.equal(block(x), FusedBlock(block.synapse, None, lif(v_threshold=0.05))(x))
+    block.bn = nn.BatchNorm1d(6)
+    assert "bn.running_mean" in block.state_dict()
+    with pytest.raises(TypeError, match="child module 'bn'"):
+        block.bn = 3
+    assert isinstance(copy.deepcopy(block).bn, nn.BatchNorm1d)
+
+
 def test_a_v_reset_changed_after_construction_starts_fused_and_unfused_alike():
     """V starts where reset() puts it: the v_reset the node was built with (SpikingJelly's
     registered memory), while the new v_reset is the reset value; fused blocks started from the
