@@ -435,6 +435,24 @@ def test_launch_plans_do_not_depend_on_the_grad_mode():
     assert not plan.copy and plan.layout == (8, 1) and plan.memory[1][1:] == step.stride()[1:]
 
 
+def test_grad_spikes_are_laid_out_once_as_the_backward_kernels_read_them():
+    """dL/dS in y's dtype and the layout each variant reads (the steps of y's memory; pooled:
+    channels innermost), one copy where it differs; what is laid out so already is returned as
+    it is, so the two passes' own lay-out copies nothing."""
+    channels_last = torch.zeros(10, 4, 6, 6, 8).permute(0, 1, 4, 2, 3)  # y [T, B, C, H, W]
+    grad = torch.randn(10, 4, 8, 6, 6, dtype=torch.float64)  # contiguous
+    out = affine.laid_out_grad_spikes(LIF_PROGRAM, channels_last, grad)
+    assert out.dtype == torch.float32 and out.stride() == channels_last.stride()
+    assert torch.equal(out, grad.float())
+    assert affine.laid_out_grad_spikes(LIF_PROGRAM, channels_last, out) is out
+    repeated = torch.zeros(1, 4, 8, 6, 6).expand(10, -1, -1, -1, -1)  # steps are dense
+    contiguous_grad = grad.float()
+    assert affine.laid_out_grad_spikes(LIF_PROGRAM, repeated, contiguous_grad) is contiguous_grad
+    pooled_grad = grad.float()[..., :3, :3]
+    out = affine.laid_out_grad_spikes(LIF_PROGRAM, channels_last, pooled_grad, pool=2)
+    assert backends.channels_innermost(out.shape, out.stride()) and torch.equal(out, pooled_grad)
+
+
 def test_launch_plans_vectorise_what_is_aligned_or_copied():
     flat = torch.zeros(10 * 4 * 8 * 36 + 1)
     unaligned = flat[1:].view(10, 4, 8, 6, 6)  # 4 bytes past an aligned address

@@ -353,6 +353,10 @@ class PoolingKernels:
         args = (program, y, mean, invstd, weight, bias, constants, v_init, pool)
         return self._pooled_spikes(*args)[1], None, None  # no packing: blocks recompute
 
+    @staticmethod
+    def laid_out_grad_spikes(program, y, grad_spikes, pool=1, residual=None):
+        return grad_spikes  # torch ops read any layout
+
     def affine_bptt(self, program, y, grad_spikes, saved_v, learnable, constants, v_init, mean,
                     invstd, weight, bias, totals=None, inv_count=0.0, *, grad_y, pool=1,
                     residual=None, overwrite_y=False):  # fmt: skip

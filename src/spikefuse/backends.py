@@ -178,6 +178,18 @@ class AffineKernels(Protocol):
         where it returns None): what a compiled block's fake forward promises."""
         ...
 
+    def laid_out_grad_spikes(
+        self,
+        program: NeuronProgram,
+        y: torch.Tensor,
+        grad_spikes: torch.Tensor,
+        pool: int = 1,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """dL/dS as ``affine_bptt`` with these arguments reads it (itself where it is laid out
+        so, else one copy): called once before the two passes, each of which would copy it."""
+        ...
+
     def affine_bptt(
         self,
         program: NeuronProgram,

@@ -409,6 +409,27 @@ def _packing_pointers(packed: torch.Tensor | None, n: int, window: int) -> dict[
     }
 
 
+def _as_read(plan: _Plan, grad_spikes: torch.Tensor, dtype: torch.dtype, pool: int) -> torch.Tensor:
+    """dL/dS as ``plan``'s backward kernels read it, in ``dtype``: channels innermost (pooled)
+    or in the steps' layout of y's memory; itself where it is that already, else one copy."""
+    if pool > 1:
+        return as_channels_innermost(grad_spikes, dtype)
+    return _laid_out(grad_spikes, plan.steps[1], dtype)
+
+
+def laid_out_grad_spikes(
+    program: NeuronProgram,
+    y: torch.Tensor,
+    grad_spikes: torch.Tensor,
+    pool: int = 1,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """dL/dS as :func:`affine_bptt` with these arguments reads it, in y's dtype (itself where it
+    is laid out so, else one copy): a caller running both passes lays it out once, where each
+    pass would otherwise copy it."""
+    return _as_read(_plan_for(program, y, pool, residual, False), grad_spikes, y.dtype, pool)
+
+
 def affine_bptt(
     program: NeuronProgram,
     y: torch.Tensor,
@@ -459,10 +480,7 @@ def affine_bptt(
     # dL/dS and the residual as given: a copy made below would be aligned anyway
     plan = _plan_for(program, y, pool, residual, False, grad_spikes, residual)
     y = _memory_of(y, plan)
-    if pool > 1:
-        grad_spikes = as_channels_innermost(grad_spikes, y.dtype)
-    else:
-        grad_spikes = _laid_out(grad_spikes, plan.steps[1], y.dtype)
+    grad_spikes = _as_read(plan, grad_spikes, y.dtype, pool)  # laid out already: itself
     residual = None if residual is None else _laid_out(residual, plan.steps[1], y.dtype)
     check_checkpoints(plan.T, saved_v, plan.kernel.chunk)
     out = None  # dL/dy; repeated: the one step's

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..backends import AffineKernels, as_channels_innermost, compute_dtype, repeats_one_step
+from ..backends import AffineKernels, compute_dtype, repeats_one_step
 from ..ops import forbid_double_backward
 from .neuron_call import Kept, NeuronCall
 from .spike_bits import Compact, expand, join, split
@@ -300,8 +300,9 @@ def bn_neuron_grads(
     the pooled map); ``overwrite_y``: y is the caller's temporary, which pass 2 may overwrite
     with dL/dy (see :func:`bn_input_grad`). A y that repeats one step over time (see
     :func:`repeated`) gets the gradient of that step [1, B, C, *], summed over T."""
-    if pool > 1:  # the pooling kernels read dL/dS channels innermost: one copy for both passes
-        grad_spikes = as_channels_innermost(grad_spikes, y.dtype)
+    affine = _affine(neuron, y, residual)
+    if stats is not None and affine is not None:  # both BN-folded passes: at most one copy
+        grad_spikes = affine.laid_out_grad_spikes(neuron.program, y, grad_spikes, pool, residual)
     g, sums, grad_learnable = bn_neuron_backward(
         y, stats, neuron, learnable, grad_spikes, saved, pool, residual
     )

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +97,9 @@ def _strided(source: Tensor, shape: torch.Size, stride: tuple[int, ...]) -> Tens
     return source.as_strided(shape, stride, source.storage_offset())
 
 
-def saving_recomputed(x: Tensor, recipe: Recipe | None = None) -> AbstractContextManager[None]:
+def saving_recomputed(
+    x: Tensor, recipe: Recipe | None = None
+) -> contextlib.AbstractContextManager[None]:
     """A context in which autograd saves ``x`` (or a same-memory view of it) as ``recipe``.
 
     ``recipe`` defaults to x's own (see :func:`recipe_of`); without one, x is saved packed at
