@@ -15,7 +15,7 @@ from torch import nn
 
 from spikefuse import cli, functional, layer, neuron, surrogate
 from spikefuse.bench import e2e
-from spikefuse.errors import SpikefuseError
+from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.fused import (
     FusedBlock,
     FusedConvBNNeuron,
@@ -174,6 +174,17 @@ def test_block_reuses_its_neuron_call_until_the_node_changes():
     block.node.v_threshold = 0.05
     out = block(x)
     assert block._neuron_call is not first and block._neuron_call.constants[0] == 0.05
+    # the backend is resolved again only where its setting or the input's device or dtype
+    # changed: an explicit backend that cannot run still raises then
+    resolved = block._neuron_call
+    block.double()(x.double())
+    assert block._neuron_call is not resolved and block._neuron_call.backend == "torch"
+    block.float()
+    block.node.backend = "cuda"
+    with pytest.raises(BackendUnavailableError, match="cuda"):
+        block(x)
+    block.node.backend = "auto"
+    assert torch.equal(block(x), out)
     again = copy.deepcopy(block)  # after a forward: the kept call copies, and still works
     assert torch.equal(again(x), out)
     fresh = FusedBlock(block.synapse, block.bn, lif(v_threshold=0.05)).eval()

@@ -143,8 +143,14 @@ def test_a_flattened_copy_keeps_the_tags_and_the_recipe():
 
 def test_which_matmuls_take_the_split_path(monkeypatch):
     x, w = mark_spikes(spikes(512, 4096)), torch.zeros(1024, 4096)
-    assert not takes_split_path(x, w)  # the CPU: never
+    loaded = []
+    monkeypatch.setattr(spike_linear.cuda_split, "load", loaded.append)
+    assert not takes_split_path(x, w) and not loaded  # the CPU: never
     monkeypatch.setattr(spike_linear, "unavailable_reason", lambda t: None)  # as on a GPU
+    monkeypatch.setattr(spike_linear, "is_current_stream_capturing", lambda: False)
+    # eager: the plain matmul, with the split kernel loaded for a later capture of the step
+    assert not takes_split_path(x, w) and loaded == [x.device]
+    monkeypatch.setattr(spike_linear, "is_current_stream_capturing", lambda: True)
     assert takes_split_path(x, w)
     assert not takes_split_path(x[:128], w)  # too few rows to pay for splitting W
     assert not takes_split_path(x, w[:256])  # too little work

@@ -1,7 +1,7 @@
 """The float32 Linear on spikes over bf16 terms on the GPU (spikefuse.fused.spike_linear): the
 split kernel writes the torch path's bits, the Function is as accurate as the float32 matmul, a
-fused Linear block on a pooled block's means takes it, and a training step through it equals the
-plain matmul's and replays in a CUDA graph."""
+fused Linear block on a pooled block's means takes it under CUDA graph capture (eagerly: the plain
+matmul), and a training step through it equals the plain matmul's and replays in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from spikefuse import layer
 from spikefuse.cuda import bf16_split as cuda_split
-from spikefuse.fused import blocks, fuse, paper_lif
+from spikefuse.fused import blocks, fuse, paper_lif, spike_linear
 from spikefuse.fused.spike_bits import mark_spikes
 from spikefuse.fused.spike_linear import SpikeLinearFunction, split_bf16
 
@@ -95,10 +95,12 @@ def pooled_then_linear() -> nn.Sequential:
 
 
 @pytest.mark.quick
-def test_fused_linear_blocks_take_the_split_path_and_match_the_plain_matmul(no_tf32, monkeypatch):
-    """Both Linear blocks of :func:`pooled_then_linear` (T=4, B=128: 512 rows) take the split
-    path; a training step equals the plain float32 matmul's to float32 rounding (and the rare
-    spike that rounding flips), eager and replayed from a CUDA graph."""
+def test_fused_linear_blocks_split_under_capture_and_match_the_plain_matmul(no_tf32, monkeypatch):
+    """Both Linear blocks of :func:`pooled_then_linear` (T=4, B=128: 512 rows) run the plain
+    matmul eagerly and take the split path in a CUDA graph capture (the eager warm-up loads the
+    split kernel). A training step through the split path (forced eagerly) equals the plain
+    matmul's to float32 rounding (and the rare spike that rounding flips), eager and replayed;
+    so does a replay captured the usual way against its eager warm-up."""
     x = torch.rand(
         4, 128, 3, 16, 16, device="cuda", generator=torch.Generator("cuda").manual_seed(0)
     )
@@ -108,28 +110,39 @@ def test_fused_linear_blocks_take_the_split_path_and_match_the_plain_matmul(no_t
         taken.append(takes_split_path(inputs, weight))
         return taken[-1]
 
-    plain = fuse(pooled_then_linear())
-    monkeypatch.setattr(blocks, "takes_split_path", lambda inputs, weight: False)
-    want = step_grads(plain, x)
-    split = fuse(pooled_then_linear())
     monkeypatch.setattr(blocks, "takes_split_path", spy)
+    captured = fuse(pooled_then_linear())
+    eager, (replayed,) = eager_and_replayed_grads(captured, x)
+    assert taken == [False] * 4 + [True] * 2  # warm-up and eager steps, then the capture
+    assert_equal_but_for_spikes_rounding_flips(replayed, eager)
+
+    want = step_grads(fuse(pooled_then_linear()), x)
+    monkeypatch.setattr(spike_linear, "is_current_stream_capturing", lambda: True)
+    split = fuse(pooled_then_linear())
+    taken.clear()
     got = step_grads(split, x)
     assert taken == [True, True]
-    # Rounding that differs from the plain matmul's (8e-8 against 3e-7 of float64) flips the
-    # spikes whose potential sits on the threshold among the 2 x 8.4 M neurons of the Linear
-    # blocks, which moves the gradients behind them: the first convolution's, which sums over
-    # all of them, by 1.2e-3 - 1.8e-3 of its norm on random inputs. Equal to 5e-3 of each norm.
-    for g, w in zip(got, want, strict=True):
-        assert (g - w).norm() <= 5e-3 * w.norm() + 1e-6
-
+    assert_equal_but_for_spikes_rounding_flips(got, want)
     eager, (replayed,) = eager_and_replayed_grads(split, x)
     assert_close_but_for_sum_order(replayed, eager)
 
 
+def assert_equal_but_for_spikes_rounding_flips(got: list, want: list) -> None:
+    """The split path's gradients against the plain matmul's. Rounding that differs from the
+    plain matmul's (8e-8 against 3e-7 of float64) flips the spikes whose potential sits on the
+    threshold among the 2 x 8.4 M neurons of the Linear blocks, which moves the gradients
+    behind them: the first convolution's, which sums over all of them, by 1.2e-3 - 1.8e-3 of
+    its norm on random inputs. Equal to 5e-3 of each norm."""
+    for g, w in zip(got, want, strict=True):
+        assert (g - w).norm() <= 5e-3 * w.norm() + 1e-6
+
+
 def test_autocast_and_tf32_keep_the_plain_matmul(monkeypatch):
-    """Under bf16 autocast or with TF32 matmuls allowed a Linear block on spikes runs F.linear."""
+    """Under bf16 autocast or with TF32 matmuls allowed a Linear block on spikes runs F.linear
+    (also in a capture: forced here, eagerly)."""
     from spikefuse.fused import FusedBlock
 
+    monkeypatch.setattr(spike_linear, "is_current_stream_capturing", lambda: True)
     block = FusedBlock(nn.Linear(4096, 1024).cuda(), nn.BatchNorm1d(1024).cuda(), paper_lif())
     spikes = (torch.rand(4, 128, 4096, device="cuda") < 0.2).float()
     calls = []

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .codegen import BLOCK_THREADS
-from .runtime import launch_named
+from .runtime import launch_named, load_named
 
 SOURCE_PATH = Path(__file__).with_name("bf16_split.cuh")
 SOURCE_NAME = "spikefuse/cuda/bf16_split.cuh"
@@ -50,3 +50,10 @@ def split(values: torch.Tensor) -> torch.Tensor:
         args = ARGS.pack(values.data_ptr(), terms.data_ptr(), n)
         launch_named(source(), KERNEL_NAME, values.device, grid, (BLOCK_THREADS, 1, 1), args)
     return terms
+
+
+def load(device: torch.device) -> None:
+    """Compile and load the kernel on ``device`` (once; later calls are a lookup): a fused
+    Linear block that runs the plain matmul eagerly splits under CUDA graph capture, which
+    cannot load it (see :func:`spikefuse.fused.spike_linear.takes_split_path`)."""
+    load_named(source(), KERNEL_NAME, device)

@@ -136,6 +136,27 @@ def launch_named(
     computed once (kernels cache their ``full_codes``), so a lookup costs no re-hashing."""
     current = _current_device()
     index = device.index if device.index is not None else current
+    entry = _loaded(source, name, index)
+    buffer = ctypes.create_string_buffer(args, len(args))
+    params = _OnePointer(ctypes.addressof(buffer))  # kernelParams: one pointer, to the struct
+    call = (entry[1], *grid, *block, 0, _current_stream(index), ctypes.addressof(params), 0)
+    if current == index:
+        _launch_in_context(call, index)
+    else:  # the function belongs to that device's context
+        with torch.cuda.device(index):
+            _launch_in_context(call, index)
+
+
+def load_named(source: str, name: str, device: torch.device) -> None:
+    """Compile and load kernel ``name`` of ``source`` on ``device`` without launching it (once:
+    later calls are a lookup), for a step whose eager run does not launch it but whose CUDA
+    graph capture will, where nothing can be loaded."""
+    _loaded(source, name, device.index if device.index is not None else _current_device())
+
+
+def _loaded(source: str, name: str, index: int) -> tuple[Any, int]:
+    """(RawKernel, CUfunction handle) of kernel ``name`` of ``source`` on device ``index``,
+    compiled and loaded on first use."""
     key = (source, name, index)
     entry = _functions.get(key)
     if entry is None:
@@ -146,14 +167,7 @@ def launch_named(
                 "(the usual warm-up before torch.cuda.graph)"
             )
         entry = _functions[key] = compiled_function(source, name, index)
-    buffer = ctypes.create_string_buffer(args, len(args))
-    params = _OnePointer(ctypes.addressof(buffer))  # kernelParams: one pointer, to the struct
-    call = (entry[1], *grid, *block, 0, _current_stream(index), ctypes.addressof(params), 0)
-    if current == index:
-        _launch_in_context(call, index)
-    else:  # the function belongs to that device's context
-        with torch.cuda.device(index):
-            _launch_in_context(call, index)
+    return entry
 
 
 _CUDA_ERROR_INVALID_CONTEXT = 201

@@ -30,6 +30,10 @@ class NeuronCall:
     backend: str  # resolved: 'torch' or 'cuda'
     constants: list[float]
     v_init: float
+    # (node's backend setting, input device, input dtype) ``backend`` was resolved for: what
+    # resolution reads (CuPy's availability is fixed per process), so a call with the same
+    # key reuses it without resolving again
+    resolved_for: tuple[object, ...] = ()
 
     # Looked up on first use, once per call (both lookups are cached; the registry imports
     # modules, which dynamo cannot trace, so ``torch.compile`` traces only the fields above).
@@ -54,23 +58,25 @@ class NeuronCall:
     @classmethod
     def from_node(cls, node: BaseNode, x: Tensor, previous: NeuronCall | None = None) -> NeuronCall:
         """The call for ``node`` on input ``x``; ``previous`` (the block's last call) is reused
-        while the node's program, resolved backend, constants and initial V are unchanged:
-        a block's call then costs no new object and no repeated backend lookups."""
+        while the node's program, backend setting, constants and initial V and x's device and
+        dtype are unchanged: a block's call then costs no new object, no backend resolution
+        and no repeated backend lookups."""
         if node.store_v_seq:  # set since the block was made: it would be ignored
             raise SpikefuseError(
                 f"a fused block keeps no V, but its {type(node).__name__} now has "
                 "store_v_seq=True: set it back to False, or record V with the unfused model"
             )
-        backend = node.resolve_backend(x)
         v_init = float(node.memory_default("v"))  # where reset() puts the unfused node's V
+        resolved_for = (node.backend, x.device, x.dtype)
         if (
             previous is not None
+            and previous.resolved_for == resolved_for
             and previous.program is node.program
-            and previous.backend == backend
             and previous.constants == node._constants
             and previous.v_init == v_init
         ):
             return previous
+        backend = node.resolve_backend(x)
         program = node.program
         if not isinstance(program, NeuronProgram):  # e.g. a torch-code surrogate set since
             raise SpikefuseError(
@@ -83,7 +89,7 @@ class NeuronCall:
             )
         # the node validates its constants on assignment and caches them
         constants = list(node._constants or node.constants())
-        return cls(program, backend, constants, v_init)
+        return cls(program, backend, constants, v_init, resolved_for)
 
     def forward(self, x: Tensor, learnable: Tensor | None, save: bool) -> tuple[Tensor, Kept]:
         """Spikes [T, *] in x's dtype and memory layout, and what backward can reuse (None:

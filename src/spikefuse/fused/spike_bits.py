@@ -83,9 +83,16 @@ def _bit_weights(device: torch.device) -> Tensor:
 def memory_order(t: Tensor) -> tuple[int, ...]:
     """The dimension order in which ``t``'s elements lie in memory (outermost first), when
     that order is dense (e.g. a channels-last map), else the logical order."""
-    strides = t.stride()
+    shape, strides = t.shape, t.stride()
     order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
-    return order if t.permute(order).is_contiguous() else tuple(range(t.dim()))
+    if 0 in shape:  # is_contiguous's rule for an empty tensor
+        return order
+    expected = 1  # whether t.permute(order) is contiguous, read from the geometry (no tensor op)
+    for d in reversed(order):
+        if shape[d] != 1 and strides[d] != expected:
+            return tuple(range(t.dim()))
+        expected *= shape[d]
+    return order
 
 
 # Elements the torch composites pack or unpack per step (a multiple of 32: a step's words are its
