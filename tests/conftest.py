@@ -95,6 +95,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def recompute_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saved spikes are recomputed or packed at any size, so that the tests' small tensors run
+    those paths (in use, tensors under ``recompute.RECOMPUTE_MIN_BYTES`` are saved as they
+    are; test_recompute_skips_small_inputs checks that rule)."""
+    from spikefuse.fused import recompute
+
+    monkeypatch.setattr(recompute, "RECOMPUTE_MIN_BYTES", 0)
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test: on small tensors more only add contention on the

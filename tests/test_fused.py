@@ -29,6 +29,7 @@ from spikefuse.fused import (
     recompute,
 )
 from spikefuse.fused.neuron_call import NeuronCall
+from spikefuse.fused.spike_bits import mark_spikes
 
 T, B = 3, 4
 # fp32: outputs are spikes and must match exactly; gradients differ only by summation order.
@@ -454,6 +455,26 @@ def test_recomputed_input_restores_a_strided_view():
     assert calls == [1]  # the input was recomputed, not kept
     (want,) = torch.autograd.grad(F.conv2d(x, w, padding=1), w, upstream)
     torch.testing.assert_close(w.grad, want)
+
+
+def test_recompute_skips_small_inputs(monkeypatch):
+    """In use, an input under RECOMPUTE_MIN_BYTES (a Linear block's spikes) is saved as it is:
+    no recipe runs and nothing is packed in backward; one that size or larger is recomputed."""
+    monkeypatch.undo()  # the suite's recompute_any_size fixture
+    calls = []
+
+    def run(x: torch.Tensor) -> None:
+        recompute.mark_recomputable(x, lambda: calls.append(1) or x.clone())
+        w = torch.randn(6, x.shape[1], requires_grad=True)
+        with recompute.saving_recomputed(x):
+            out = F.linear(x, w)
+        out.sum().backward()
+
+    limit = recompute.RECOMPUTE_MIN_BYTES // 4  # float32 elements
+    run(mark_spikes(torch.rand(limit // 64 - 1, 64).gt(0.5).float()))
+    assert calls == []
+    run(torch.rand(limit // 64, 64).gt(0.5).float())
+    assert calls == [1]
 
 
 # ---- what stays alive for backward ----------------------------------------------------------

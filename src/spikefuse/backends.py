@@ -38,11 +38,13 @@ def repeats_one_step(t: torch.Tensor) -> bool:
     return t.shape[0] > 1 and t.stride(0) == 0
 
 
+@functools.lru_cache(maxsize=1024)
 def channels_innermost(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     """Whether a [T, B, C, *S] tensor of this geometry is dense with channels innermost in
     memory (the [T, B, C, H, W] view of a channels-last convolution output; a contiguous [T, B,
     C]), i.e. whether its permutation [T, B, *S, C] is contiguous, as ``is_contiguous`` decides
-    it. Read from the geometry alone: no tensor op on the launch paths that ask."""
+    it. Read from the geometry alone, once per geometry (the launch paths ask on every call):
+    no tensor op."""
     if 0 in shape:
         return True
     expected = 1

@@ -195,7 +195,7 @@ def channel_stats(
         partial.data_ptr(),
         mean.data_ptr(),
         invstd.data_ptr(),
-        *((0, 0, 0) if running is None else (t.data_ptr() for t in running[:3])),
+        *((0, 0, 0) if running is None else _addresses(running)),
         rows,
         geometry.rows_per_chunk,
         channels,
@@ -214,12 +214,18 @@ def channel_stats(
     return mean, invstd
 
 
+def _addresses(running: RunningStats) -> tuple[int, int, int]:
+    return running[0].data_ptr(), running[1].data_ptr(), running[2].data_ptr()
+
+
 def _check_running(running: RunningStats, channels: int, rows: int) -> None:
     """Raise unless the kernels can update ``running`` in place for [rows, channels] input."""
     mean, var, tracked, _ = running
-    vectors_ok = all(
-        t.dtype == torch.float32 and t.shape == (channels,) and t.is_contiguous()
-        for t in (mean, var)
+    vectors_ok = (
+        mean.dtype == var.dtype == torch.float32
+        and mean.shape == var.shape == (channels,)
+        and mean.is_contiguous()
+        and var.is_contiguous()
     )
     if not vectors_ok or tracked.dtype != torch.int64 or tracked.numel() != 1:
         raise SpikefuseError(

@@ -305,6 +305,7 @@ class NeuronKernel:
             kinds.add("residual")
         self.pointers = tuple(f for f in ARG_POINTERS if f.kernels in kinds)
         self._pointer_names = tuple(f.name for f in self.pointers)
+        self._null_pointers = (0,) * len(self._pointer_names)
         # Args as bytes: pointers, then 64-bit integers, then floats; padded to 8 bytes.
         n_ints = (5 if affine else 2) + (affine and pool == 1) + (pool > 1)
         n_floats = 1 + adaptive + affine + len(self.constant_names)
@@ -388,7 +389,7 @@ class NeuronKernel:
         the unpooled affine kernels' elements from one step of Y to the next (None: N; 0: one
         step repeated over time, whose pass 2 writes dL/dY summed over T, [N]); pooled
         kernels always step by N."""
-        ptrs = [pointers.get(name, 0) for name in self._pointer_names]
+        ptrs = map(pointers.get, self._pointer_names, self._null_pointers)  # absent: null
         if self.affine:
             # pooled kernels: x_step N (Args has no field), pool_width; unpooled: x_step
             last = (pool_width,) if self.pool > 1 else (N if x_step is None else x_step,)

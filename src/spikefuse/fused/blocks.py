@@ -142,6 +142,9 @@ def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
 Child = TypeVar("Child")
 
 
+_ROLES = ("synapse", "bn", "node", "pool")  # a block's submodules, registered under these names
+
+
 class _Submodule(Generic[Child]):
     """A registered child module (or None) read straight from the block's ``_modules``: the
     block's hot path reads its synapse, BatchNorm, neuron and pooling about a dozen times a call,
@@ -374,8 +377,9 @@ class FusedBlock(MultiStepOnly, nn.Module):
         """Refuse hooks registered on the block's modules after fusing (``fuse`` leaves chains
         with hooks unfused): the block never calls those modules, so their forward and
         backward hooks would silently not run (e.g. a monitor recording a neuron's spikes)."""
-        for role in ("synapse", "bn", "node", "pool"):
-            module = getattr(self, role)
+        modules = self._modules  # (a deleted one: the descriptor's AttributeError)
+        for role in _ROLES:
+            module = modules[role] if role in modules else getattr(self, role)
             hooks = None if module is None else hook_kinds(module)
             if hooks is not None:
                 raise SpikefuseError(

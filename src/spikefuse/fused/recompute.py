@@ -21,6 +21,7 @@ in-place edit) has no valid recipe and is saved as it is.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,12 @@ from .spike_bits import PackedSpikes, is_spikes, mark_means, means_window, packi
 
 Recipe = Callable[[], Tensor]
 _TAG = "_spikefuse_recipe"
+
+#: Smaller inputs are saved as they are. Recomputing or unpacking one in backward would save a
+#: few MiB against a peak of hundreds at the price of a launch and its host work, and the small
+#: tensors (the Linear blocks' spikes) sit in the host-bound part of an eager step: the
+#: forward and the head of backward. Every convolution map of the DATE'22 networks is larger.
+RECOMPUTE_MIN_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,15 @@ def recipe_of(t: Tensor) -> Recipe | None:
 
 def _dense(t: Tensor) -> bool:
     """Whether t's elements fill its memory span exactly once, in any dimension order."""
+    return _dense_geometry(t.shape, t.stride())
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_geometry(shape: torch.Size, strides: tuple[int, ...]) -> bool:
+    """:func:`_dense` of a geometry (once per geometry: every fused block's synapse input and
+    the tensors its synapse saves are checked on every call)."""
     expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda p: p[1]):
+    for size, stride in sorted(zip(shape, strides, strict=True), key=lambda p: p[1]):
         if size != 1 and stride != expected:
             return False
         expected *= size
@@ -104,12 +118,14 @@ def saving_recomputed(
 
     ``recipe`` defaults to x's own (see :func:`recipe_of`); without one, x is saved packed at
     1 bit per element if it is tagged spikes (:func:`~.spike_bits.is_spikes`), else the context
-    does nothing. Other saved tensors (weights) and copies made by an op (e.g. an autocast
+    does nothing; so it does for an x under :data:`RECOMPUTE_MIN_BYTES`. Other saved tensors (weights) and copies made by an op (e.g. an autocast
     cast) are saved as they are. PyTorch applies only the innermost saved-tensor hooks, so
     while this context is active a caller's own (``torch.autograd.graph.save_on_cpu``, ...)
     do not see what the layer inside saves. Returns torch's hooks context itself (no
     generator-based wrapper: this runs in every fused block's forward).
     """
+    if x.numel() * x.element_size() < RECOMPUTE_MIN_BYTES:
+        return contextlib.nullcontext()
     recipe = recipe or recipe_of(x)
     if not _dense(x) or (recipe is None and not is_spikes(x)):
         return contextlib.nullcontext()

@@ -12,6 +12,7 @@ to restore its output in backward instead of recomputing it (see :mod:`.recomput
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,14 +84,20 @@ def _bit_weights(device: torch.device) -> Tensor:
 def memory_order(t: Tensor) -> tuple[int, ...]:
     """The dimension order in which ``t``'s elements lie in memory (outermost first), when
     that order is dense (e.g. a channels-last map), else the logical order."""
-    shape, strides = t.shape, t.stride()
-    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
+    return _memory_order(t.shape, t.stride())
+
+
+@functools.lru_cache(maxsize=1024)
+def _memory_order(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, ...]:
+    """:func:`memory_order` of a geometry (once per geometry: a fused block's output is tagged
+    with it on every call), read from the geometry alone: no tensor op."""
+    order = tuple(sorted(range(len(shape)), key=lambda d: -strides[d]))
     if 0 in shape:  # is_contiguous's rule for an empty tensor
         return order
-    expected = 1  # whether t.permute(order) is contiguous, read from the geometry (no tensor op)
+    expected = 1  # whether the permutation to ``order`` is contiguous
     for d in reversed(order):
         if shape[d] != 1 and strides[d] != expected:
-            return tuple(range(t.dim()))
+            return tuple(range(len(shape)))
         expected *= shape[d]
     return order
 
