@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import gc
@@ -162,16 +163,23 @@ def test_batchnorm_options(bn_options):
         assert_same_training_step(ref, fused, x, FP64_TOL)
 
 
-def test_block_reuses_its_neuron_call_until_the_node_changes():
+def test_block_reuses_its_neuron_call_until_the_node_changes(monkeypatch):
     """The per-call neuron setup (program, backend, constants) is made once per block, not per
     call (host time), and made again once the node changes, so that a new threshold applies."""
     torch.manual_seed(0)
     block = FusedBlock(nn.Linear(5, 6), nn.BatchNorm1d(6), lif()).eval()
+    resolutions = []
+    resolve = type(block.node).resolve_backend
+    monkeypatch.setattr(
+        type(block.node),
+        "resolve_backend",
+        lambda node, x: resolutions.append(1) or resolve(node, x),
+    )
     x = torch.randn(T, B, 5)
     block(x)
     first = block._neuron_call
     block(x)
-    assert block._neuron_call is first
+    assert block._neuron_call is first and len(resolutions) == 1
     block.node.v_threshold = 0.05
     out = block(x)
     assert block._neuron_call is not first and block._neuron_call.constants[0] == 0.05
@@ -187,7 +195,9 @@ def test_block_reuses_its_neuron_call_until_the_node_changes():
     block.node.backend = "auto"
     assert torch.equal(block(x), out)
     again = copy.deepcopy(block)  # after a forward: the kept call copies, and still works
+    resolutions.clear()
     assert torch.equal(again(x), out)
+    assert resolutions == [1]  # a copy (or a pickle, maybe in another process) resolves again
     fresh = FusedBlock(block.synapse, block.bn, lif(v_threshold=0.05)).eval()
     assert torch.equal(fresh(x), out)
 
@@ -475,6 +485,10 @@ def test_recompute_skips_small_inputs(monkeypatch):
     assert calls == []
     run(torch.rand(limit // 64, 64).gt(0.5).float())
     assert calls == [1]
+    # tagged spikes without a recipe: packed at 1 bit per element only from the threshold on
+    small, large = (mark_spikes(torch.zeros(rows, 64)) for rows in (limit // 64 - 1, limit // 64))
+    assert isinstance(recompute.saving_recomputed(small), contextlib.nullcontext)
+    assert not isinstance(recompute.saving_recomputed(large), contextlib.nullcontext)
 
 
 # ---- what stays alive for backward ----------------------------------------------------------

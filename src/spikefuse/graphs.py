@@ -88,7 +88,11 @@ def capture_step(step: Callable[[], object], warmup: int = 3) -> Callable[[], No
     leave the neurons reset (``functional.reset_net``) so that nothing crosses steps.
 
     The capture runs through :func:`capturing`, on the warm-up stream: its peak memory is the
-    eager step's.
+    eager step's, except where a fused Linear block on spikes takes the bf16-split path, which
+    it does only under capture (:func:`~spikefuse.fused.spike_linear.takes_split_path`): then
+    the captured step also holds the weight's bf16 terms and the weight gradient's three
+    float32 products, and its results differ from the eager step's by float32 rounding (and
+    the rare spike that rounding flips).
     """
 
     def warm_up() -> None:

@@ -183,7 +183,8 @@ class FusedBlock(MultiStepOnly, nn.Module):
     Memory: backward keeps the synapse output and per-channel vectors; BN output, membrane
     potentials and spikes are recomputed. A synapse input that is the spike output of another
     fused block (directly, or through a :class:`SpikePool`) is not stored either: backward
-    recomputes it from that block's synapse output with one forward kernel launch.
+    recomputes it from that block's synapse output with one forward kernel launch (where it
+    takes at least :data:`~.recompute.RECOMPUTE_MIN_BYTES`; a smaller one is stored).
 
     On CUDA a Conv2d runs channels-last (cuDNN's native layout: no transposes around each
     convolution), and its weight is kept channels-last (a block made or moved to CUDA converts
@@ -474,7 +475,8 @@ class FusedBlock(MultiStepOnly, nn.Module):
 
     def _synapse_forward(self, x: Tensor) -> Tensor:
         """:meth:`_synapse_call`, saving an input that is fused-block spikes as its recipe, or
-        packed at 1 bit per element where it has none (a min-memory block's output)."""
+        packed at 1 bit per element where it has none (a min-memory block's output), where it
+        takes at least :data:`~.recompute.RECOMPUTE_MIN_BYTES` (see :func:`saving_recomputed`)."""
         merged = x.flatten(0, 1)
         # x's tags (a tag on x, a view, is not seen from merged, another view of its memory)
         x_recipe = recipe_of(x)
@@ -549,7 +551,9 @@ class FusedBlock(MultiStepOnly, nn.Module):
         element. Cost: one synapse forward on the steps it runs on. Where the pooling
         kernels pack their means (CUDA), both modes keep those bits instead, so the two
         pooled-map terms over-count what "min" adds: the rule then leans to the default mode
-        (kept as measured, session 22, for lack of a GPU run of the exact terms)."""
+        (kept as measured, session 22, for lack of a GPU run of the exact terms). Spikes under
+        :data:`~.recompute.RECOMPUTE_MIN_BYTES` are saved whole rather than recomputed or
+        packed, which the terms do not model: a difference of at most a few MiB a block."""
         images = repeated_over_time(x)  # kept by the caller in either mode
         T = x.shape[0]
         steps = 1 if images else T
@@ -611,7 +615,7 @@ class FusedBlock(MultiStepOnly, nn.Module):
             repeat,
             *self.synapse.parameters(),
         )
-        # without bits the next layer keeps the spikes (packed where binary)
+        # without bits the next layer keeps the spikes (packed where binary and 4 MiB or more)
         return self._tagged(self._pooled(self._with_bits(spikes, packed, pool), pool))
 
     def _batch_chunks(self, x: Tensor, repeat: int, residual: Tensor | None) -> int:
@@ -903,9 +907,10 @@ class SpikePool(MultiStepOnly, nn.Module):
     recomputed in backward, and its output is tagged so that the next fused block recomputes
     it too (the pooling applied to the recomputed spikes) instead of saving it; spikes of a
     block that keeps no synapse output (``memory="min"``) are saved at 1 bit per element, and
-    max pooling tags its output as spikes. Any other input is pooled plainly. ``pool``: an
-    ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse ``layer`` version); average pooling with kernel = stride and no padding runs as
-    :class:`WindowAvgPool`.
+    max pooling tags its output as spikes; spikes under :data:`~.recompute.RECOMPUTE_MIN_BYTES`
+    are saved as they are. Any other input is pooled plainly. ``pool``: an
+    ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse ``layer`` version); average pooling with
+    kernel = stride and no padding runs as :class:`WindowAvgPool`.
     """
 
     def __init__(self, pool: nn.Module) -> None:

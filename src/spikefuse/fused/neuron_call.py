@@ -49,10 +49,13 @@ class NeuronCall:
         return affine_kernels(self.backend)
 
     def __getstate__(self) -> dict[str, object]:
-        """Pickles and deep-copies without the looked-up backends (modules; looked up again)."""
+        """Pickles and deep-copies without the looked-up backends (modules; looked up again)
+        and without ``resolved_for`` (another process may lack CuPy: the copy's next call
+        resolves the backend again)."""
         state = self.__dict__.copy()
         state.pop("kernels", None)
         state.pop("affine", None)
+        state.pop("resolved_for", None)
         return state
 
     @classmethod

@@ -10,7 +10,8 @@ tensor equal to it, element for element and with the same strides) is set by
 :func:`mark_recomputable`, or is unpacking the packing tagged by
 :func:`~.spike_bits.mark_packed`. Spikes without a recipe (the output of an unpooled block in the
 minimal-memory mode, which keeps no synapse output) are saved packed at 1 bit per element
-instead (:mod:`.spike_bits`).
+instead (:mod:`.spike_bits`). Tensors under :data:`RECOMPUTE_MIN_BYTES` (4 MiB: e.g. the
+Linear blocks' spikes) are saved as they are: neither recomputed nor packed.
 
 Fused blocks tag their spikes; :class:`~spikefuse.fused.SpikePool` tags its output with the
 pooling applied to the recipe. Views that cover the same memory (flatten, unflatten) use the
@@ -118,8 +119,8 @@ def saving_recomputed(
 
     ``recipe`` defaults to x's own (see :func:`recipe_of`); without one, x is saved packed at
     1 bit per element if it is tagged spikes (:func:`~.spike_bits.is_spikes`), else the context
-    does nothing; so it does for an x under :data:`RECOMPUTE_MIN_BYTES`. Other saved tensors (weights) and copies made by an op (e.g. an autocast
-    cast) are saved as they are. PyTorch applies only the innermost saved-tensor hooks, so
+    does nothing; so it does for an x under :data:`RECOMPUTE_MIN_BYTES`. Other saved tensors
+    (weights) and copies made by an op (e.g. an autocast cast) are saved as they are. PyTorch applies only the innermost saved-tensor hooks, so
     while this context is active a caller's own (``torch.autograd.graph.save_on_cpu``, ...)
     do not see what the layer inside saves. Returns torch's hooks context itself (no
     generator-based wrapper: this runs in every fused block's forward).

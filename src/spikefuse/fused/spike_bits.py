@@ -2,8 +2,8 @@
 
 A fused block's output holds only 0 and 1 (or NaN where the neuron's input was NaN); what keeps
 such a tensor for backward (the minimal-memory mode's block input, a residual block's shortcut,
-a layer's saved input where no recipe recomputes it: see :mod:`.recompute`) keeps it at 1 bit
-per element (8 per byte: 1/32 of float32) as a :class:`PackedSpikes`, plus a flag byte per 32
+a layer's saved input where no recipe recomputes it and it takes 4 MiB or more: see
+:mod:`.recompute`) keeps it at 1 bit per element (8 per byte: 1/32 of float32) as a :class:`PackedSpikes`, plus a flag byte per 32
 elements: a packed NaN comes back as NaN in the elements of its 32-bit word, so backward sees
 it. The pooling BN-folded neuron kernels write the same packing of their output, the k² spikes
 behind each k x k mean at 1 bit each (a word: 8 means of 2 x 2), which a fused block then keeps
