@@ -38,21 +38,27 @@ def repeats_one_step(t: torch.Tensor) -> bool:
     return t.shape[0] > 1 and t.stride(0) == 0
 
 
-@functools.lru_cache(maxsize=1024)
-def channels_innermost(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """Whether a [T, B, C, *S] tensor of this geometry is dense with channels innermost in
-    memory (the [T, B, C, H, W] view of a channels-last convolution output; a contiguous [T, B,
-    C]), i.e. whether its permutation [T, B, *S, C] is contiguous, as ``is_contiguous`` decides
-    it. Read from the geometry alone, once per geometry (the launch paths ask on every call):
-    no tensor op."""
+def dense_in_order(shape: tuple[int, ...], stride: tuple[int, ...], order: tuple[int, ...]) -> bool:
+    """Whether a tensor of this geometry permuted to ``order`` (outermost dimension first) is
+    contiguous, as ``is_contiguous`` decides it (an empty tensor is), read from the geometry
+    alone: no tensor op."""
     if 0 in shape:
         return True
     expected = 1
-    for dim in reversed((0, 1, *range(3, len(shape)), 2)):
+    for dim in reversed(order):
         if shape[dim] != 1 and stride[dim] != expected:
             return False
         expected *= shape[dim]
     return True
+
+
+@functools.lru_cache(maxsize=1024)
+def channels_innermost(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a [T, B, C, *S] tensor of this geometry is dense with channels innermost in
+    memory (the [T, B, C, H, W] view of a channels-last convolution output; a contiguous [T, B,
+    C]), i.e. whether its permutation [T, B, *S, C] is contiguous. Once per geometry (the
+    launch paths ask on every call)."""
+    return dense_in_order(shape, stride, (0, 1, *range(3, len(shape)), 2))
 
 
 def as_channels_innermost(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -195,7 +195,7 @@ def channel_stats(
         partial.data_ptr(),
         mean.data_ptr(),
         invstd.data_ptr(),
-        *((0, 0, 0) if running is None else _addresses(running)),
+        *((0, 0, 0) if running is None else (t.data_ptr() for t in running[:3])),
         rows,
         geometry.rows_per_chunk,
         channels,
@@ -212,10 +212,6 @@ def channel_stats(
     merge_block = (MERGE_CHANNELS, MERGE_LANES, 1)
     launch_named(kernels.source, kernels.merge_name, y.device, merge_grid, merge_block, args)
     return mean, invstd
-
-
-def _addresses(running: RunningStats) -> tuple[int, int, int]:
-    return running[0].data_ptr(), running[1].data_ptr(), running[2].data_ptr()
 
 
 def _check_running(running: RunningStats, channels: int, rows: int) -> None:

@@ -378,9 +378,8 @@ class FusedBlock(MultiStepOnly, nn.Module):
         """Refuse hooks registered on the block's modules after fusing (``fuse`` leaves chains
         with hooks unfused): the block never calls those modules, so their forward and
         backward hooks would silently not run (e.g. a monitor recording a neuron's spikes)."""
-        modules = self._modules  # (a deleted one: the descriptor's AttributeError)
         for role in _ROLES:
-            module = modules[role] if role in modules else getattr(self, role)
+            module = getattr(self, role)  # the _Submodule descriptor: a read of _modules
             hooks = None if module is None else hook_kinds(module)
             if hooks is not None:
                 raise SpikefuseError(

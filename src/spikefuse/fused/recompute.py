@@ -22,14 +22,20 @@ in-place edit) has no valid recipe and is saved as it is.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .spike_bits import PackedSpikes, is_spikes, mark_means, means_window, packing_of
+from .spike_bits import (
+    PackedSpikes,
+    dense_order,
+    is_spikes,
+    mark_means,
+    means_window,
+    packing_of,
+)
 
 Recipe = Callable[[], Tensor]
 _TAG = "_spikefuse_recipe"
@@ -83,19 +89,7 @@ def recipe_of(t: Tensor) -> Recipe | None:
 
 def _dense(t: Tensor) -> bool:
     """Whether t's elements fill its memory span exactly once, in any dimension order."""
-    return _dense_geometry(t.shape, t.stride())
-
-
-@functools.lru_cache(maxsize=1024)
-def _dense_geometry(shape: torch.Size, strides: tuple[int, ...]) -> bool:
-    """:func:`_dense` of a geometry (once per geometry: every fused block's synapse input and
-    the tensors its synapse saves are checked on every call)."""
-    expected = 1
-    for size, stride in sorted(zip(shape, strides, strict=True), key=lambda p: p[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+    return dense_order(t.shape, t.stride()) is not None
 
 
 def _memory_key(t: Tensor) -> tuple:
@@ -120,9 +114,9 @@ def saving_recomputed(
     ``recipe`` defaults to x's own (see :func:`recipe_of`); without one, x is saved packed at
     1 bit per element if it is tagged spikes (:func:`~.spike_bits.is_spikes`), else the context
     does nothing; so it does for an x under :data:`RECOMPUTE_MIN_BYTES`. Other saved tensors
-    (weights) and copies made by an op (e.g. an autocast cast) are saved as they are. PyTorch applies only the innermost saved-tensor hooks, so
-    while this context is active a caller's own (``torch.autograd.graph.save_on_cpu``, ...)
-    do not see what the layer inside saves. Returns torch's hooks context itself (no
+    (weights) and copies made by an op (e.g. an autocast cast) are saved as they are. PyTorch
+    applies only the innermost saved-tensor hooks, so while this context is active a caller's
+    own (``torch.autograd.graph.save_on_cpu``, ...) do not see what the layer inside saves. Returns torch's hooks context itself (no
     generator-based wrapper: this runs in every fused block's forward).
     """
     if x.numel() * x.element_size() < RECOMPUTE_MIN_BYTES:

@@ -3,8 +3,8 @@
 A fused block's output holds only 0 and 1 (or NaN where the neuron's input was NaN); what keeps
 such a tensor for backward (the minimal-memory mode's block input, a residual block's shortcut,
 a layer's saved input where no recipe recomputes it and it takes 4 MiB or more: see
-:mod:`.recompute`) keeps it at 1 bit per element (8 per byte: 1/32 of float32) as a :class:`PackedSpikes`, plus a flag byte per 32
-elements: a packed NaN comes back as NaN in the elements of its 32-bit word, so backward sees
+:mod:`.recompute`) keeps it at 1 bit per element (8 per byte: 1/32 of float32) as a
+:class:`PackedSpikes`, plus a flag byte per 32 elements: a packed NaN comes back as NaN in the elements of its 32-bit word, so backward sees
 it. The pooling BN-folded neuron kernels write the same packing of their output, the k² spikes
 behind each k x k mean at 1 bit each (a word: 8 means of 2 x 2), which a fused block then keeps
 to restore its output in backward instead of recomputing it (see :mod:`.recompute`).
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..backends import dense_in_order
 from ..cuda import spike_bits as cuda_bits
 from ..cuda import unavailable_reason
 from .device_constants import device_constant
@@ -84,22 +85,17 @@ def _bit_weights(device: torch.device) -> Tensor:
 def memory_order(t: Tensor) -> tuple[int, ...]:
     """The dimension order in which ``t``'s elements lie in memory (outermost first), when
     that order is dense (e.g. a channels-last map), else the logical order."""
-    return _memory_order(t.shape, t.stride())
+    order = dense_order(t.shape, t.stride())
+    return tuple(range(t.dim())) if order is None else order
 
 
 @functools.lru_cache(maxsize=1024)
-def _memory_order(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, ...]:
-    """:func:`memory_order` of a geometry (once per geometry: a fused block's output is tagged
-    with it on every call), read from the geometry alone: no tensor op."""
+def dense_order(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The order (outermost first) in which a tensor of this geometry fills its memory span
+    exactly once, or None where it does not (a strided slice, an expanded view). Once per
+    geometry: fused blocks ask on every call."""
     order = tuple(sorted(range(len(shape)), key=lambda d: -strides[d]))
-    if 0 in shape:  # is_contiguous's rule for an empty tensor
-        return order
-    expected = 1  # whether the permutation to ``order`` is contiguous
-    for d in reversed(order):
-        if shape[d] != 1 and strides[d] != expected:
-            return tuple(range(len(shape)))
-        expected *= shape[d]
-    return order
+    return order if dense_in_order(shape, strides, order) else None
 
 
 # Elements the torch composites pack or unpack per step (a multiple of 32: a step's words are its
