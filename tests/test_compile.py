@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.nn import functional as F
 
 from spikefuse import functional, fuse, layer, neuron, surrogate
 
@@ -153,19 +154,50 @@ def test_compiled_fused_plif_block_matches_eager(training):
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("count", [0, 96], ids=["running-stats", "batch-stats"])
-def test_opcheck_bn_neuron_ops(count):
-    """Schema, fake tensors, autograd registration and AOT dispatch of the fused block's ops."""
+@pytest.mark.parametrize(
+    ("count", "shape", "pool"),
+    [(0, (3, 2, 4, 4), 1), (96, (3, 2, 4, 4), 1), (2 * 3 * 5 * 5, (3, 2, 4, 5, 5), 2)],
+    ids=["running-stats", "batch-stats", "pooled-odd-map"],
+)
+def test_opcheck_bn_neuron_ops(count, shape, pool):
+    """Schema, fake tensors, autograd registration and AOT dispatch of the fused block's ops;
+    pooled over 2 x 2 windows of a 5 x 5 map (the op pools the full spikes itself where the
+    kernels cannot; the last row and column are dropped, as avg_pool2d drops them)."""
     g = torch.Generator().manual_seed(3)
     node = neuron.ParametricLIFNode(step_mode="m")
-    y = torch.randn(3, 2, 4, 4, generator=g, dtype=torch.float64).requires_grad_()
+    y = torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
     mean, invstd = torch.rand(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) + 0.5
     weight = torch.rand(4, dtype=torch.float64).requires_grad_()
     bias = torch.rand(4, dtype=torch.float64).requires_grad_()
     learnable = node.learnable_values(y.device, torch.float64).detach().requires_grad_()
-    config = (node.program.key, "torch", list(node.constants()), 0.0, count)
+    config = (node.program.key, "torch", list(node.constants()), 0.0, count, pool)
     args = (y, mean, invstd, weight, bias, learnable, *config, True)
     torch.library.opcheck(torch.ops.spikefuse.bn_neuron_fptt.default, args)
+
+
+def test_pooled_bn_neuron_op_is_the_pooling_of_its_spikes():
+    """The op with pool = 2 gives avg_pool2d of its unpooled spikes, and the same gradients
+    (a 5 x 5 map: the last row and column are dropped and get no gradient)."""
+    g = torch.Generator().manual_seed(5)
+    node = neuron.LIFNode(step_mode="m")
+    y = torch.randn(3, 2, 4, 5, 5, generator=g, dtype=torch.float64) * 2
+    mean, invstd = torch.rand(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) + 0.5
+    weight = torch.rand(4, dtype=torch.float64)
+    grad = torch.randn(3, 2, 4, 2, 2, generator=g, dtype=torch.float64)
+
+    def run(pool: int) -> tuple[torch.Tensor, ...]:
+        leaves = [t.clone().requires_grad_() for t in (y, weight)]
+        config = (node.program.key, "torch", list(node.constants()), 0.0, 150, pool)
+        spikes, _ = torch.ops.spikefuse.bn_neuron_fptt.default(
+            leaves[0], mean, invstd, leaves[1], None, None, *config, True
+        )
+        if pool == 1:
+            spikes = F.avg_pool2d(spikes.flatten(0, 1), 2).unflatten(0, spikes.shape[:2])
+        spikes.backward(grad)
+        return spikes.detach(), *(t.grad for t in leaves)
+
+    for got, want in zip(run(2), run(1), strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_compiled_fused_model_on_an_input_repeated_over_time():

@@ -192,7 +192,8 @@ def test_odd_maps_pool_like_avg_pool2d():
 
 
 def test_traced_forward_pools_after_the_neuron():
-    """What torch.compile traces (the unfused composite) ends with the block's pooling."""
+    """What torch.compile traces pools the spikes as the eager block does (the BN-neuron op
+    pools them; on the CPU it pools the full spikes itself)."""
     block = (
         FusedBlock(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), lif(), pool=nn.AvgPool2d(2))
         .double()

@@ -780,10 +780,11 @@ class FusedBlock(MultiStepOnly, nn.Module):
         """What ``torch.compile`` traces: the synapse, the eager block's statistics (and
         running-statistics update), then BatchNorm → neuron as the ``bn_neuron_fptt`` op of
         :mod:`spikefuse.fused.traced` (the BN-folded kernels with the cuda backend; opaque to
-        the compiler, no graph break; its backward keeps only y and the per-channel vectors).
-        Without BatchNorm, the neuron's own op. The eager path's recomputation of the next
-        layer's input (autograd saved-tensor hooks) cannot be traced: compiled, the next
-        synapse saves the spikes it reads.
+        the compiler, no graph break; its backward keeps only y and the per-channel vectors),
+        which also pools where the block pools (in the kernels where they can, as in eager:
+        no full spike map is written). Without BatchNorm, the neuron's own op. The eager
+        path's recomputation of the next layer's input (autograd saved-tensor hooks) cannot be
+        traced: compiled, the next synapse saves the spikes it reads.
         """
         if is_distributed(self.process_group):
             raise SpikefuseError(
@@ -800,10 +801,10 @@ class FusedBlock(MultiStepOnly, nn.Module):
                 )
             return self._traced_neuron(normed + residual).to(y.dtype)  # as eager: y's dtype
         neuron, learnable, bn, stats = self._prepare(y)
-        if bn is not None and stats is not None:  # the eager block's functions, as ops
-            # (a pooling block pools the full spikes with torch ops: whether the kernels could
-            # pool depends on the backend registry, which the compiler cannot trace)
-            return self._pooled(traced_bn_neuron(y, stats, bn, neuron, learnable), 1)
+        if bn is not None and stats is not None:  # the eager block's functions, as ops (the
+            # op pools: with the kernels where they can, which the compiler cannot trace)
+            pool = 1 if self.pool is None else self._window
+            return traced_bn_neuron(y, stats, bn, neuron, learnable, pool)
         return self._traced_neuron(y, neuron, learnable)
 
     def _traced_neuron(

@@ -56,6 +56,7 @@ from .spike_bits import (
     Compact,
     PackedSpikes,
     compact,
+    empty_in_order,
     expand,
     is_spikes,
     joined_batch_chunks,
@@ -101,11 +102,7 @@ def batch_parts(batch: int, chunks: int) -> list[slice]:
 def empty_batch(like: Tensor, batch: int, dtype: torch.dtype | None = None) -> Tensor:
     """An uninitialised [T, batch, ...] tensor with the layout of the chunk ``like``
     [T, b, ...] (its dimension order in memory), for the chunks to be copied into."""
-    strides = like.stride()
-    order = sorted(range(like.dim()), key=lambda d: -strides[d])
-    shape = [*like.shape[:1], batch, *like.shape[2:]]
-    dense = torch.empty([shape[d] for d in order], dtype=dtype or like.dtype, device=like.device)
-    return dense.permute(sorted(range(like.dim()), key=lambda d: order[d]))
+    return empty_in_order(like, (like.shape[0], batch, *like.shape[2:]), dtype)
 
 
 def dense_part(t: Tensor, part: slice) -> Tensor:

@@ -89,6 +89,17 @@ def memory_order(t: Tensor) -> tuple[int, ...]:
     return tuple(range(t.dim())) if order is None else order
 
 
+def empty_in_order(
+    like: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
+) -> Tensor:
+    """An uninitialised dense tensor of ``shape`` whose dimensions lie in memory in the order
+    of ``like``'s strides (outermost first; e.g. channels-last like a channels-last map)."""
+    strides = like.stride()
+    order = sorted(range(like.dim()), key=lambda d: -strides[d])
+    dense = torch.empty([shape[d] for d in order], dtype=dtype or like.dtype, device=like.device)
+    return dense.permute(sorted(range(like.dim()), key=order.__getitem__))
+
+
 @functools.lru_cache(maxsize=1024)
 def dense_order(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, ...] | None:
     """The order (outermost first) in which a tensor of this geometry fills its memory span

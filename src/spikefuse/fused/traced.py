@@ -13,6 +13,12 @@ normalised with (computed without autograd, as in eager; BatchNorm's gradient th
 in the backward formula); ``checkpoints`` is what the neuron's forward keeps (the cuda kernels'
 chunk-end potentials; empty when nothing is kept). ``bn_neuron_bptt`` returns
 (dL/dy, dL/dgamma, dL/dbeta, dL/dlearnable), empty for absent inputs.
+
+``pool`` = k > 1 (a block that pools its spikes over k x k windows): ``bn_neuron_fptt`` returns
+the spikes averaged over those windows [T, B, C, H/k, W/k], and ``bn_neuron_bptt`` takes their
+gradient. The BN-folded kernels pool where they can (:func:`~.bn_neuron.kernels_pool`), as in
+eager: the full spike map and its gradient are never written. Elsewhere (the torch backend, H or
+W not a multiple of k) the op pools the full spikes itself, with the same result.
 """
 
 from __future__ import annotations
@@ -21,18 +27,20 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from ..backends import affine_kernels, compute_dtype
 from ..ops import forbid_double_backward, register_op_pair
 from ..program import lookup
-from .bn_neuron import bn_neuron_forward, bn_neuron_grads
+from .bn_neuron import bn_neuron_forward, bn_neuron_grads, kernels_pool
 from .neuron_call import Kept, NeuronCall
+from .spike_bits import empty_in_order
 from .statistics import BNSpec, BNStats
 
 _LIB = torch.library.Library("spikefuse", "FRAGMENT")
 _ARGS = (
     "Tensor y, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? learnable, "
-    "str program, str backend, float[] constants, float v_init, int count"
+    "str program, str backend, float[] constants, float v_init, int count, int pool"
 )
 _LIB.define(f"bn_neuron_fptt({_ARGS}, bool save) -> (Tensor, Tensor)")
 _LIB.define(
@@ -65,6 +73,15 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
+def _spikes_like(y: Tensor, pool: int) -> Tensor:
+    """Uninitialised spikes of y [T, B, C, *] in y's dtype and dimension order in memory,
+    averaged over ``pool`` x ``pool`` windows where ``pool`` > 1: the layout the fake promises
+    (the pooling kernels' too: channels innermost for a channels-last y)."""
+    if pool == 1:
+        return torch.empty_like(y)
+    return empty_in_order(y, (*y.shape[:3], y.shape[3] // pool, y.shape[4] // pool))
+
+
 def bn_neuron_fptt(
     y: Tensor,
     mean: Tensor,
@@ -77,12 +94,17 @@ def bn_neuron_fptt(
     constants: list[float],
     v_init: float,
     count: int,
+    pool: int,
     save: bool,
 ) -> tuple[Tensor, Tensor]:
     stats, neuron = _call(y, mean, invstd, weight, bias, program, backend, constants, v_init, count)
-    spikes, kept, _ = bn_neuron_forward(y, stats, neuron, learnable, save)
-    if spikes.stride() != y.stride():  # the layout the fake promises: y's
-        spikes = torch.empty_like(y).copy_(spikes)
+    kernel_pool = pool if kernels_pool(y, stats, neuron, pool) else 1
+    spikes, kept, _ = bn_neuron_forward(y, stats, neuron, learnable, save, kernel_pool)
+    if kernel_pool < pool:  # the full spikes, pooled here
+        spikes = F.avg_pool2d(spikes.flatten(0, 1), pool).unflatten(0, spikes.shape[:2])
+    out = _spikes_like(y, pool)
+    if spikes.stride() != out.stride():  # the layout the fake promises
+        spikes = out.copy_(spikes)
     checkpoints = kept[0] if kept is not None else None
     return spikes, _empty(y) if checkpoints is None else checkpoints
 
@@ -98,13 +120,13 @@ def _bn_neuron_fptt_fake(
     backend: str,
     *config: Any,
 ) -> tuple[Tensor, Tensor]:
-    """Shapes of :func:`bn_neuron_fptt` (``config``: constants, v_init, count, save)."""
-    save = config[-1]
+    """Shapes of :func:`bn_neuron_fptt` (``config``: constants, v_init, count, pool, save)."""
+    pool, save = config[-2:]
     affine = affine_kernels(backend)
     checkpoints = None
     if affine is not None:
         checkpoints = affine.affine_saved_like(lookup(program), y, save)
-    return torch.empty_like(y), _empty(y) if checkpoints is None else checkpoints
+    return _spikes_like(y, pool), _empty(y) if checkpoints is None else checkpoints
 
 
 def bn_neuron_bptt(
@@ -119,10 +141,16 @@ def bn_neuron_bptt(
     constants: list[float],
     v_init: float,
     count: int,
+    pool: int,
     grad_spikes: Tensor,
     checkpoints: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     stats, neuron = _call(y, mean, invstd, weight, bias, program, backend, constants, v_init, count)
+    kernel_pool = pool if kernels_pool(y, stats, neuron, pool) else 1
+    if kernel_pool < pool:  # the full spikes' gradient (the pooling's backward)
+        grad_spikes = torch.ops.aten.avg_pool2d_backward(
+            grad_spikes.flatten(0, 1), y.flatten(0, 1), [pool], [pool], [0], False, True, None
+        ).unflatten(0, y.shape[:2])
     saved: Kept = None  # the torch backend kept nothing: backward recomputes the neuron
     if neuron.affine is not None:
         saved = (checkpoints if checkpoints.numel() else None,)
@@ -137,7 +165,7 @@ def bn_neuron_bptt(
         group=None,  # compiled fused blocks refuse torch.distributed (FusedBlock._traced_forward)
     )
     needs = (weight is not None, bias is not None, learnable is not None)
-    grads = bn_neuron_grads(y, stats, bn, neuron, learnable, grad_spikes, saved, needs)
+    grads = bn_neuron_grads(y, stats, bn, neuron, learnable, grad_spikes, saved, needs, kernel_pool)
     grad_y, grad_weight, grad_bias, grad_learnable, _ = grads
     return (
         grad_y,
@@ -169,7 +197,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
     y, mean, invstd, weight, bias, learnable, *config, save = inputs
     if not save:
         raise RuntimeError("spikefuse: bn_neuron_fptt saved nothing for a backward")
-    ctx.config = config  # program, backend, constants, v_init, count
+    ctx.config = config  # program, backend, constants, v_init, count, pool
     ctx.save_for_backward(y, mean, invstd, weight, bias, learnable, output[1])
 
 
@@ -186,7 +214,7 @@ def _backward(ctx: Any, grad_spikes: Tensor, _grad_checkpoints: Tensor) -> tuple
         None if weight is None else grad_weight,
         None if bias is None else grad_bias,
         None if learnable is None else grad_learnable,
-        *(None,) * 6,  # program, backend, constants, v_init, count, save
+        *(None,) * 7,  # program, backend, constants, v_init, count, pool, save
     )
 
 
@@ -199,10 +227,16 @@ register_op_pair(
 
 
 def traced_bn_neuron(
-    y: Tensor, stats: BNStats, bn: BNSpec, neuron: NeuronCall, learnable: Tensor | None
+    y: Tensor,
+    stats: BNStats,
+    bn: BNSpec,
+    neuron: NeuronCall,
+    learnable: Tensor | None,
+    pool: int = 1,
 ) -> Tensor:
     """Spikes of a compiled fused block: :func:`bn_neuron_fptt` through its op (the
-    arguments as :class:`~spikefuse.fused.bn_neuron.BNNeuronFunction` takes them)."""
+    arguments as :class:`~spikefuse.fused.bn_neuron.BNNeuronFunction` takes them), averaged
+    over ``pool`` x ``pool`` windows where ``pool`` > 1."""
     assert isinstance(stats.count, int)  # compiled blocks refuse torch.distributed
     spikes, _ = torch.ops.spikefuse.bn_neuron_fptt.default(
         y,
@@ -216,6 +250,7 @@ def traced_bn_neuron(
         neuron.constants,
         neuron.v_init,
         stats.count,
+        pool,
         torch.is_grad_enabled(),
     )
     return spikes
