@@ -3,12 +3,14 @@ themselves run in tests/gpu/test_graphs_compile.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
 import torch
 
 from spikefuse import graphs
+from spikefuse.errors import SpikefuseError
 
 
 class FakeGenerator:
@@ -135,3 +137,103 @@ def test_a_capture_that_ends_keeps_the_generators_state(fake_cuda):
         pass
     assert [g.state for g in fake_cuda.generators] == ["state after"]
     assert fake_cuda.stream == "default stream"
+
+
+class FakeStream:
+    def __init__(self, device: object = None) -> None:
+        self.device = torch.device("cpu")
+
+
+class FakeGraph:
+    """Counts its replays (a real replay reruns the captured kernels on the static inputs)."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+@pytest.fixture
+def fake_graphing(monkeypatch) -> list[tuple[str, object]]:
+    """GraphedStep's CUDA calls replaced by recorders on the CPU: warm-ups (``run_on``) and
+    captures (``capturing``) are logged in order; inputs may be CPU tensors."""
+    events: list[tuple[str, object]] = []
+
+    def run_on(stream, fn):
+        events.append(("eager", stream))
+        return fn()
+
+    @contextlib.contextmanager
+    def capturing(graph, stream):
+        events.append(("capture", graph))
+        yield
+
+    monkeypatch.setattr(graphs, "run_on", run_on)
+    monkeypatch.setattr(graphs, "capturing", capturing)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(
+        graphs, "_signature", lambda inputs: tuple((x.shape, x.dtype) for x in inputs)
+    )
+    return events
+
+
+def test_graphed_step_warms_up_captures_once_then_replays_per_signature(fake_graphing):
+    seen: list[torch.Tensor] = []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen.append(x)
+        return x.sum() + y.sum()
+
+    graphed = graphs.GraphedStep(step, warmup=2)
+    batch = [torch.full((4, 3), float(i)) for i in range(5)]
+    labels = torch.zeros(4)
+    eager = [graphed(batch[i], labels) for i in range(2)]  # the warm-ups: step's own results
+    assert [float(e) for e in eager] == [0.0, 12.0]
+    assert [kind for kind, _ in fake_graphing] == ["eager", "eager"]
+    out = graphed(batch[2], labels)  # captured on static copies, then replayed
+    assert [kind for kind, _ in fake_graphing] == ["eager", "eager", "capture"]
+    graph = fake_graphing[-1][1]
+    static_x = seen[-1]
+    assert static_x is not batch[2] and torch.equal(static_x, batch[2])
+    assert graph.replays == 1
+    again = graphed(batch[3], labels)  # a replay: the batch copied in, the same output tensor
+    assert again is out and graph.replays == 2 and torch.equal(static_x, batch[3])
+    assert len(seen) == 3  # the step ran twice eagerly and once in the capture, never again
+    graphed(torch.ones(2, 3), torch.zeros(2))  # another batch shape: its own warm-up
+    assert fake_graphing[-1][0] == "eager"
+
+
+def test_graphed_step_captures_again_after_invalidate_without_warming_up(fake_graphing):
+    graphed = graphs.GraphedStep(lambda x: x * 2, warmup=1)
+    x = torch.ones(3)
+    graphed(x)
+    first = graphed(x)
+    graphed.invalidate()  # e.g. a new learning rate, which a capture bakes in
+    second = graphed(x)
+    assert [kind for kind, _ in fake_graphing] == ["eager", "capture", "capture"]
+    assert second is not first
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ((), "call it with the step's input tensors"),
+        ((torch.ones(2),), "input 0 is a tensor on cpu"),
+        ((3.0,), "input 0 is float"),
+    ],
+    ids=["nothing", "cpu-tensor", "not-a-tensor"],
+)
+def test_graphed_step_refuses_inputs_a_graph_cannot_replay(inputs, message):
+    calls: list[object] = []
+    graphed = graphs.GraphedStep(lambda *args: calls.append(args))
+    with pytest.raises(SpikefuseError, match=message):
+        graphed(*inputs)
+    assert not calls  # refused before the step ran
+
+
+@pytest.mark.parametrize("warmup", [0, -1, 1.5, True])
+def test_graphed_step_needs_at_least_one_warm_up(warmup):
+    with pytest.raises(SpikefuseError, match="warmup must be an int >= 1"):
+        graphs.GraphedStep(lambda: None, warmup=warmup)

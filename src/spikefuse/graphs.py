@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
+
+from .errors import SpikefuseError
 
 R = TypeVar("R")
 # What CUDA reports when a capture is ended after an operation invalidated it.
@@ -105,3 +107,112 @@ def capture_step(step: Callable[[], object], warmup: int = 3) -> Callable[[], No
     with capturing(graph, stream):
         step()
     return graph.replay
+
+
+# What a graph is captured for: each input's shape, dtype and device.
+Signature = tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
+
+
+class GraphedStep(Generic[R]):
+    """``step(*inputs)`` replayed from CUDA graphs, one graph per input signature (the inputs'
+    shapes, dtypes and devices): a training loop's fastest mode, with no host work per kernel.
+
+    ``step`` takes CUDA tensors (a batch) and does a whole training step: forward, loss,
+    ``backward``, ``optimizer.step()``, and ``functional.reset_net`` at its end, so that
+    nothing crosses steps. ::
+
+        def train_step(images, labels):
+            loss = F.cross_entropy(net(images.unsqueeze(0).expand(T, *images.shape)).mean(0),
+                                   labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()  # Adam/AdamW: capturable=True
+            functional.reset_net(net)
+            return loss.detach()
+
+        graphed = GraphedStep(train_step)
+        for images, labels in loader:
+            loss = graphed(images.cuda(), labels.cuda())
+
+    The first ``warmup`` calls of a signature run ``step`` eagerly on a side stream: that
+    compiles and loads the neuron kernels and creates cuDNN plans and optimizer state, none of
+    which can happen during a capture. The next call captures ``step`` on static copies of its
+    inputs (through :func:`capturing`, on the same stream) and replays it; from then on a call
+    copies its inputs into those and replays the graph. A batch of another shape (the last,
+    smaller one of an epoch) gets its own warm-up and graph, with its own memory.
+
+    What a call returns after the warm-up is what ``step`` returned during the capture: the
+    same tensors at every replay of that signature, overwritten by the next one (clone what
+    you keep). A replay runs no Python: Python values that ``step`` reads (the learning rate
+    in the optimizer's param groups, a flag) are those of the capture, and the graph keeps
+    reading and writing the tensors it captured. Call :meth:`invalidate` after changing such a
+    value or replacing such a tensor (a new optimizer), so that the next call captures again.
+    A host read of a device value inside ``step`` (``loss.item()``) cannot be captured:
+    :func:`capturing` raises and says so.
+    """
+
+    def __init__(self, step: Callable[..., R], warmup: int = 3) -> None:
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise SpikefuseError(
+                f"GraphedStep: warmup must be an int >= 1 (eager steps before the capture), "
+                f"got {warmup!r}"
+            )
+        self.step, self.warmup = step, warmup
+        self._warmups: dict[Signature, int] = {}  # eager calls so far, per signature
+        # signature -> (graph, static inputs, what step returned during the capture)
+        self._graphs: dict[Signature, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], R]]
+        self._graphs = {}
+        self._stream: torch.cuda.Stream | None = None  # warm-ups and captures share it
+
+    def invalidate(self) -> None:
+        """Drop the graphs: the next call of each signature captures ``step`` again (without
+        another warm-up)."""
+        self._graphs.clear()
+
+    def __call__(self, *inputs: torch.Tensor) -> R:
+        """``step(*inputs)``, run eagerly (the warm-up), captured or replayed."""
+        signature = _signature(inputs)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(inputs[0].device)
+        stream = self._stream
+        if stream.device != inputs[0].device:
+            raise SpikefuseError(
+                f"GraphedStep: its graphs run on {stream.device}, the inputs are on "
+                f"{inputs[0].device}; use one GraphedStep per GPU"
+            )
+        done = self._warmups.get(signature, 0)
+        if done < self.warmup:
+            self._warmups[signature] = done + 1
+            return run_on(stream, lambda: self.step(*inputs))
+        entry = self._graphs.get(signature)
+        if entry is None:  # the capture records the step without running it: replayed below
+            static = tuple(x.detach().clone() for x in inputs)
+            graph = torch.cuda.CUDAGraph()
+            with capturing(graph, stream):
+                output = self.step(*static)
+            entry = self._graphs[signature] = (graph, static, output)
+        graph, static, output = entry
+        with torch.no_grad():
+            for into, x in zip(static, inputs, strict=True):
+                into.copy_(x)
+        graph.replay()
+        return output
+
+
+def _signature(inputs: tuple[torch.Tensor, ...]) -> Signature:
+    """The inputs' signature; raises for anything but CUDA tensors on one device."""
+    if not inputs:
+        raise SpikefuseError("GraphedStep: call it with the step's input tensors (the batch)")
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor) or not x.is_cuda:
+            what = f"a tensor on {x.device}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise SpikefuseError(
+                f"GraphedStep: input {i} is {what}; a CUDA graph replays on the GPU, so pass "
+                "CUDA tensors (e.g. images.cuda()); other arguments belong in the step itself"
+            )
+    if len({x.device for x in inputs}) > 1:
+        raise SpikefuseError(
+            "GraphedStep: the inputs are on "
+            f"{sorted(str(x.device) for x in inputs)}; a graph runs on one GPU: move them there"
+        )
+    return tuple((x.shape, x.dtype, x.device) for x in inputs)

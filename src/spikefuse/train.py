@@ -35,7 +35,7 @@ from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.extras import require
 from spikefuse.fused import fuse, match_optimizer_state
 from spikefuse.fused.blocks import MEMORY_MODES
-from spikefuse.graphs import capturing, run_on
+from spikefuse.graphs import GraphedStep
 
 CHECKPOINT_FORMAT = "spikefuse.train.digits"
 # Version 2 added the "sha256" checksum of the payload; version 3 the model and data set to
@@ -1025,45 +1025,6 @@ def evaluate(
 TrainStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images, labels) -> loss
 
 
-class GraphedTrainStep:
-    """Training steps replayed from CUDA graphs (``torch.cuda.graph``), one per batch shape.
-
-    The first step of a shape runs eagerly on a side stream (kernels compiled and loaded, cuDNN
-    plans and optimizer state created: what capture needs); the next one is captured, and from
-    then on a step copies the batch into the graph's static inputs and replays it, with no
-    host work per kernel. The step must start from reset neurons and leave them reset (as
-    :func:`forward` does). The learning rate is baked into a capture: :meth:`invalidate`
-    drops the graphs when it changes.
-    """
-
-    def __init__(self) -> None:
-        self.warmed_up: set[tuple] = set()
-        self.graphs: dict[tuple, tuple] = {}
-        # Warm-ups and captures share one side stream (see spikefuse.graphs.capturing).
-        self.stream = torch.cuda.Stream()
-
-    def invalidate(self) -> None:
-        self.graphs.clear()
-
-    def __call__(self, step: TrainStep, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``step(x, y)``'s loss, run eagerly (warm-up), captured or replayed."""
-        key = (tuple(x.shape), tuple(y.shape))
-        if key not in self.warmed_up:
-            self.warmed_up.add(key)
-            return run_on(self.stream, lambda: step(x, y))
-        entry = self.graphs.get(key)
-        if entry is None:  # capture records the step without running it: replayed below
-            static_x, static_y, graph = x.clone(), y.clone(), torch.cuda.CUDAGraph()
-            with capturing(graph, self.stream):
-                static_loss = step(static_x, static_y)
-            entry = self.graphs[key] = (graph, static_x, static_y, static_loss)
-        graph, static_x, static_y, static_loss = entry
-        static_x.copy_(x)
-        static_y.copy_(y)
-        graph.replay()
-        return static_loss
-
-
 @dataclass(frozen=True)
 class Ranks:
     """This process's place in a ``torchrun`` job (rank 0 of 1 without one)."""
@@ -1138,30 +1099,40 @@ def epoch_order(config: TrainConfig, epoch: int, count: int, ranks: Ranks) -> to
     return torch.from_numpy(order[ranks.rank :: ranks.world_size][:per_rank])
 
 
-def train_epoch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data: Dataset,
-    config: TrainConfig,
-    epoch: int,
-    graphed: GraphedTrainStep | None = None,
-    ranks: Ranks = Ranks(),
-) -> float:
-    """Run one epoch and return the mean training loss (over all ranks; steps replayed from
-    CUDA graphs when ``graphed`` is given). ``model`` may be DistributedDataParallel."""
-    model.train()
-    # Cosine decay, computed from the epoch alone so a resumed run needs no scheduler state.
-    for group in optimizer.param_groups:
-        group["lr"] = config.lr * 0.5 * (1.0 + math.cos(math.pi * epoch / config.epochs))
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig, graphed: bool = False
+) -> TrainStep:
+    """One optimisation step on a batch, returning its loss (on the device). ``graphed``: the
+    step is to be captured in a CUDA graph (see :func:`forward`)."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = forward(model, x, config.T, config.amp, graphed=graphed is not None)
+        logits = forward(model, x, config.T, config.amp, graphed=graphed)
         loss = F.cross_entropy(logits, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         return loss.detach()
 
+    return step
+
+
+def train_epoch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Dataset,
+    config: TrainConfig,
+    epoch: int,
+    graphed: GraphedStep[torch.Tensor] | None = None,
+    ranks: Ranks = Ranks(),
+) -> float:
+    """Run one epoch and return the mean training loss (over all ranks). ``graphed``: this
+    ``model``'s and ``optimizer``'s :func:`train_step`, replayed from CUDA graphs; else the
+    steps run eagerly. ``model`` may be DistributedDataParallel."""
+    model.train()
+    # Cosine decay, computed from the epoch alone so a resumed run needs no scheduler state.
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr * 0.5 * (1.0 + math.cos(math.pi * epoch / config.epochs))
+    step = train_step(model, optimizer, config) if graphed is None else graphed
     if graphed is not None:
         graphed.invalidate()  # captured with the last epoch's learning rate
     order = epoch_order(config, epoch, len(data.y_train), ranks).to(data.y_train.device)
@@ -1185,7 +1156,7 @@ def train_epoch(
     total_loss, seen = 0.0, 0
     for batch, index in enumerate(batches if progress is None else progress):
         x, y = data.x_train[index], data.y_train[index]
-        loss = step(x, y) if graphed is None else graphed(step, x, y)
+        loss = step(x, y)
         if ranks.distributed:  # every rank sees the same loss, so all stop together on NaN
             loss = loss.clone()
             torch.distributed.all_reduce(loss)
@@ -1289,7 +1260,9 @@ def _train(
     if ranks.distributed:
         device_ids = [device.index] if device.type == "cuda" else None
         trained = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-    graphed = GraphedTrainStep() if config.cuda_graph else None
+    graphed = None
+    if config.cuda_graph:  # a batch shape's first step runs eagerly, the next is captured
+        graphed = GraphedStep(train_step(trained, optimizer, config, graphed=True), warmup=1)
     with cpu_threads(device, 1):
         accuracy = None
         for epoch in range(start_epoch, config.epochs):
