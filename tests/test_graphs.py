@@ -173,6 +173,7 @@ def fake_graphing(monkeypatch) -> list[tuple[str, object]]:
     monkeypatch.setattr(graphs, "capturing", capturing)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(
         graphs, "_signature", lambda inputs: tuple((x.shape, x.dtype) for x in inputs)
     )
@@ -237,3 +238,48 @@ def test_graphed_step_refuses_inputs_a_graph_cannot_replay(inputs, message):
 def test_graphed_step_needs_at_least_one_warm_up(warmup):
     with pytest.raises(SpikefuseError, match="warmup must be an int >= 1"):
         graphs.GraphedStep(lambda: None, warmup=warmup)
+
+
+def test_graphed_step_keeps_a_signature_per_dtype(fake_graphing):
+    graphed = graphs.GraphedStep(lambda x: x.sum(), warmup=1)
+    graphed(torch.ones(3))
+    graphed(torch.ones(3, dtype=torch.float64))  # same shape, another dtype: a warm-up
+    assert [kind for kind, _ in fake_graphing] == ["eager", "eager"]
+
+
+def test_a_step_that_raises_counts_for_nothing(fake_graphing):
+    """A warm-up or a capture that raises leaves no count and no graph: the next call warms up
+    or captures again (a capture after a warm-up that never finished would fail on work
+    that cannot run in a capture, such as loading a kernel)."""
+    fail = [True]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if fail[0]:
+            raise RuntimeError("out of memory")
+        return x * 2
+
+    graphed = graphs.GraphedStep(step, warmup=1)
+    x = torch.ones(3)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        graphed(x)  # the warm-up
+    fail[0] = False
+    graphed(x)  # warms up again
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="out of memory"):
+        graphed(x)  # the capture
+    fail[0] = False
+    graphed(x)  # captures again
+    assert [kind for kind, _ in fake_graphing] == ["eager", "eager", "capture", "capture"]
+
+
+def test_graphed_step_stays_on_the_gpu_of_its_first_inputs(fake_graphing):
+    graphed = graphs.GraphedStep(lambda x: x, warmup=1)
+    graphed(torch.ones(3))  # its stream: FakeStream, on "cpu"
+    graphed._stream.device = torch.device("cuda", 1)  # as if the first call ran on cuda:1
+    with pytest.raises(SpikefuseError, match="its graphs run on cuda:1, the inputs are on cpu"):
+        graphed(torch.ones(3))
+
+
+def test_graphed_step_needs_a_function():
+    with pytest.raises(SpikefuseError, match="step must be a function of the batch's tensors"):
+        graphs.GraphedStep(None)  # type: ignore[arg-type]

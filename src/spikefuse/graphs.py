@@ -103,20 +103,26 @@ def capture_step(step: Callable[[], object], warmup: int = 3) -> Callable[[], No
 
     stream = torch.cuda.Stream()
     run_on(stream, warm_up)
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph, stream):
-        step()
+    graph, _ = _captured(step, stream)
     return graph.replay
 
 
-# What a graph is captured for: each input's shape, dtype and device.
-Signature = tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
+def _captured(step: Callable[[], R], stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, R]:
+    """A new graph of ``step()`` captured through :func:`capturing` on ``stream``, and what
+    ``step`` returned during the capture (tensors the graph's replays overwrite)."""
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph, stream):
+        output = step()
+    return graph, output
+
+
+# What a graph is captured for: each input's shape and dtype (a GraphedStep runs on one GPU).
+Signature = tuple[tuple[torch.Size, torch.dtype], ...]
 
 
 class GraphedStep(Generic[R]):
     """``step(*inputs)`` replayed from CUDA graphs, one graph per input signature (the inputs'
-    shapes, dtypes and devices): a training loop's fastest mode, with no host work per kernel.
-
+    shapes and dtypes): a training loop's fastest mode, with no host work per kernel.
     ``step`` takes CUDA tensors (a batch) and does a whole training step: forward, loss,
     ``backward``, ``optimizer.step()``, and ``functional.reset_net`` at its end, so that
     nothing crosses steps. ::
@@ -148,10 +154,21 @@ class GraphedStep(Generic[R]):
     reading and writing the tensors it captured. Call :meth:`invalidate` after changing such a
     value or replacing such a tensor (a new optimizer), so that the next call captures again.
     A host read of a device value inside ``step`` (``loss.item()``) cannot be captured:
-    :func:`capturing` raises and says so.
+    :func:`capturing` raises and says so. A step that raises in its warm-up or capture counts
+    for nothing (the next call warms up or captures again), but it may have left neuron states
+    from the failed call behind: call ``functional.reset_net`` before going on. As with
+    :func:`capture_step`, a captured step runs fused Linear blocks on spikes on bf16 terms,
+    which the eager warm-up does not (float32 rounding apart, the same results).
+
+    A GraphedStep runs on the GPU of its first inputs; later inputs must be there too.
     """
 
     def __init__(self, step: Callable[..., R], warmup: int = 3) -> None:
+        if not callable(step):
+            raise SpikefuseError(
+                f"GraphedStep: step must be a function of the batch's tensors, got "
+                f"{type(step).__name__}"
+            )
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise SpikefuseError(
                 f"GraphedStep: warmup must be an int >= 1 (eager steps before the capture), "
@@ -172,31 +189,32 @@ class GraphedStep(Generic[R]):
     def __call__(self, *inputs: torch.Tensor) -> R:
         """``step(*inputs)``, run eagerly (the warm-up), captured or replayed."""
         signature = _signature(inputs)
+        device = inputs[0].device
         if self._stream is None:
-            self._stream = torch.cuda.Stream(inputs[0].device)
+            self._stream = torch.cuda.Stream(device)
         stream = self._stream
-        if stream.device != inputs[0].device:
+        if stream.device != device:
             raise SpikefuseError(
-                f"GraphedStep: its graphs run on {stream.device}, the inputs are on "
-                f"{inputs[0].device}; use one GraphedStep per GPU"
+                f"GraphedStep: its graphs run on {stream.device}, the inputs are on {device}; "
+                "use one GraphedStep per GPU"
             )
-        done = self._warmups.get(signature, 0)
-        if done < self.warmup:
-            self._warmups[signature] = done + 1
-            return run_on(stream, lambda: self.step(*inputs))
-        entry = self._graphs.get(signature)
-        if entry is None:  # the capture records the step without running it: replayed below
-            static = tuple(x.detach().clone() for x in inputs)
-            graph = torch.cuda.CUDAGraph()
-            with capturing(graph, stream):
-                output = self.step(*static)
-            entry = self._graphs[signature] = (graph, static, output)
-        graph, static, output = entry
-        with torch.no_grad():
-            for into, x in zip(static, inputs, strict=True):
-                into.copy_(x)
-        graph.replay()
-        return output
+        with torch.cuda.device(device):  # run_on and the capture use this GPU's current stream
+            done = self._warmups.get(signature, 0)
+            if done < self.warmup:
+                result = run_on(stream, lambda: self.step(*inputs))
+                self._warmups[signature] = done + 1  # counted once it ran through
+                return result
+            entry = self._graphs.get(signature)
+            if entry is None:  # the capture records the step without running it: replayed below
+                static = tuple(x.detach().clone() for x in inputs)
+                graph, output = _captured(lambda: self.step(*static), stream)
+                entry = self._graphs[signature] = (graph, static, output)
+            graph, static, output = entry
+            with torch.no_grad():
+                for into, x in zip(static, inputs, strict=True):
+                    into.copy_(x)
+            graph.replay()
+            return output
 
 
 def _signature(inputs: tuple[torch.Tensor, ...]) -> Signature:
@@ -215,4 +233,4 @@ def _signature(inputs: tuple[torch.Tensor, ...]) -> Signature:
             "GraphedStep: the inputs are on "
             f"{sorted(str(x.device) for x in inputs)}; a graph runs on one GPU: move them there"
         )
-    return tuple((x.shape, x.dtype, x.device) for x in inputs)
+    return tuple((x.shape, x.dtype) for x in inputs)

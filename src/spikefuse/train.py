@@ -1132,9 +1132,12 @@ def train_epoch(
     # Cosine decay, computed from the epoch alone so a resumed run needs no scheduler state.
     for group in optimizer.param_groups:
         group["lr"] = config.lr * 0.5 * (1.0 + math.cos(math.pi * epoch / config.epochs))
-    step = train_step(model, optimizer, config) if graphed is None else graphed
-    if graphed is not None:
+    step: TrainStep
+    if graphed is None:
+        step = train_step(model, optimizer, config)
+    else:
         graphed.invalidate()  # captured with the last epoch's learning rate
+        step = graphed
     order = epoch_order(config, epoch, len(data.y_train), ranks).to(data.y_train.device)
     batches = order.split(config.batch_size)
     if config.T == 1 and config.last_bn_maps_are_1x1 and len(batches) > 1 and len(batches[-1]) == 1:

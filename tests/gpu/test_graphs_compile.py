@@ -212,6 +212,7 @@ def test_graphed_step_trains_like_eager_steps(fused, no_tf32):
         want = eager_step(x, labels)
         got = graphed(x, labels)
         assert reldiff(got, want) <= 1e-3, f"step {i}: loss {got.item()} against {want.item()}"
+    assert len(graphed._graphs) == 2  # one captured graph per batch size, replayed
     for (name, got), want in zip(
         graphed_net.named_parameters(), eager_net.parameters(), strict=True
     ):
