@@ -123,6 +123,7 @@ Signature = tuple[tuple[torch.Size, torch.dtype], ...]
 class GraphedStep(Generic[R]):
     """``step(*inputs)`` replayed from CUDA graphs, one graph per input signature (the inputs'
     shapes and dtypes): a training loop's fastest mode, with no host work per kernel.
+
     ``step`` takes CUDA tensors (a batch) and does a whole training step: forward, loss,
     ``backward``, ``optimizer.step()``, and ``functional.reset_net`` at its end, so that
     nothing crosses steps. ::
