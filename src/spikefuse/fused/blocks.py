@@ -19,7 +19,7 @@ from ..errors import SpikefuseError
 from ..functional import repeat_over_time, repeated_over_time
 from ..neuron import BaseNode, LIFNode
 from ..ops import forbid_double_backward, run_neuron
-from .bn_neuron import BNNeuronFunction, bn_neuron_forward, kernels_pool, repeated
+from .bn_neuron import BNNeuronFunction, bn_neuron_forward, kernel_pool, repeated
 from .low_memory import (
     ChunkedSynapseFunction,
     SynapseRecomputeFunction,
@@ -673,10 +673,10 @@ class FusedBlock(MultiStepOnly, nn.Module):
         self, y: Tensor, stats: BNStats | None, neuron: NeuronCall, residual: Tensor | None
     ) -> int:
         """The window the kernels pool the spikes over: the block's, where they can pool
-        themselves (:func:`kernels_pool`), else 1 (the block pools the full spikes)."""
+        themselves (:func:`kernel_pool`), else 1 (the block pools the full spikes)."""
         if self.pool is None or residual is not None:
             return 1
-        return self._window if kernels_pool(y, stats, neuron, self._window) else 1
+        return kernel_pool(y, stats, neuron, self._window)
 
     def _bn_spec(self) -> BNSpec | None:
         """This call's BatchNorm side (bn_statistics counts the batch and updates the running

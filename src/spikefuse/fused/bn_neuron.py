@@ -31,7 +31,7 @@ with the torch backend they are composed from the reference neuron and torch ops
 Residual blocks add a shortcut R to the BN output, x = y * scale[c] + shift[c] + R: the same
 backward with dL/dR = g (the cuda kernels take R of y's dtype; the torch composites any).
 
-Pooled blocks (``pool`` = k > 1, see :func:`kernels_pool`): the kernels also average the spikes
+Pooled blocks (``pool`` = k > 1, see :func:`kernel_pool`): the kernels also average the spikes
 over k x k windows, so forward returns the pooled map and backward takes its gradient, giving
 each neuron of a window dL/dS = dL/d(pooled) / k² (the average pooling's backward).
 """
@@ -73,12 +73,14 @@ def _affine(neuron: NeuronCall, y: Tensor, residual: Tensor | None) -> AffineKer
     return neuron.affine if residual is None or residual.dtype == y.dtype else None
 
 
-def kernels_pool(y: Tensor, stats: BNStats | None, neuron: NeuronCall, pool: int) -> bool:
-    """Whether the BN-folded kernels average y's spikes over ``pool`` x ``pool`` windows
-    themselves: a backend with them (cuda), BatchNorm, and a map they take (channels-last, H and
-    W multiples of ``pool``; see the backend's ``can_pool``)."""
+def kernel_pool(y: Tensor, stats: BNStats | None, neuron: NeuronCall, pool: int) -> int:
+    """The window the BN-folded kernels average y's spikes over: ``pool`` where they can
+    (a backend with them (cuda), BatchNorm, and a map they take: channels-last, H and W
+    multiples of ``pool``; see the backend's ``can_pool``), else 1 (the caller pools the full
+    spikes)."""
     affine = neuron.affine
-    return stats is not None and affine is not None and affine.can_pool(y, pool)
+    pools = pool > 1 and stats is not None and affine is not None and affine.can_pool(y, pool)
+    return pool if pools else 1
 
 
 def _check_pool(stats: BNStats | None, neuron: NeuronCall, pool: int) -> None:
@@ -105,7 +107,7 @@ def bn_neuron_forward(
     output y (no BN when stats is None), the neuron state backward may reuse (see
     :meth:`NeuronCall.forward`), and with ``pack_spikes`` the pooled spikes' packing where the
     BN-folded kernels write it (see ``AffineKernels.affine_fptt``; else None). ``pool`` =
-    k > 1 (where :func:`kernels_pool`): the spikes averaged over k x k windows
+    k > 1 (where :func:`kernel_pool` says): the spikes averaged over k x k windows
     [T, B, C, H/k, W/k] instead. ``residual``: a tensor like y added to the BN output (a
     residual block's shortcut; such a call never pools)."""
     _check_pool(stats, neuron, pool)
@@ -429,8 +431,8 @@ class BNNeuronFunction(torch.autograd.Function):
     :func:`bn_neuron_forward`). ``stats`` from :func:`~spikefuse.fused.statistics.bn_statistics`
     (None: no BN); ``weight``/``bias`` are BN's gamma/beta (or None), inputs so that autograd tracks
     them (``stats`` already holds their values); ``save`` whether a backward will follow (keep the
-    neuron's checkpoints); ``pool`` = k > 1 (where :func:`kernels_pool`): return the spikes averaged
-    over k x k windows; ``residual``: a tensor like y added to the BN output (None: none), kept for
+    neuron's checkpoints); ``pool`` = k > 1 (where :func:`kernel_pool` says): return the spikes
+    averaged over k x k windows; ``residual``: a tensor like y added to the BN output (None: none), kept for
     backward as ``kept_residual`` (itself, or its 1-bit packing when it is spikes:
     :func:`~spikefuse.fused.spike_bits.compact`); ``repeat`` = T > 1: y is one step [1, B, C, *]
     that each of T steps repeats (an input image's synapse output): the block runs on the view

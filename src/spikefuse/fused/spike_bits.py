@@ -89,15 +89,23 @@ def memory_order(t: Tensor) -> tuple[int, ...]:
     return tuple(range(t.dim())) if order is None else order
 
 
+def strides_in_order(like: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` whose dimensions lie in memory in the order
+    of ``like``'s strides (outermost first; e.g. channels-last like a channels-last map)."""
+    like_strides = like.stride()
+    strides, step = [0] * len(shape), 1
+    outermost_first = sorted(range(like.dim()), key=lambda d: -like_strides[d])  # ties: in order
+    for d in reversed(outermost_first):
+        strides[d], step = step, step * shape[d]
+    return tuple(strides)
+
+
 def empty_in_order(
     like: Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
 ) -> Tensor:
-    """An uninitialised dense tensor of ``shape`` whose dimensions lie in memory in the order
-    of ``like``'s strides (outermost first; e.g. channels-last like a channels-last map)."""
-    strides = like.stride()
-    order = sorted(range(like.dim()), key=lambda d: -strides[d])
-    dense = torch.empty([shape[d] for d in order], dtype=dtype or like.dtype, device=like.device)
-    return dense.permute(sorted(range(like.dim()), key=order.__getitem__))
+    """An uninitialised dense tensor of ``shape`` laid out as :func:`strides_in_order` says."""
+    strides = strides_in_order(like, shape)
+    return torch.empty_strided(shape, strides, dtype=dtype or like.dtype, device=like.device)
 
 
 @functools.lru_cache(maxsize=1024)

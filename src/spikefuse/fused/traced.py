@@ -16,7 +16,7 @@ chunk-end potentials; empty when nothing is kept). ``bn_neuron_bptt`` returns
 
 ``pool`` = k > 1 (a block that pools its spikes over k x k windows): ``bn_neuron_fptt`` returns
 the spikes averaged over those windows [T, B, C, H/k, W/k], and ``bn_neuron_bptt`` takes their
-gradient. The BN-folded kernels pool where they can (:func:`~.bn_neuron.kernels_pool`), as in
+gradient. The BN-folded kernels pool where they can (:func:`~.bn_neuron.kernel_pool`), as in
 eager: the full spike map and its gradient are never written. Elsewhere (the torch backend, H or
 W not a multiple of k) the op pools the full spikes itself, with the same result.
 """
@@ -32,9 +32,9 @@ from torch.nn import functional as F
 from ..backends import affine_kernels, compute_dtype
 from ..ops import forbid_double_backward, register_op_pair
 from ..program import lookup
-from .bn_neuron import bn_neuron_forward, bn_neuron_grads, kernels_pool
+from .bn_neuron import bn_neuron_forward, bn_neuron_grads, kernel_pool
 from .neuron_call import Kept, NeuronCall
-from .spike_bits import empty_in_order
+from .spike_bits import empty_in_order, strides_in_order
 from .statistics import BNSpec, BNStats
 
 _LIB = torch.library.Library("spikefuse", "FRAGMENT")
@@ -73,13 +73,18 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
+def _pooled_shape(y: Tensor, pool: int) -> tuple[int, ...]:
+    """[T, B, C, H/pool, W/pool] of y [T, B, C, H, W]."""
+    return (*y.shape[:3], y.shape[3] // pool, y.shape[4] // pool)
+
+
 def _spikes_like(y: Tensor, pool: int) -> Tensor:
     """Uninitialised spikes of y [T, B, C, *] in y's dtype and dimension order in memory,
     averaged over ``pool`` x ``pool`` windows where ``pool`` > 1: the layout the fake promises
     (the pooling kernels' too: channels innermost for a channels-last y)."""
     if pool == 1:
         return torch.empty_like(y)
-    return empty_in_order(y, (*y.shape[:3], y.shape[3] // pool, y.shape[4] // pool))
+    return empty_in_order(y, _pooled_shape(y, pool))
 
 
 def bn_neuron_fptt(
@@ -98,13 +103,13 @@ def bn_neuron_fptt(
     save: bool,
 ) -> tuple[Tensor, Tensor]:
     stats, neuron = _call(y, mean, invstd, weight, bias, program, backend, constants, v_init, count)
-    kernel_pool = pool if kernels_pool(y, stats, neuron, pool) else 1
-    spikes, kept, _ = bn_neuron_forward(y, stats, neuron, learnable, save, kernel_pool)
-    if kernel_pool < pool:  # the full spikes, pooled here
+    window = kernel_pool(y, stats, neuron, pool)
+    spikes, kept, _ = bn_neuron_forward(y, stats, neuron, learnable, save, window)
+    if window < pool:  # the full spikes, pooled here
         spikes = F.avg_pool2d(spikes.flatten(0, 1), pool).unflatten(0, spikes.shape[:2])
-    out = _spikes_like(y, pool)
-    if spikes.stride() != out.stride():  # the layout the fake promises
-        spikes = out.copy_(spikes)
+    promised = y.stride() if pool == 1 else strides_in_order(y, _pooled_shape(y, pool))
+    if spikes.stride() != promised:  # the layout the fake promises
+        spikes = _spikes_like(y, pool).copy_(spikes)
     checkpoints = kept[0] if kept is not None else None
     return spikes, _empty(y) if checkpoints is None else checkpoints
 
@@ -146,8 +151,8 @@ def bn_neuron_bptt(
     checkpoints: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     stats, neuron = _call(y, mean, invstd, weight, bias, program, backend, constants, v_init, count)
-    kernel_pool = pool if kernels_pool(y, stats, neuron, pool) else 1
-    if kernel_pool < pool:  # the full spikes' gradient (the pooling's backward)
+    window = kernel_pool(y, stats, neuron, pool)
+    if window < pool:  # the full spikes' gradient (the pooling's backward)
         grad_spikes = torch.ops.aten.avg_pool2d_backward(
             grad_spikes.flatten(0, 1), y.flatten(0, 1), [pool], [pool], [0], False, True, None
         ).unflatten(0, y.shape[:2])
@@ -165,7 +170,7 @@ def bn_neuron_bptt(
         group=None,  # compiled fused blocks refuse torch.distributed (FusedBlock._traced_forward)
     )
     needs = (weight is not None, bias is not None, learnable is not None)
-    grads = bn_neuron_grads(y, stats, bn, neuron, learnable, grad_spikes, saved, needs, kernel_pool)
+    grads = bn_neuron_grads(y, stats, bn, neuron, learnable, grad_spikes, saved, needs, window)
     grad_y, grad_weight, grad_bias, grad_learnable, _ = grads
     return (
         grad_y,
