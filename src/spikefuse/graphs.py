@@ -27,9 +27,12 @@ def run_on(stream: torch.cuda.Stream, fn: Callable[[], R]) -> R:
 
 
 @contextlib.contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> Iterator[None]:
-    """``torch.cuda.graph(graph, stream=stream)`` after dropping cuBLAS's workspaces and
-    collecting garbage, with Python's cyclic garbage collector off until the capture ends.
+def capturing(
+    graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool: object | None = None
+) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool, stream=stream)`` after dropping cuBLAS's workspaces
+    and collecting garbage, with Python's cyclic garbage collector off until the capture ends
+    (``pool``: a memory pool shared with other graphs, as ``torch.cuda.graph`` takes it).
 
     cuBLAS keeps one workspace per stream (32 MiB on Hopper) for the life of the process.
     Dropped first, the capture allocates its workspace in the graph's own pool. A later drop,
@@ -60,7 +63,8 @@ def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> Iterato
     generators = torch.cuda.default_generators
     before = [generator.clone_state() for generator in generators]
     try:
-        with torch.cuda.graph(graph, stream=stream):
+        shared = {} if pool is None else {"pool": pool}
+        with torch.cuda.graph(graph, stream=stream, **shared):
             yield
     except BaseException as error:
         for generator, state in zip(generators, before, strict=True):

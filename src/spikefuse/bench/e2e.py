@@ -20,10 +20,17 @@ surrogate_function=surrogate.Sigmoid())``, ``layer.AvgPool2d``, ...; cuda backen
 ``fused`` (:func:`spikefuse.fuse` of that model); ``+graph`` replays the whole training step
 captured in a CUDA graph, ``+compile`` runs ``torch.compile(model)``, ``+reduce-overhead``
 ``torch.compile(model, mode="reduce-overhead")`` (inductor replays forward and backward from
-CUDA graphs; the optimizer step stays eager); ``fused-min`` is
+CUDA graphs; the optimizer step stays eager), ``+model-graphs``
+:func:`spikefuse.graph_model` (forward and backward replayed from CUDA graphs inside the loop;
+the loss, optimizer and ``loss.item()`` eager); ``fused-min`` is
 ``fuse(model, memory="min")`` (blocks keep only their input and recompute the synapse),
 ``fused-auto`` ``fuse(model, memory="auto")`` (blocks choose one of the two where it pays).
-Reports ms per step (synchronised, back to back, host issue time; see
+Eager, ``+model-graphs`` and compiled variants run the step a SpikingJelly user writes
+(``--loop user``, the default: the batch ``repeat``ed over T, autocast with its weight cache,
+``loss.item()`` every step); ``+graph`` variants capture that step whole, without the
+read-back. ``--loop bench`` expands the image over T instead (a view: the fused stem then
+convolves each image once) and reads nothing back. Reports ms per step (synchronised, back to back,
+host issue time; see
 :mod:`spikefuse.bench.common`) and peak
 allocated MiB, for fp32 and bf16 autocast; writes ``e2e_<model>.csv`` and ``.png``.
 
@@ -53,6 +60,7 @@ from torch import Tensor, nn
 from .. import functional, layer, models, neuron, surrogate
 from ..fused import fuse
 from ..graphs import capture_step
+from ..model_graphs import graph_model
 from .common import (
     BenchResult,
     format_table,
@@ -91,6 +99,11 @@ ZOO = {
     "sew-resnet18": ZooNet(
         lambda **kw: models.sew_resnet18(cnf="ADD", **kw), 224, 1000, T=4, batch=32
     ),
+    "sew-resnet34": ZooNet(
+        lambda **kw: models.sew_resnet34(cnf="ADD", **kw), 224, 1000, T=4, batch=32
+    ),
+    "spiking-resnet18": ZooNet(models.spiking_resnet18, 224, 1000, T=4, batch=32),
+    "spiking-resnet34": ZooNet(models.spiking_resnet34, 224, 1000, T=4, batch=32),
 }
 VARIANTS = (
     "ann",
@@ -100,15 +113,24 @@ VARIANTS = (
     "spikefuse+graph",
     "spikefuse+compile",
     "spikefuse+reduce-overhead",
+    "spikefuse+model-graphs",
     "fused",
     "fused+graph",
+    "fused+model-graphs",
     "fused+compile",
     "fused+reduce-overhead",
     "fused-min",
     "fused-min+graph",
+    "fused-min+model-graphs",
     "fused-auto",
     "fused-auto+graph",
+    "fused-auto+model-graphs",
 )
+# How a step is written: "user" is a SpikingJelly-style loop left as its author wrote it (the
+# batch ``repeat``ed over T, autocast with its weight cache, ``loss.item()`` each step; a
+# ``+graph`` variant captures the same step without the read-back and the cache); "bench"
+# expands the batch (fused stems then convolve one image per sample) and reads nothing back.
+LOOPS = ("user", "bench")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 # fuse()'s memory mode of each fused variant (the part before any "+")
 FUSED_MEMORY = {"fused": "default", "fused-min": "min", "fused-auto": "auto"}
@@ -276,6 +298,8 @@ def build(variant: str, model: str, device: torch.device) -> nn.Module:
     if base in FUSED_MEMORY:
         net, report = fuse(net, inplace=True, return_report=True, memory=FUSED_MEMORY[base])
         print(f"  {variant}: fused {len(report.fused)} of {report.chains} chains", flush=True)
+    if mode == "model-graphs":
+        return graph_model(net)
     return compiled(net, COMPILE_MODES[mode]) if mode in COMPILE_MODES else net
 
 
@@ -292,38 +316,63 @@ def training_step(
     batch: int,
     amp: torch.dtype | None,
     geometry: tuple[int, int] = (IMAGE_SIZE, NUM_CLASSES),
+    *,
+    repeat: bool = False,
+    read_back: bool = False,
 ) -> Callable[[], None]:
-    """A closure running one full training iteration on a fixed synthetic batch."""
+    """A closure running one full training iteration on a fixed synthetic batch: the image
+    ``repeat``ed over T (a copy, as SpikingJelly's examples make it) or expanded (a view), and,
+    with ``read_back``, the loss read on the host after the step with autocast's weight cache
+    on, as a user's loop does (a step to be captured in a CUDA graph can do neither)."""
     net = net.to(device).train()
     size, classes = geometry
     gen = torch.Generator(device="cpu").manual_seed(0)
     images = torch.rand(batch, IN_CHANNELS, size, size, generator=gen).to(device)
     labels = torch.randint(0, classes, (batch,), generator=gen).to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    autocast = functools.partial(
+        torch.autocast, device.type, amp or torch.float32, amp is not None, cache_enabled=read_back
+    )
 
     def step() -> None:
-        x = images.unsqueeze(0).expand(T, -1, -1, -1, -1)  # the same image at every step
-        # No autocast weight cache: CUDA graph capture needs it off (same speed here: each
-        # weight is cast once per step anyway).
-        autocast = torch.autocast(
-            device.type, dtype=amp or torch.float32, enabled=amp is not None, cache_enabled=False
-        )
-        with autocast:
+        if repeat:
+            x = images.unsqueeze(0).repeat(T, 1, 1, 1, 1)
+        else:
+            x = images.unsqueeze(0).expand(T, -1, -1, -1, -1)  # the same image at every step
+        with autocast():
             loss = F.cross_entropy(net(x).mean(0), labels)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         functional.reset_net(net)
+        if read_back:
+            loss.item()  # the logging every training script does: a host sync per step
 
     return step
 
 
 def setup_variant(
-    variant: str, model: str, device: torch.device, T: int, batch: int, amp: torch.dtype | None
+    variant: str,
+    model: str,
+    device: torch.device,
+    T: int,
+    batch: int,
+    amp: torch.dtype | None,
+    loop: str = "bench",
 ) -> Callable[[], None]:
     net = build(variant, model, device)
-    step = training_step(net, device, T, batch, amp, input_geometry(model))
-    return capture_step(step) if variant.endswith("+graph") else step
+    user, whole_step = loop == "user", variant.endswith("+graph")
+    step = training_step(
+        net,
+        device,
+        T,
+        batch,
+        amp,
+        input_geometry(model),
+        repeat=user,
+        read_back=user and not whole_step,
+    )
+    return capture_step(step) if whole_step else step
 
 
 def run(
@@ -336,6 +385,7 @@ def run(
     *,
     warmup: int,
     iters: int,
+    loop: str = "bench",
 ) -> list[BenchResult]:
     results = []
     for dtype in dtypes:
@@ -345,7 +395,9 @@ def run(
                 f"e2e-{model}",
                 variant,
                 dtype,
-                functools.partial(setup_variant, variant, model, device, T, batch, DTYPES[dtype]),
+                functools.partial(
+                    setup_variant, variant, model, device, T, batch, DTYPES[dtype], loop
+                ),
                 device,
                 warmup=warmup,
                 iters=iters,
@@ -394,6 +446,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp32 and/or bf16 autocast (default: both)",
     )
     parser.add_argument(
+        "--loop",
+        choices=LOOPS,
+        default="user",
+        help="how steps are written: 'user' (a SpikingJelly-style loop: repeat over T, "
+        "loss.item() each step; +graph captures it without the read-back) or 'bench' (expand "
+        "over T, no read-back) (default: user)",
+    )
+    parser.add_argument(
         "--cudnn-benchmark",
         action="store_true",
         help="let cuDNN autotune convolution algorithms (all variants alike; default: off)",
@@ -431,8 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 1)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
-        f"e2e {args.model}: T={args.T} B={args.batch} on {where}, median of {args.iters} "
-        f"iterations after {warmup} warm-up"
+        f"e2e {args.model}: T={args.T} B={args.batch} on {where}, {args.loop} loop, median of "
+        f"{args.iters} iterations after {warmup} warm-up"
     )
     results = run(
         args.model,
@@ -443,6 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.dtypes,
         warmup=warmup,
         iters=args.iters,
+        loop=args.loop,
     )
     print()
     print(format_table(results, baseline="vanilla"))
