@@ -90,9 +90,11 @@ def fake_capture(net: nn.Module, args, stream) -> model_graphs._Replayable:
             into.copy_(g if g is not None else torch.zeros_like(into))
 
     forward.run, backward.run = forward_replay, backward_replay
+    repeated = tuple(map(model_graphs._repeated, args))
+    copy_into = tuple(x[:1] if r else x for x, r in zip(inputs, repeated, strict=True))
     return model_graphs._Replayable(
-        forward, backward if differentiable else None, inputs, tuple(params), outputs,
-        live["spec"], differentiable, grad_outputs, grads, left,
+        forward, backward if differentiable else None, inputs, repeated, copy_into,
+        tuple(params), outputs, live["spec"], differentiable, grad_outputs, grads, left,
     )  # fmt: skip
 
 
@@ -159,6 +161,24 @@ def test_an_input_repeated_as_a_view_stays_one_in_the_graph(fake_gpu):
     assert entry.graphs.inputs[0].stride(0) == 0
     train(graphed, [(x.contiguous(), labels) for x, labels in data[:2]])
     assert len(model_graphs.model_graphs(graphed)._entries) == 2
+
+
+def test_a_changed_model_gets_new_graphs(fake_gpu):
+    """Storage moved (``p.data = ...``, as ``.to()`` does), a parameter replaced, a module
+    inserted without ``setattr``: each is a new signature, never a stale graph's replay."""
+    net = graph_model(small_net(), warmup=1)
+    data = batches([4] * 2)
+    for change in (
+        lambda: setattr(net[0].weight, "data", net[0].weight.data.clone()),
+        lambda: setattr(net[3], "bias", nn.Parameter(net[3].bias.detach().clone())),
+        lambda: net.insert(3, nn.Identity()),
+    ):
+        before = len(fake_gpu)
+        change()
+        eager = copy.deepcopy(net)
+        model_graphs.ungraph_model(eager)
+        assert train(net, data) == pytest.approx(train(eager, data), rel=1e-12)
+        assert len(fake_gpu) == before + 1  # warmed up and captured again
 
 
 def test_outputs_and_gradients_are_fresh_tensors(fake_gpu):

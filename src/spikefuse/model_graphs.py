@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 from torch.utils import _pytree as pytree
 
 from . import graphs, model_scan
@@ -76,6 +77,8 @@ class _Replayable:
     forward: torch.cuda.CUDAGraph
     backward: torch.cuda.CUDAGraph | None
     inputs: tuple[Tensor, ...]  # static copies the forward graph reads
+    repeated: tuple[bool, ...]  # which inputs repeat one step over T as a view (see _repeated)
+    copy_into: tuple[Tensor, ...]  # where each input is copied: its static copy, or its step
     params: tuple[Tensor, ...]  # the trainable parameters, in the backward graph's order
     outputs: tuple[Tensor, ...]  # the forward graph's outputs, flattened
     output_spec: pytree.TreeSpec
@@ -108,12 +111,15 @@ class ModelGraphs:
         self._warned: set[str] = set()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # captures' side streams
         self._layout: model_scan.Layout | None = None
+        self._last: tuple[Signature, _Entry] | None = None  # the last call's signature and entry
 
     def invalidate(self) -> None:
         """Forget every signature: the next calls warm up and capture again (after replacing a
         tensor the forward reads that is neither a parameter nor a buffer, or changing a Python
         value it reads)."""
         self._entries.clear()
+        self._last = None
+        self._layout = None
 
     @property
     def captured(self) -> int:
@@ -150,6 +156,14 @@ class ModelGraphs:
         return _replay(entry, args, net)
 
     def _entry(self, signature: Signature) -> _Entry:
+        last = self._last
+        if last is not None and last[0] == signature:  # the common case: compared, not hashed
+            return last[1]
+        entry = self._entry_of(signature)
+        self._last = (signature, entry)
+        return entry
+
+    def _entry_of(self, signature: Signature) -> _Entry:
         entry = self._entries.get(signature)
         if entry is None:
             entry = self._entries[signature] = _Entry()
@@ -216,6 +230,7 @@ def graph_model(net: nn.Module, *, warmup: int = 2, max_graphs: int = 4) -> nn.M
             raise SpikefuseError(f"graph_model: {name} must be an int >= {least}, got {value!r}")
     if not hasattr(nn.Module, "_compiled_call_impl"):
         raise SpikefuseError("graph_model needs torch >= 2.2 (nn.Module's in-place call switch)")
+    model_scan.watch_registrations()
     net._compiled_call_impl = ModelGraphs(net, warmup, max_graphs)
     return net
 
@@ -234,7 +249,8 @@ def model_graphs(net: nn.Module) -> ModelGraphs | None:
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    # is_initialized() is a flag read; is_available() would query the driver on every call
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _needs_grad(value: object) -> bool:
@@ -263,9 +279,11 @@ def _on_one_gpu(args: tuple[Tensor, ...]) -> bool:
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as torch_module
+    return bool(_GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1])
 
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+# torch's tables of global forward hooks (mutated in place, never replaced)
+_GLOBAL_HOOKS = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
 
 
 def _signature(found: model_scan.Layout, args: tuple[Tensor, ...]) -> Signature:
@@ -330,9 +348,13 @@ def _capture(net: nn.Module, args: tuple[Tensor, ...], stream: torch.cuda.Stream
             grads = torch.autograd.grad(
                 [outputs[i] for i in differentiable], wrt, grad_outputs, allow_unused=True
             )
+    repeated = tuple(map(_repeated, args))
+    copy_into = tuple(
+        x[:1] if one_step else x for x, one_step in zip(inputs, repeated, strict=True)
+    )
     return _Replayable(
-        forward, backward, inputs, tuple(p for _, p in named), tuple(outputs), spec,
-        differentiable, grad_outputs, tuple(grads), left,
+        forward, backward, inputs, repeated, copy_into, tuple(p for _, p in named),
+        tuple(outputs), spec, differentiable, grad_outputs, tuple(grads), left,
     )  # fmt: skip
 
 
@@ -385,11 +407,9 @@ class _ReplayFunction(torch.autograd.Function):
 
     @staticmethod
     def run_forward(graphs_: _Replayable, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        with torch.no_grad():
-            torch._foreach_copy_(
-                [x[:1] if _repeated(x) else x for x in graphs_.inputs],
-                [a.detach()[:1] if _repeated(a) else a.detach() for a in args],
-            )
+        # in a Function's forward, or without inputs needing gradients: nothing is recorded
+        for into, a, one_step in zip(graphs_.copy_into, args, graphs_.repeated, strict=True):
+            into.copy_(a[:1] if one_step else a)
         graphs_.forward.replay()
         return tuple(o.clone() for o in graphs_.outputs)
 

@@ -1,12 +1,16 @@
-"""What a model's call signature needs from its modules, read in one cheap walk per call.
+"""What a model's call signature needs from its modules, checked in a few C-level passes.
 
 :mod:`spikefuse.model_graphs` replays a captured graph only while everything the capture saw
 still holds: the same modules, parameters and buffers (their identity, storage and
 ``requires_grad``), the same ``training`` flags, no forward hook but spikefuse's own, and every
-neuron memory at its reset value. Reading that through ``modules()``/``parameters()``/
-``buffers()`` costs a millisecond-scale share of a step's host time on a ResNet; this walks
-``_modules`` once and keeps what only changes with the model's structure (which memories to
-check, whether the hooks are spikefuse's) in a :class:`Layout` rebuilt when the walk differs.
+neuron memory at its reset value. Walking the model for that on every call (``modules()``,
+``parameters()``) costs about a millisecond of host time on a ResNet-18 while the GPU waits, so
+a :class:`Layout` keeps the walk's results and is rebuilt when the structure may have changed:
+when a module, parameter or buffer was registered or assigned anywhere (PyTorch's global
+registration hooks count those), when the size of any of the model's module, parameter or
+buffer tables changed (``del``, ``ModuleList.insert``, ``pop``), or when a forward hook was
+added or removed. Only a raw write into those tables that keeps their sizes goes unseen:
+call :meth:`~spikefuse.model_graphs.ModelGraphs.invalidate` after one.
 """
 
 from __future__ import annotations
@@ -14,21 +18,46 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter, methodcaller
+from operator import attrgetter
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
 from .neuron import MemoryModule
+
+_registrations = 0  # modules, parameters and buffers registered or assigned in this process
+
+
+def _count_registration(*_: object) -> None:
+    global _registrations
+    _registrations += 1
+
+
+def watch_registrations() -> None:
+    """Count registrations from now on (once per process; a counter bump each, nothing else)."""
+    if not getattr(watch_registrations, "done", False):
+        torch_module.register_module_module_registration_hook(_count_registration)
+        torch_module.register_module_parameter_registration_hook(_count_registration)
+        torch_module.register_module_buffer_registration_hook(_count_registration)
+        watch_registrations.done = True  # type: ignore[attr-defined]
+
+
+_training, _requires_grad = attrgetter("training"), attrgetter("requires_grad")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """What only changes with the structure: the modules (breadth first), the number of
-    forward hooks (all spikefuse's), the memories to check, or a cause that makes every call
-    eager (``why``)."""
+    """A walk's results: the modules (breadth first), their parameters and buffers, their
+    tables and hook tables (whose sizes are watched), the memories to check, and a cause that
+    makes every call eager (``why``)."""
 
+    registrations: int
     modules: list[nn.Module]
+    tensors: list[Tensor]
+    tables: list[dict[str, Any]]
+    sizes: tuple[int, ...]
+    hook_tables: list[dict[int, Any]]
     hooks: int
     memories: tuple[tuple[MemoryModule, str, Any], ...]  # (module, name, reset value)
     why: str | None
@@ -43,26 +72,13 @@ def walk(net: nn.Module) -> list[nn.Module]:
     return [m for m in modules if m is not None]
 
 
-# C-level readers: a call reads a few hundred attributes, and a Python loop per item would
-# cost more than the graph replay's own launch.
-_params, _buffers = attrgetter("_parameters"), attrgetter("_buffers")
-_hooks, _pre_hooks = attrgetter("_forward_hooks"), attrgetter("_forward_pre_hooks")
-_values, _data_ptr = methodcaller("values"), methodcaller("data_ptr")
-_training, _requires_grad = attrgetter("training"), attrgetter("requires_grad")
-
-
-def held_tensors(modules: list[nn.Module]) -> list[Tensor]:
-    """Every parameter and buffer of ``modules`` (None entries skipped)."""
-    held = chain.from_iterable(map(_values, chain(map(_params, modules), map(_buffers, modules))))
-    return [t for t in held if t is not None]
-
-
-def hook_count(modules: list[nn.Module]) -> int:
-    return sum(map(len, map(_hooks, modules))) + sum(map(len, map(_pre_hooks, modules)))
-
-
-def layout(modules: list[nn.Module]) -> Layout:
-    """The :class:`Layout` of a walk (checks every hook's origin and every memory's default)."""
+def layout(net: nn.Module) -> Layout:
+    """A new :class:`Layout` (checks every hook's origin and every memory's default)."""
+    modules = walk(net)
+    held: list[dict[str, Any]] = [m._parameters for m in modules] + [m._buffers for m in modules]
+    tables: list[dict[str, Any]] = [m._modules for m in modules] + held
+    hook_tables = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
+    tensors = [t for t in chain.from_iterable(d.values() for d in held) if t is not None]
     memories: list[tuple[MemoryModule, str, Any]] = []
     why = None
     for module in modules:
@@ -72,7 +88,11 @@ def layout(modules: list[nn.Module]) -> Layout:
                 if isinstance(default, Tensor):
                     why = why or f"{type(module).__name__}.{name} resets to a tensor"
                 memories.append((module, name, default))
-    return Layout(modules, hook_count(modules), tuple(memories), why)
+    hooks = sum(map(len, hook_tables))
+    sizes = tuple(map(len, tables))
+    return Layout(
+        _registrations, modules, tensors, tables, sizes, hook_tables, hooks, tuple(memories), why
+    )
 
 
 def _foreign_hook(module: nn.Module) -> str | None:
@@ -82,6 +102,19 @@ def _foreign_hook(module: nn.Module) -> str | None:
                 name = getattr(hook, "__name__", repr(hook))
                 return f"{type(module).__name__} has a forward hook ({name}), which a replay skips"
     return None
+
+
+def current(net: nn.Module, known: Layout | None) -> Layout:
+    """``known`` while the model may not have changed its structure or hooks, else anew."""
+    if (
+        known is not None
+        and known.registrations == _registrations
+        and tuple(map(len, known.tables)) == known.sizes
+        and sum(map(len, known.hook_tables)) == known.hooks
+        and known.modules[0] is net
+    ):
+        return known
+    return layout(net)
 
 
 def not_reset(memories: tuple[tuple[MemoryModule, str, Any], ...]) -> str | None:
@@ -96,28 +129,14 @@ def not_reset(memories: tuple[tuple[MemoryModule, str, Any], ...]) -> str | None
     return None
 
 
-def current(net: nn.Module, known: Layout | None) -> Layout:
-    """``known`` if the model still has its modules and hooks, else a new :class:`Layout`."""
-    modules = walk(net)
-    hooks = hook_count(modules)
-    if known is not None and hooks == known.hooks and _same(modules, known.modules):
-        return known
-    return layout(modules)
-
-
-def _same(a: list[Any], b: list[Any]) -> bool:
-    """Element-wise identity (``==`` on tensors would compare their values)."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
-
-
 def state_key(found: Layout) -> tuple[Hashable, ...]:
     """The module part of a call signature: training flags, and the identity, storage and
     ``requires_grad`` of every parameter and buffer (a tensor replaced, moved or frozen makes a
     new signature)."""
-    tensors = held_tensors(found.modules)
+    tensors = found.tensors
     return (
         tuple(map(_training, found.modules)),
         tuple(map(id, tensors)),
-        tuple(map(_data_ptr, tensors)),
+        tuple(map(Tensor.data_ptr, tensors)),
         tuple(map(_requires_grad, tensors)),
     )
