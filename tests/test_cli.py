@@ -252,5 +252,5 @@ def test_cuda_graph_needs_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[st
     if not torch.cuda.is_available():
         args = ["train", "--limit", "200", "--quiet", "--cuda-graph", "--checkpoint"]
         assert main([*args, str(tmp_path / "b.pt")]) == 1
-        assert "--cuda-graph needs a CUDA GPU" in capsys.readouterr().err
+        assert "--cuda-graph step needs a CUDA GPU" in capsys.readouterr().err
         assert not (tmp_path / "b.pt").exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -63,7 +63,7 @@ def capturing(
     generators = torch.cuda.default_generators
     before = [generator.clone_state() for generator in generators]
     try:
-        shared = {} if pool is None else {"pool": pool}
+        shared: dict[str, Any] = {} if pool is None else {"pool": pool}
         with torch.cuda.graph(graph, stream=stream, **shared):
             yield
     except BaseException as error:

@@ -10,6 +10,7 @@ from spikefuse.fused.blocks import MEMORY_MODES
 from spikefuse.train.config import (
     AMP_MODES,
     BACKENDS,
+    CUDA_GRAPH_MODES,
     DATA_SETS,
     DEVICES,
     DIGITS_SAMPLES,
@@ -125,10 +126,23 @@ def _add_run_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         "cifar10 N training and up to N test samples",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument(
+    graphs = p.add_mutually_exclusive_group()
+    graphs.add_argument(
         "--cuda-graph",
-        action="store_true",
-        help="replay each training step from a CUDA graph (no per-kernel host work; GPU only)",
+        nargs="?",
+        const="step",
+        default=d.cuda_graph,
+        choices=CUDA_GRAPH_MODES,
+        metavar="MODE",
+        help="CUDA graphs: 'model' replays the model's forward and backward, 'step' (the "
+        "default without MODE) the whole training step; 'auto' (default) is model on a GPU",
+    )
+    graphs.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_const",
+        const="off",
+        help="run every step eagerly (same as --cuda-graph off)",
     )
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from spikefuse import layer, models, neuron
@@ -33,6 +34,10 @@ CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
 CIFAR10_TEST_FILE = "test_batch.bin"
 DATA_SETS = {"digits": DIGITS_SIZE, "cifar10": CIFAR10_SIZE}  # name -> image side
 AMP_MODES = ("none", "bf16")
+# CUDA graphs: "model" replays the model's forward and backward (spikefuse.graph_model) inside
+# the eager step, "step" the whole step (spikefuse.graphs.GraphedStep), "auto" is "model" on
+# a GPU and "off" on the CPU.
+CUDA_GRAPH_MODES = ("auto", "model", "step", "off")
 MIN_SAMPLES = 10
 TEST_FRACTION = 0.25
 EVAL_BATCH_SIZE = 512
@@ -180,7 +185,7 @@ class TrainConfig:
     overwrite: bool = False
     limit: int | None = None
     quiet: bool = False
-    cuda_graph: bool = False
+    cuda_graph: str = "auto"
 
     def __post_init__(self) -> None:
         """Reject every value that could crash or poison the run, before anything happens."""
@@ -201,6 +206,7 @@ class TrainConfig:
             ("data", list(DATA_SETS)),
             ("amp", AMP_MODES),
             ("memory", MEMORY_MODES),
+            ("cuda_graph", CUDA_GRAPH_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise SpikefuseError(
@@ -209,7 +215,7 @@ class TrainConfig:
         check_limit(self.limit, self.data)
         if self.memory != "default" and not self.fuse:
             raise SpikefuseError("--memory applies to fused blocks: add --fuse")
-        for name in ("fuse", "resume", "overwrite", "quiet", "cuda_graph"):
+        for name in ("fuse", "resume", "overwrite", "quiet"):
             if not isinstance(getattr(self, name), bool):
                 raise SpikefuseError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.data == "cifar10" and not (isinstance(self.data_dir, str) and self.data_dir):
@@ -233,13 +239,22 @@ class TrainConfig:
             )
         if not isinstance(self.checkpoint, str) or not self.checkpoint:
             raise SpikefuseError(f"--checkpoint must be a file path, got {self.checkpoint!r}")
-        if self.cuda_graph and self.device == "cpu":
-            raise SpikefuseError("--cuda-graph replays steps on a GPU; drop --device cpu")
+        if self.cuda_graph in ("model", "step") and self.device == "cpu":
+            raise SpikefuseError(
+                f"--cuda-graph replays steps on a GPU ({self.cuda_graph}); drop --device cpu "
+                "or use --no-cuda-graph"
+            )
         if self.resume and self.overwrite:
             raise SpikefuseError(
                 "--resume and --overwrite exclude each other: --resume continues the "
                 "checkpoint, --overwrite starts a new run in its place"
             )
+
+    def graph_mode(self, device: torch.device) -> str:
+        """``cuda_graph`` on ``device``: ``auto`` is ``model`` on a GPU and ``off`` on the CPU."""
+        if self.cuda_graph == "auto":
+            return "model" if device.type == "cuda" else "off"
+        return self.cuda_graph
 
     @property
     def last_bn_maps_are_1x1(self) -> bool:

@@ -20,6 +20,7 @@ from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.extras import require
 from spikefuse.fused import fuse
 from spikefuse.graphs import GraphedStep
+from spikefuse.model_graphs import graph_model
 from spikefuse.train.checkpoint import (
     check_checkpoint_writable,
     load_checkpoint,
@@ -230,15 +231,18 @@ def run(config: TrainConfig) -> float:
     require(TRAIN, "demo", optional_needs(config))
     ranks = ranks_from_env()
     device = resolve_device(config.device)
-    if config.cuda_graph and device.type != "cuda":
-        raise SpikefuseError("--cuda-graph needs a CUDA GPU, and PyTorch sees none")
+    if config.graph_mode(device) != "off" and device.type != "cuda":
+        raise SpikefuseError(
+            f"--cuda-graph {config.cuda_graph} needs a CUDA GPU, and PyTorch sees none "
+            "(--no-cuda-graph runs eagerly)"
+        )
     if not ranks.distributed:
         backend = describe_backend(config.backend, device)
         return _run_locked(config, device, backend, ranks)
-    if config.cuda_graph:
+    if config.graph_mode(device) == "step":
         raise SpikefuseError(
-            "--cuda-graph does not run under torchrun (DistributedDataParallel's all-reduces "
-            "are not captured); drop one of them"
+            "--cuda-graph step does not run under torchrun (DistributedDataParallel's "
+            "all-reduces run between backward and the optimizer); use --cuda-graph model"
         )
     if device.type == "cuda":
         if ranks.local_rank >= torch.cuda.device_count():
@@ -291,11 +295,14 @@ def _train(
     start_epoch = log.resumed_epoch
 
     trained = model
+    graphs = config.graph_mode(device)
+    if graphs == "model":  # before DDP wraps it: DDP's hooks and all-reduces stay eager
+        graph_model(model)
     if ranks.distributed:
         device_ids = [device.index] if device.type == "cuda" else None
         trained = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     graphed = None
-    if config.cuda_graph:  # a batch shape's first step runs eagerly, the next is captured
+    if graphs == "step":  # a batch shape's first step runs eagerly, the next is captured
         graphed = GraphedStep(train_step(trained, optimizer, config, graphed=True), warmup=1)
     with cpu_threads(device, 1):
         accuracy = None
@@ -352,9 +359,12 @@ def _set_up(
         # Under torchrun the fused BatchNorms synchronise over the default process group.
         model, report = fuse(model, return_report=True, memory=config.memory)
     # capturable: Adam's step count stays on the GPU, so a graph can replay optimizer.step
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, capturable=config.cuda_graph)
+    graphs = config.graph_mode(device)
+    capturable = graphs == "step"
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, capturable=capturable)
     say(
         f"device: {device}, backend: {backend}, neuron: {config.neuron}, T={config.T}, "
+        f"CUDA graphs: {graphs}, "
         f"train/test samples: {len(data.y_train)}/{len(data.y_test)}"
         + (f", model: {config.model}" if config.model != "digits-cnn" else "")
         + (f", processes: {ranks.world_size}" if ranks.distributed else "")
@@ -365,7 +375,7 @@ def _set_up(
     if config.resume:  # every rank reads the checkpoint: all start from the same state
         payload = load_checkpoint(checkpoint, config)
         restore(model, optimizer, payload, checkpoint)
-        set_capturable(optimizer, config.cuda_graph)  # the checkpoint's run may have differed
+        set_capturable(optimizer, capturable)  # the checkpoint's run may have differed
         start_epoch = payload["epoch"]
         say(f"resumed from '{checkpoint}' after epoch {start_epoch}")
     log = TrainingLog(checkpoint_target(checkpoint), start_epoch)
