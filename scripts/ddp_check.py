@@ -6,6 +6,7 @@
     torchrun --nproc_per_node=2 scripts/ddp_check.py --repeated   # input images.expand(T, ...)
     torchrun --nproc_per_node=2 scripts/ddp_check.py --memory min --chunked  # batch chunks
     torchrun --nproc_per_node=2 scripts/ddp_check.py --share-gpu  # a 1-GPU machine: gloo on cuda:0
+    torchrun --nproc_per_node=2 scripts/ddp_check.py --model-graphs --steps 6  # graph_model
 
 Every rank trains the DDP-wrapped fused model on its slice of a global batch and, alongside, a
 copy that sees the whole batch with BatchNorm synchronised over a group of itself only (the
@@ -15,7 +16,11 @@ every rank's contribution), averaged parameter gradients, running statistics and
 optimizer step, the parameters. Prints PASS or FAIL (rank 0) and exits 0 or 1.
 
 The spikes of every fused block and neuron are compared exactly (a spike flipped by rounding
-fails the check: float32 tolerances cover rounding only).
+fails the check: float32 tolerances cover rounding only). With ``--model-graphs`` the DDP
+model is :func:`spikefuse.graph_model`'s (its forward and backward, with the fused blocks'
+synchronising all-reduces, replayed from CUDA graphs after two warm-up steps; DDP's gradient
+all-reduce eager): its spikes are not recorded (a forward hook would make it run eagerly), the
+rest is compared as above, and the check fails unless the graphs were captured.
 
 Models (``--model``, fused with ``--memory``; every Conv/Linear → BN → neuron chain must fuse),
 all with non-trivial BN affine parameters: a small CNN with the DATE'22 paper's LIF (``cnn``),
@@ -56,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 from spikefuse import functional, layer, models, neuron, surrogate
 from spikefuse.fused import FusedBlock, fuse, low_memory, paper_lif
 from spikefuse.fused.blocks import MEMORY_MODES
+from spikefuse.model_graphs import graph_model, model_graphs
 from spikefuse.neuron import BaseNode
 
 CLASSES = 5
@@ -201,14 +207,16 @@ def run_check(
     dtype: torch.dtype,
     device: torch.device,
     repeated: bool = False,
+    graphed: bool = False,
 ) -> float:
     """The largest relative error seen on this rank over all compared quantities."""
     rank, world = dist.get_rank(), dist.get_world_size()
     singletons = [dist.new_group([r]) for r in range(world)]  # collective: all ranks create all
     reference = build_model(network, memory, dtype, device, singletons[rank])
-    model = DistributedDataParallel(build_model(network, memory, dtype, device, None))
+    inner = build_model(network, memory, dtype, device, None)
+    model = DistributedDataParallel(graph_model(inner) if graphed else inner)
     spec = NETWORKS[network]
-    spikes_ref, spikes = record_spikes(reference), record_spikes(model.module)
+    spikes_ref, spikes = record_spikes(reference), {} if graphed else record_spikes(inner)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=spec.lr, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
@@ -240,7 +248,7 @@ def run_check(
         F.cross_entropy(out.mean(0), labels[local]).backward()
 
         check(f"step {step} output", out, out_ref[:, local])
-        for name, s_ref in spikes_ref.items():  # 0/1: a spike flipped is a relative error of 1
+        for name, s_ref in spikes_ref.items() if not graphed else ():  # 0/1: a flip errs by 1
             check(f"step {step} spikes {name}", spikes[name], s_ref[:, local])
         if not repeated:
             grad_local, grad_full = x_local.grad, x_full.grad
@@ -260,6 +268,9 @@ def run_check(
         model.module.named_parameters(), reference.parameters(), strict=True
     ):
         check(f"final {name}", p.detach(), p_ref.detach())
+    graphs = model_graphs(inner)
+    if graphed and (graphs is None or graphs.captured == 0):
+        raise SystemExit(f"rank {rank}: --model-graphs: no graph was captured in {steps} steps")
     return worst
 
 
@@ -283,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch", type=int, default=4, help="per-process batch size")
     parser.add_argument(
+        "--model-graphs",
+        action="store_true",
+        help="DDP over spikefuse.graph_model(model) (CUDA only; use --steps 4 or more)",
+    )
+    parser.add_argument(
         "--dtype",
         nargs="+",
         choices=["float64", "float32"],
@@ -299,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--chunked is memory='min''s batch chunking: add --memory min")
     if args.chunked:  # every map is "large", and no chunk holds more than one sample
         low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES = 0, 1
+    if args.model_graphs and not torch.cuda.is_available():
+        parser.error("--model-graphs replays CUDA graphs, and PyTorch sees no GPU")
     if args.share_gpu and not torch.cuda.is_available():
         parser.error("--share-gpu needs a CUDA GPU, and PyTorch sees none")
     use_cuda = args.share_gpu or (
@@ -320,7 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for dtype in dtypes:
             worst = run_check(
-                args.model, args.memory, args.steps, args.batch, dtype, device, args.repeated
+                args.model,
+                args.memory,
+                args.steps,
+                args.batch,
+                dtype,
+                device,
+                args.repeated,
+                args.model_graphs,
             )
             flag = torch.tensor([worst], dtype=torch.float64, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -328,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
             ok &= passed
             if dist.get_rank() == 0:
                 world = dist.get_world_size()
+                graphs = ", model graphs" if args.model_graphs else ""
                 print(
-                    f"{'PASS' if passed else 'FAIL'}: {args.model} (memory={args.memory}) "
+                    f"{'PASS' if passed else 'FAIL'}: {args.model} (memory={args.memory}{graphs}) "
                     f"{world} x batch {args.batch} vs 1 x batch {world * args.batch} "
                     f"({dist.get_backend()}, {dtype}, {args.steps} steps): "
                     f"max relative error {flag.item():.2e}"
