@@ -1,6 +1,7 @@
-"""Helpers shared by the tests (import them with ``from conftest import ...``), and the ``gpu``
-marker's skip: a test marked ``@pytest.mark.gpu`` runs only where the cuda backend can run, and
-is skipped elsewhere with the reason.
+"""Helpers shared by the tests (import them with ``from conftest import ...``), and the markers'
+skips: a test marked ``@pytest.mark.gpu`` runs only where the cuda backend can run, and is skipped
+elsewhere with the reason; a test marked ``@pytest.mark.slow`` runs only with ``--slow`` (what
+``./dev test --all`` and CI pass), so that ``./dev test`` stays quick.
 """
 
 from __future__ import annotations
@@ -37,10 +38,21 @@ CUDA_PROBLEM = _cuda_problem()
 requires_cuda = pytest.mark.skipif(CUDA_PROBLEM is not None, reason=CUDA_PROBLEM or "")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        help="also run the tests marked slow (./dev test --all and CI do)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_slow = pytest.mark.skip(reason="slow: run with --slow (./dev test --all; CI runs it)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(requires_cuda)
+        if item.get_closest_marker("slow") is not None and not config.getoption("--slow"):
+            item.add_marker(skip_slow)
 
 
 def gen(seed: int, device: str = "cpu") -> torch.Generator:
