@@ -113,8 +113,8 @@ def _trace_events(prof: profile) -> list[dict]:
 def gpu_gaps(step, rows: int, steps: int = 3) -> None:
     """GPU busy and idle time within each of ``steps`` synchronised steps, and the largest idle
     gaps of the last one. The profiler's own stalls are taken out: CUPTI's "Activity Buffer
-    Request" blocks the host for milliseconds when it needs a new buffer (e.g. 2.5-3 ms at
-    the start of backward in a medium fused step), which would read as the host pacing the
+    Request" blocks the host for milliseconds when it needs a new buffer (e.g. at the
+    start of backward in a medium fused step), which would read as the host pacing the
     GPU. The profiler slows the host too, so the idle times are upper bounds."""
     for _ in range(steps):
         torch.cuda.synchronize()
