@@ -6,8 +6,10 @@ elsewhere with the reason; a test marked ``@pytest.mark.slow`` runs only with ``
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import socket
+import types
 import zlib
 from pathlib import Path
 
@@ -98,6 +100,16 @@ def assert_close(
     err = reldiff(got, want)
     assert err <= tol, f"{what or 'result'}: normalised error {err:.2e} > {tol:.0e}"
     return err
+
+
+def import_script(relative: str) -> types.ModuleType:
+    """The repository's script at ``relative`` (e.g. ``benchmarks/tables.py``) as a module."""
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

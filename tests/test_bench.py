@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import import_script
 from spikefuse.bench.common import BenchResult, read_csv, time_interleaved, write_csv
 
 
@@ -26,22 +26,12 @@ def test_interleaved_rounds_need_one() -> None:
         time_interleaved({"a": lambda: None}, torch.device("cpu"), warmup=0, iters=1, rounds=0)
 
 
-def _profile_e2e():
-    """benchmarks/profile_e2e.py imported as a module."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_e2e.py"
-    spec = importlib.util.spec_from_file_location("profile_e2e", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gaps_leave_out_the_profilers_own_stalls() -> None:
     """A gap that a profiler stall covers is not the host pacing the GPU: only the rest of it
     counts as idle; overlapping kernels count once as busy."""
     kernels = [(0.0, 10.0, "a"), (5.0, 12.0, "b"), (20.0, 25.0, "c"), (100.0, 101.0, "d")]
     stalls = [(30.0, 95.0)]  # inside the gap between c and d
-    busy, stalled, gaps = _profile_e2e().idle_gaps(kernels, stalls)
+    busy, stalled, gaps = import_script("benchmarks/profile_e2e.py").idle_gaps(kernels, stalls)
     assert busy == 12.0 + 5.0 + 1.0
     assert stalled == 65.0
     assert gaps == [(8.0, "b", "c"), (10.0, "c", "d")]  # 75 us between c and d, 65 stalled
@@ -61,15 +51,6 @@ def test_results_read_back_as_written(tmp_path: Path) -> None:
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _tables():
-    """benchmarks/tables.py imported as a module."""
-    spec = importlib.util.spec_from_file_location("tables", BENCHMARKS / "tables.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
 def test_each_result_set_has_what_its_benchmarks_write(gpu: str) -> None:
     """A README, and per benchmark the CSV, the plot (and the neuron benchmark's text), with
@@ -86,7 +67,7 @@ def test_each_result_set_has_what_its_benchmarks_write(gpu: str) -> None:
 
 
 def test_tables_of_a_result_set_quote_its_csv() -> None:
-    tables = _tables()
+    tables = import_script("benchmarks/tables.py")
     rows = {(r.variant, r.dtype): r for r in read_csv(BENCHMARKS / "h200" / "e2e_medium.csv")}
     vanilla, graphed = rows["vanilla", "fp32"], rows["fused+graph", "fp32"]
     cell = f"{graphed.ms:.1f} ms ({vanilla.ms / graphed.ms:.1f}x)"

@@ -8,12 +8,13 @@ directory.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from conftest import import_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -70,18 +71,10 @@ def test_the_readme_is_short_and_has_a_hello_world() -> None:
     assert "./dev train" in readme and "./dev test" in readme
 
 
-def _tables():
-    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_benchmark_tables_quote_the_committed_result_sets() -> None:
     """Regenerated from the CSV files, every table appears on the benchmark page as it is, and
     the README's headline table too."""
-    tables = _tables()
+    tables = import_script("benchmarks/tables.py")
     page = (ROOT / "docs" / "benchmarks.md").read_text()
     for gpu in ("h200", "h100"):
         folder = ROOT / "benchmarks" / gpu
