@@ -7,6 +7,10 @@
     torchrun --nproc_per_node=2 scripts/ddp_check.py --memory min --chunked  # batch chunks
     torchrun --nproc_per_node=2 scripts/ddp_check.py --share-gpu  # a 1-GPU machine: gloo on cuda:0
     torchrun --nproc_per_node=2 scripts/ddp_check.py --model-graphs --steps 6  # graph_model
+    torchrun --nproc_per_node=2 scripts/ddp_check.py --repeated + --memory min   # several checks
+
+Several checks in one run share its processes and process group: separate their options with
+``+`` (``--share-gpu`` must be the same in all of them).
 
 Every rank trains the DDP-wrapped fused model on its slice of a global batch and, alongside, a
 copy that sees the whole batch with BatchNorm synchronised over a group of itself only (the
@@ -274,7 +278,7 @@ def run_check(
     return worst
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(NETWORKS), default="cnn")
     parser.add_argument(
@@ -310,56 +314,94 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="every rank on cuda:0, communicating through gloo (a machine with one GPU)",
     )
-    args = parser.parse_args(argv)
-    if args.chunked and args.memory != "min":
-        parser.error("--chunked is memory='min''s batch chunking: add --memory min")
-    if args.chunked:  # every map is "large", and no chunk holds more than one sample
-        low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES = 0, 1
-    if args.model_graphs and not torch.cuda.is_available():
-        parser.error("--model-graphs replays CUDA graphs, and PyTorch sees no GPU")
-    if args.share_gpu and not torch.cuda.is_available():
+    return parser
+
+
+def parse_checks(parser: argparse.ArgumentParser, argv: list[str]) -> list[argparse.Namespace]:
+    """One namespace per check: ``argv`` split at each ``+``."""
+    segments: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "+":
+            segments.append([])
+        else:
+            segments[-1].append(arg)
+    checks = [parser.parse_args(segment) for segment in segments]
+    for args in checks:
+        if args.chunked and args.memory != "min":
+            parser.error("--chunked is memory='min''s batch chunking: add --memory min")
+        if args.model_graphs and not torch.cuda.is_available():
+            parser.error("--model-graphs replays CUDA graphs, and PyTorch sees no GPU")
+    if len({args.share_gpu for args in checks}) > 1:
+        parser.error("--share-gpu must be given to every check of a run or to none")
+    return checks
+
+
+def run_checks(checks: list[argparse.Namespace], device: torch.device) -> bool:
+    """Run every check (each dtype of each) and print PASS or FAIL per run on rank 0."""
+    ok = True
+    chunking = low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES
+    for args in checks:
+        use_cuda = device.type == "cuda"
+        dtypes = [getattr(torch, n) for n in args.dtype or ["float32" if use_cuda else "float64"]]
+        if args.chunked:  # every map is "large", and no chunk holds more than one sample
+            low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES = 0, 1
+        try:
+            for dtype in dtypes:
+                worst = run_check(
+                    args.model,
+                    args.memory,
+                    args.steps,
+                    args.batch,
+                    dtype,
+                    device,
+                    args.repeated,
+                    args.model_graphs,
+                )
+                flag = torch.tensor([worst], dtype=torch.float64, device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                passed = flag.item() <= NETWORKS[args.model].tolerance(dtype)
+                ok &= passed
+                if dist.get_rank() == 0:
+                    world = dist.get_world_size()
+                    options = "".join(
+                        f", {name}"
+                        for name in ("repeated", "chunked", "model_graphs")
+                        if getattr(args, name)
+                    )
+                    print(
+                        f"{'PASS' if passed else 'FAIL'}: {args.model} "
+                        f"(memory={args.memory}{options}) "
+                        f"{world} x batch {args.batch} vs 1 x batch {world * args.batch} "
+                        f"({dist.get_backend()}, {dtype}, {args.steps} steps): "
+                        f"max relative error {flag.item():.2e}"
+                    )
+        finally:
+            low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES = chunking
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    checks = parse_checks(parser, sys.argv[1:] if argv is None else argv)
+    share_gpu = checks[0].share_gpu
+    if share_gpu and not torch.cuda.is_available():
         parser.error("--share-gpu needs a CUDA GPU, and PyTorch sees none")
-    use_cuda = args.share_gpu or (
+    use_cuda = share_gpu or (
         torch.cuda.is_available()
         and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     )
     if use_cuda:
-        index = 0 if args.share_gpu else int(os.environ.get("LOCAL_RANK", "0"))
+        index = 0 if share_gpu else int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dtypes = [getattr(torch, name) for name in args.dtype or ["float32" if use_cuda else "float64"]]
     # Both sides run the same float32 arithmetic; cuDNN's TF32 would round convolution inputs
     # to 10 mantissa bits, its algorithms (chosen per batch size) differently, flipping spikes.
     torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group("nccl" if use_cuda and not args.share_gpu else "gloo")
-    ok = True
+    dist.init_process_group("nccl" if use_cuda and not share_gpu else "gloo")
     try:
-        for dtype in dtypes:
-            worst = run_check(
-                args.model,
-                args.memory,
-                args.steps,
-                args.batch,
-                dtype,
-                device,
-                args.repeated,
-                args.model_graphs,
-            )
-            flag = torch.tensor([worst], dtype=torch.float64, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            passed = flag.item() <= NETWORKS[args.model].tolerance(dtype)
-            ok &= passed
-            if dist.get_rank() == 0:
-                world = dist.get_world_size()
-                graphs = ", model graphs" if args.model_graphs else ""
-                print(
-                    f"{'PASS' if passed else 'FAIL'}: {args.model} (memory={args.memory}{graphs}) "
-                    f"{world} x batch {args.batch} vs 1 x batch {world * args.batch} "
-                    f"({dist.get_backend()}, {dtype}, {args.steps} steps): "
-                    f"max relative error {flag.item():.2e}"
-                )
+        ok = run_checks(checks, device)
     finally:
         gc.collect()  # DDP's reducers (reference cycles) must go before their process group
         dist.destroy_process_group()

@@ -2,7 +2,8 @@
 # Everything that needs a GPU, in one go, logs under ${OUT:-gpu_results}:
 #   scripts/gpu_all.sh check   the GPU tests (pytest -m gpu, via scripts/gpu_check.py: kernels vs
 #                              reference, fused blocks, graphs, compile, training), DDP equivalence
-#   scripts/gpu_all.sh bench   neuron, BN-folded kernel, spike packing and end-to-end benchmarks
+#   scripts/gpu_all.sh bench   the result set of benchmarks/run.sh, then the BN-folded kernel and
+#                              spike packing benchmarks
 # Arguments after check/all go to scripts/gpu_check.py (e.g. --quick, or pytest's -k EXPR).
 set -uo pipefail
 OUT="${OUT:-gpu_results}"
@@ -29,7 +30,7 @@ case "$task" in
         read -r model memory extra <<< "$run"
         # SEW-ResNet-18: 2 steps. At its third step a stem potential can sit on the threshold
         # within float32 rounding and flip a spike, in either memory mode and not in every run
-        # (bench_results/h200x2/ddp_check.log); float64 on the CPU matches to 1e-14.
+        # (seen on two H200s); float64 on the CPU matches to 1e-14.
         steps=3; [[ $model == sew_resnet18 ]] && steps=2
         # shellcheck disable=SC2086  # $extra, $share: no option, or one
         torchrun --nproc_per_node=2 scripts/ddp_check.py --model "$model" --memory "$memory" \
@@ -38,11 +39,8 @@ case "$task" in
       done
     fi ;;&
   bench|all)
-    python3 -m spikefuse bench neuron --out "$OUT/bench" || status=1
-    python3 scripts/bench_bn_kernels.py | tee "$OUT/bench/bn_kernels.txt" || status=1
-    python3 scripts/bench_spike_bits.py | tee "$OUT/bench/spike_bits.txt" || status=1
-    for model in medium small large; do
-      python3 -m spikefuse bench e2e --model "$model" --out "$OUT/bench" || status=1
-    done ;;
+    benchmarks/run.sh "$OUT/bench" || status=1
+    python3 benchmarks/bench_bn_kernels.py | tee "$OUT/bench/bn_kernels.txt" || status=1
+    python3 benchmarks/bench_spike_bits.py | tee "$OUT/bench/spike_bits.txt" || status=1 ;;
 esac
 exit $status

@@ -1,12 +1,15 @@
-"""Helpers shared by the tests (import them with ``from conftest import ...``), and the ``gpu``
-marker's skip: a test marked ``@pytest.mark.gpu`` runs only where the cuda backend can run, and
-is skipped elsewhere with the reason.
+"""Helpers shared by the tests (import them with ``from conftest import ...``), and the markers'
+skips: a test marked ``@pytest.mark.gpu`` runs only where the cuda backend can run, and is skipped
+elsewhere with the reason; a test marked ``@pytest.mark.slow`` runs only with ``--slow`` (what
+``./dev test --all`` and CI pass), so that ``./dev test`` stays quick.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import socket
+import types
 import zlib
 from pathlib import Path
 
@@ -37,10 +40,21 @@ CUDA_PROBLEM = _cuda_problem()
 requires_cuda = pytest.mark.skipif(CUDA_PROBLEM is not None, reason=CUDA_PROBLEM or "")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow",
+        action="store_true",
+        help="also run the tests marked slow (./dev test --all and CI do)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_slow = pytest.mark.skip(reason="slow: run with --slow (./dev test --all; CI runs it)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(requires_cuda)
+        if item.get_closest_marker("slow") is not None and not config.getoption("--slow"):
+            item.add_marker(skip_slow)
 
 
 def gen(seed: int, device: str = "cpu") -> torch.Generator:
@@ -86,6 +100,16 @@ def assert_close(
     err = reldiff(got, want)
     assert err <= tol, f"{what or 'result'}: normalised error {err:.2e} > {tol:.0e}"
     return err
+
+
+def import_script(relative: str) -> types.ModuleType:
+    """The repository's script at ``relative`` (e.g. ``benchmarks/tables.py``) as a module."""
+    path = Path(__file__).resolve().parents[1] / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

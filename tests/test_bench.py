@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from spikefuse.bench.common import time_interleaved
+from conftest import import_script
+from spikefuse.bench.common import BenchResult, read_csv, time_interleaved, write_csv
 
 
 def test_interleaved_rounds_time_every_step_in_turn() -> None:
@@ -25,22 +26,52 @@ def test_interleaved_rounds_need_one() -> None:
         time_interleaved({"a": lambda: None}, torch.device("cpu"), warmup=0, iters=1, rounds=0)
 
 
-def _profile_e2e():
-    """scripts/profile_e2e.py imported as a module."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_e2e.py"
-    spec = importlib.util.spec_from_file_location("profile_e2e", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gaps_leave_out_the_profilers_own_stalls() -> None:
     """A gap that a profiler stall covers is not the host pacing the GPU: only the rest of it
     counts as idle; overlapping kernels count once as busy."""
     kernels = [(0.0, 10.0, "a"), (5.0, 12.0, "b"), (20.0, 25.0, "c"), (100.0, 101.0, "d")]
     stalls = [(30.0, 95.0)]  # inside the gap between c and d
-    busy, stalled, gaps = _profile_e2e().idle_gaps(kernels, stalls)
+    busy, stalled, gaps = import_script("benchmarks/profile_e2e.py").idle_gaps(kernels, stalls)
     assert busy == 12.0 + 5.0 + 1.0
     assert stalled == 65.0
     assert gaps == [(8.0, "b", "c"), (10.0, "c", "d")]  # 75 us between c and d, 65 stalled
+
+
+def test_results_read_back_as_written(tmp_path: Path) -> None:
+    rows = [
+        BenchResult("e2e-small", "fused", "fp32", 1.5, 1.25, 0.5, 700.0, note="a, b"),
+        BenchResult("e2e-small", "vanilla", "bf16", error="RuntimeError: out of memory"),
+    ]
+    write_csv(tmp_path / "r.csv", rows)
+    back = read_csv(tmp_path / "r.csv")
+    assert back[0] == rows[0]
+    assert back[1].error == rows[1].error and math.isnan(back[1].ms) and not back[1].ok
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_each_result_set_has_what_its_benchmarks_write(gpu: str) -> None:
+    """A README, and per benchmark the CSV, the plot (and the neuron benchmark's text), with
+    a measured row for every variant of the end-to-end runs and both dtypes."""
+    folder = BENCHMARKS / gpu
+    names = {f"e2e_{m}.{ext}" for m in ("small", "medium", "large") for ext in ("csv", "png")}
+    names |= {"neuron.csv", "neuron.png", "neuron.txt", "README.md"}
+    assert {p.name for p in folder.iterdir()} == names
+    for model in ("small", "medium", "large"):
+        rows = read_csv(folder / f"e2e_{model}.csv")
+        assert {r.dtype for r in rows} == {"fp32", "bf16"}
+        assert all(r.ok and r.ms > 0 and r.peak_mib > 0 for r in rows)
+        assert {"vanilla", "fused", "fused+graph"} <= {r.variant for r in rows}
+
+
+def test_tables_of_a_result_set_quote_its_csv() -> None:
+    tables = import_script("benchmarks/tables.py")
+    rows = {(r.variant, r.dtype): r for r in read_csv(BENCHMARKS / "h200" / "e2e_medium.csv")}
+    vanilla, graphed = rows["vanilla", "fp32"], rows["fused+graph", "fp32"]
+    cell = f"{graphed.ms:.1f} ms ({vanilla.ms / graphed.ms:.1f}x)"
+    assert cell in tables.headline_table(BENCHMARKS / "h200").splitlines()[2]
+    text = tables.all_tables(BENCHMARKS / "h100")
+    assert "| fused + CUDA graph |" in text and "| 32 | float32 |" in text
+    assert "fused + torch.compile" not in text  # a variant the set did not run has no row

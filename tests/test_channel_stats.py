@@ -101,9 +101,9 @@ def test_small_maps_keep_torch_batch_norm_stats(routes, monkeypatch):
 
 
 def test_torch_compile_traces_var_mean_not_the_cuda_ops(monkeypatch):
-    """Review: a compiled fused model reached the kernel's CuPy launch, and then
+    """A compiled fused model used to reach the kernel's CuPy launch, and then
     ``torch.batch_norm_stats`` (no fake-tensor kernel), while dynamo traced: graph breaks and
-    2x slower steps. While compiling, CUDA statistics take the traceable var_mean route."""
+    slower steps. While compiling, CUDA statistics take the traceable var_mean route."""
     cuda_like = types.SimpleNamespace(is_cuda=True)
     assert statistics._eager_cuda(cuda_like)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)

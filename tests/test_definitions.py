@@ -1,5 +1,6 @@
-"""Neuron definitions: sympy's partials equal seed 003's hand-written derivatives; user-defined
-neurons get a correct forward and backward; bad definitions fail with a clear SpikefuseError."""
+"""Neuron definitions: sympy's partials equal the specification's hand-written derivatives;
+user-defined neurons get a correct forward and backward; bad definitions fail with a clear
+SpikefuseError."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def same(expr_a, expr_b) -> bool:
     return sp.simplify(sp.sympify(expr_a) - sp.sympify(expr_b)) == 0
 
 
-# ---- shipped neurons: seed 003's derivatives --------------------------------------------------
-# name -> (definition, {partial: seed 003's hand-written expression})
+# ---- shipped neurons: the specification's derivatives --------------------------------------------
+# name -> (definition, {partial: the specification's hand-written expression})
 SEED_PARTIALS = {
     "if": (defs.IF, {"dh_dx": 1, "dh_dv": 1}),
     "lif": (
@@ -91,7 +92,7 @@ def test_partials_equal_seed_003(name):
     partials = definition.partials
     for key, want in expected.items():
         got = partials.dh_dparam[key[1]] if isinstance(key, tuple) else getattr(partials, key)
-        assert same(got, want), f"{name} {key}: sympy gives {got}, seed 003 says {want}"
+        assert same(got, want), f"{name} {key}: sympy gives {got}, the specification says {want}"
 
 
 @pytest.mark.parametrize("definition", SHIPPED, ids=lambda d: d.name)

@@ -2,7 +2,7 @@
 
 Runs the DDP check ``scripts/ddp_check.py`` (DDP-wrapped fused model vs a whole-batch reference,
 several SGD steps) as a program in two processes, the way torchrun starts it, on a free
-loopback port: the small CNN and SEW-ResNet-18 (every memory mode). ResNet-19, whose unfused
+loopback port: the small CNN and SEW-ResNet-18 (every memory mode), all checks in one run. ResNet-19, whose unfused
 BatchNorms need torch's CUDA-only SyncBatchNorm, is checked on GPUs (scripts/gpu_all.sh); here
 its refusal and its BatchNorm conversion are.
 """
@@ -58,48 +58,96 @@ def _run_ddp_check(*args: str) -> list[tuple[int, str]]:
         )
         for rank in range(WORLD)
     ]
-    outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
+    outputs = [rank.communicate(timeout=900)[0] for rank in ranks]
     return [(process.returncode, output) for process, output in zip(ranks, outputs, strict=True)]
 
 
-def _assert_all_pass(results: list[tuple[int, str]], checks: int) -> None:
-    for rank, (returncode, output) in enumerate(results):
-        assert returncode == 0, (
-            f"rank {rank}: the 2-process run differs from the 1-process run\n{output}"
+#: The checks of the CPU run, one launch of two processes for all of them (each launch costs two
+#: interpreters importing torch): (options, the PASS lines they print, by their start).
+CHECKS = {
+    "double_batch": (["--dtype", "float64", "float32"], ["cnn (memory=default) 2 x batch 4"] * 2),
+    "repeated": (["--dtype", "float64", "--repeated"], ["cnn (memory=default, repeated)"]),
+    "chunked": (
+        ["--memory", "min", "--chunked", "--dtype", "float64"],
+        ["cnn (memory=min, chunked)"],
+    ),
+    **{
+        f"sew_resnet18_{memory}": (
+            ["--model", "sew_resnet18", "--memory", memory, "--dtype", "float64"]
+            + ["--steps", "2", "--batch", "2"],
+            [f"sew_resnet18 (memory={memory})"],
         )
-    assert results[0][1].count("PASS") == checks, results[0][1]
+        for memory in ("default", "min", "auto")
+    },
+}
+#: Last: ResNet-19, refused on the CPU (its unfused BatchNorms need torch's CUDA-only
+#: SyncBatchNorm), so the run ends with that error after every other check has passed.
+REFUSED = ["--model", "spiking_resnet19", "--steps", "1"]
 
 
-def test_two_processes_match_one_process_with_double_batch():
-    _assert_all_pass(_run_ddp_check("--dtype", "float64", "float32"), checks=2)
+@pytest.fixture(scope="module")
+def cpu_run() -> list[tuple[int, str]]:
+    args: list[str] = []
+    for options, _ in CHECKS.values():
+        args += [*options, "+"]
+    return _run_ddp_check(*args, *REFUSED)
 
 
-def test_two_processes_match_one_process_on_an_input_repeated_over_time():
+def _assert_passed(results: list[tuple[int, str]], check: str) -> None:
+    """Rank 0 printed the check's PASS lines and no rank printed a FAIL."""
+    lines = results[0][1].splitlines()
+    for rank, (_, output) in enumerate(results):
+        assert "FAIL" not in output, f"rank {rank}: a 2-process run differs\n{output}"
+    expected = CHECKS[check][1]
+    for start in set(expected):
+        found = [line for line in lines if line.startswith(f"PASS: {start}")]
+        assert len(found) == expected.count(start), results[0][1]
+
+
+def test_two_processes_match_one_process_with_double_batch(cpu_run):
+    _assert_passed(cpu_run, "double_batch")
+
+
+def test_two_processes_match_one_process_on_an_input_repeated_over_time(cpu_run):
     """images.expand(T, ...): the first block's statistics come from one step, with the count
     of all T steps over both processes."""
-    _assert_all_pass(_run_ddp_check("--dtype", "float64", "--repeated"), checks=1)
+    _assert_passed(cpu_run, "repeated")
 
 
-def test_min_memory_blocks_in_batch_chunks_match_one_process():
+def test_min_memory_blocks_in_batch_chunks_match_one_process(cpu_run):
     """memory="min" blocks run in chunks of one sample: the statistics combine over the chunks,
     then over the processes, and backward's sums likewise."""
-    _assert_all_pass(_run_ddp_check("--memory", "min", "--chunked", "--dtype", "float64"), 1)
+    _assert_passed(cpu_run, "chunked")
 
 
 @pytest.mark.parametrize("memory", ["default", "min", "auto"])
-def test_fused_sew_resnet18_two_processes_match_one_process(memory):
+def test_fused_sew_resnet18_two_processes_match_one_process(cpu_run, memory):
     """SEW-ResNet-18 (every BatchNorm fused and synchronised), every memory mode."""
-    args = ["--model", "sew_resnet18", "--memory", memory, "--dtype", "float64"]
-    _assert_all_pass(_run_ddp_check(*args, "--steps", "2", "--batch", "2"), checks=1)
+    _assert_passed(cpu_run, f"sew_resnet18_{memory}")
 
 
-def test_resnet19_is_refused_on_cpu_naming_its_unfused_batchnorms():
+def test_resnet19_is_refused_on_cpu_naming_its_unfused_batchnorms(cpu_run):
     """ResNet-19's downsample BNs (the Conv1x1 -> BN shortcuts of its residual chains) need
     torch's SyncBatchNorm: CUDA only."""
-    for returncode, output in _run_ddp_check("--model", "spiking_resnet19", "--steps", "1"):
+    for returncode, output in cpu_run:
         assert returncode != 0, output
         assert "layer2.0.downsample.1" in output, output
         assert "SyncBatchNorm runs on CUDA only" in output, output
+
+
+def test_checks_of_one_run_are_separated_by_plus(monkeypatch):
+    """Each check of a run takes its own options; --chunked needs memory='min', and
+    --share-gpu is one choice for the whole run."""
+    ddp_check = _ddp_check_module(monkeypatch)
+    parser = ddp_check.build_parser()
+    checks = ddp_check.parse_checks(parser, ["--repeated", "+", "--memory", "min", "--chunked"])
+    assert [(c.repeated, c.memory, c.chunked) for c in checks] == [
+        (True, "default", False),
+        (False, "min", True),
+    ]
+    for argv in (["--chunked"], ["--share-gpu", "+", "--repeated"]):
+        with pytest.raises(SystemExit):
+            ddp_check.parse_checks(parser, argv)
 
 
 def _ddp_check_module(monkeypatch: pytest.MonkeyPatch):

@@ -1,4 +1,4 @@
-"""Issue 10: hostile input and faults in the library (neurons, surrogates, definitions, fused
+"""Hostile input and faults in the library (neurons, surrogates, definitions, fused
 blocks). Each test failed on the code before the fix."""
 
 from __future__ import annotations
@@ -530,7 +530,7 @@ def test_batch_stats_of_empty_batch_are_zero_not_nan():
     ["v + x*sqrt(6)**(10**7)", "v + x*(sqrt(2)*sqrt(3))**(10**8)", "v + x*1e400", "v + x*-1e999"],
 )
 def test_equation_numbers_are_bounded(charge):
-    """Review: a numeric exponent on a non-number base built huge integers (or hung), and
-    non-finite literals were accepted as oo."""
+    """A numeric exponent on a non-number base used to build huge integers (or hang), and
+    non-finite literals to be accepted as oo."""
     with pytest.raises(SpikefuseError, match="too large|not a finite number"):
         defs.NeuronDef("big", charge=charge)

@@ -379,7 +379,7 @@ def test_parameter_changed_after_construction_is_checked_before_computing(attr, 
     node(torch.ones(2, 3))
     before = node.v.clone()
     old = getattr(node, attr)
-    with pytest.raises(SpikefuseError, match=match):  # checked on assignment (issue 10)
+    with pytest.raises(SpikefuseError, match=match):  # checked on assignment
         setattr(node, attr, value)
     assert getattr(node, attr) == old and torch.equal(node.v, before)
 

@@ -685,7 +685,7 @@ def test_norse_to_spikefuse_gives_the_same_spikes():
 
 
 def test_a_torch_code_neuron_is_refused():
-    """Review: a LIFNode subclass with its own neuronal_charge was exported as a plain LIF."""
+    """A LIFNode subclass with its own neuronal_charge is not exported as a plain LIF."""
 
     class MyLIF(neuron.LIFNode):
         def neuronal_charge(self, x):

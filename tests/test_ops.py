@@ -42,8 +42,8 @@ def test_compile_fullgraph_matches_eager():
     """fullgraph=True fails on any graph break: the neuron is one opaque op to dynamo.
 
     backend="aot_eager" traces forward and backward through AOTAutograd (so the fake impls and
-    the autograd registration are exercised) without inductor's C++ build, which takes ~30 s
-    cold on a 2-core CPU (about 10 s with a warm cache).
+    the autograd registration are exercised) without inductor's C++ build, which is slow on
+    a small CPU.
     """
     torch._dynamo.reset()
     eager = small_model()

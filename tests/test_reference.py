@@ -23,7 +23,7 @@ F64 = torch.float64
 # ================================================================================================
 # (a) golden trajectories
 # ================================================================================================
-# Plain-float charge equations written from seed 003 (vr is V_reset, 0 under soft reset).
+# Plain-float charge equations written from the specification (vr is V_reset, 0 under soft reset).
 def _charge(name, v, x, w, p, vr):
     if name == "if":
         return v + x

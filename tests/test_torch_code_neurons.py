@@ -321,7 +321,7 @@ def test_simple_base_node_spikingjelly_2():
 
 
 def test_surrogate_spiking_mode_switch_reaches_its_neurons():
-    """Review: switching a surrogate back to spiking mode left its neurons without a program."""
+    """Switching a surrogate back to spiking mode gives its neurons their program back."""
     s = sg.ATan(spiking=False)
     node = neuron.LIFNode(surrogate_function=s, step_mode="m", backend="torch")
     x = torch.rand(3, 4, generator=gen(7))
@@ -339,7 +339,7 @@ def test_surrogate_spiking_mode_switch_reaches_its_neurons():
 
 
 def test_torch_code_neurons_are_never_fused():
-    """Review: fuse() replaced a subclass's own neuronal_charge by the LIF kernels."""
+    """fuse() keeps a subclass's own neuronal_charge (never the LIF kernels)."""
     from spikefuse import fuse, layer
     from spikefuse.fused import FusedBlock
 
@@ -357,7 +357,7 @@ def test_torch_code_neurons_are_never_fused():
 
 
 def test_overridden_step_methods_run_as_in_spikingjelly():
-    """Review: forward ignored a subclass's single_step_forward (SpikingJelly dispatches to it)."""
+    """forward runs a subclass's single_step_forward (SpikingJelly dispatches to it)."""
 
     class Boosted(neuron.LIFNode):
         def single_step_forward(self, x):

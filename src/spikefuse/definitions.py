@@ -1,6 +1,6 @@
 """Neuron definitions: a neuron is its charge equation; every derivative is derived from it.
 
-Dynamics (seed 003), for every neuron::
+Dynamics (the specification), for every neuron::
 
     H[t] = f(V[t-1], X[t], params[, W[t-1]])          charge (the only thing a neuron defines)
     S[t] = Θ(H[t] - V_th)                              fire

@@ -53,7 +53,7 @@ def repeat_over_time(y0: Tensor, steps: int) -> Tensor:
 class _RepeatOverTime(torch.autograd.Function):
     """:func:`repeat_over_time` on y0's memory as a flat vector: one batched copy forward and a
     sum over the leading dimension of [steps, numel] backward (torch's expand + copy would
-    run a strided copy and, for channels-last maps, a transposing reduction: 3-7x slower)."""
+    run a strided copy and, for channels-last maps, a transposing reduction, both slower)."""
 
     @staticmethod
     def forward(ctx: Any, y0: Tensor, steps: int) -> Tensor:

@@ -35,8 +35,8 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 # The ops are defined with torch.library's low-level API, not ``torch.library.custom_op``: its
-# Python wrapper checks every call's outputs for aliasing, which cost ~50 us per call of host
-# time (compiled models call the ops once per neuron and step); these implementations return
+# Python wrapper checks every call's outputs for aliasing, which costs host time on every call
+# (compiled models call the ops once per neuron and step); these implementations return
 # fresh tensors only (tests/test_ops.py runs torch.library.opcheck on them).
 _LIB = torch.library.Library("spikefuse", "DEF")
 _LIB.define(

@@ -1,6 +1,6 @@
 """The reference backend: pure PyTorch, any device; the specification in code.
 
-``fptt`` runs the dynamics through time; ``bptt`` is the explicit backward of seed 003's
+``fptt`` runs the dynamics through time; ``bptt`` is the explicit backward of the specification's
 dL/dH[t] recurrence (the tests check it against an independent plain-autograd step loop,
 ``tests/oracle.py``). Implements :class:`spikefuse.backends.NeuronBackend`. Arithmetic runs
 in float32 (float64 for float64 input); outputs are cast to the input dtype, states stay in the
@@ -120,7 +120,7 @@ def bptt(
     constants: list[float],
     init: list[float],
 ) -> BPTTOut:
-    """Backward through time (seed 003), walking t = T-1 .. 0, from the saved H (and W).
+    """Backward through time, walking t = T-1 .. 0, from the saved H (and W).
 
     dL/dV[t] = ∂L/∂V[t] + dL/dH[t+1] ∂H[t+1]/∂V[t]
     dL/dW[t] = dL/dH[t+1] ∂H[t+1]/∂W[t] + dL/dW[t+1] ∂Z[t+1]/∂W[t]

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -230,6 +231,20 @@ def write_csv(path: Path, results: Sequence[BenchResult]) -> None:
         writer.writeheader()
         for r in results:
             writer.writerow(asdict(r))
+
+
+def read_csv(path: Path) -> list[BenchResult]:
+    """The rows :func:`write_csv` wrote to ``path`` (a missing figure reads back as NaN)."""
+    floats = {fld.name for fld in fields(BenchResult) if fld.type in (float, "float")}
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    results = []
+    for row in rows:
+        values: dict[str, Any] = {
+            k: float(v or "nan") if k in floats else v for k, v in row.items()
+        }
+        results.append(BenchResult(**values))
+    return results
 
 
 def plot_results(path: Path, results: Sequence[BenchResult], title: str) -> None:

@@ -461,8 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path("bench_results"),
-        help="directory for the CSV and PNG (default: bench_results/)",
+        default=Path("bench_out"),
+        help="directory for the CSV and PNG (default: bench_out/)",
     )
     return parser
 

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         default=5,
         help="interleaved rounds of the neuron comparison (each times every neuron --iters steps)",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")

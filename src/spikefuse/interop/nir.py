@@ -13,7 +13,7 @@ required argument. With NIR's
     IF:       dv/dt = r I                      ->  v[t] = v[t-1] + dt r I[t]
     fire: z = 1 if v > v_threshold; reset: v = v_reset where z = 1
 
-spikefuse's discrete neurons (seed 003; V_reset is the hard-reset potential)
+spikefuse's discrete neurons (V_reset is the hard-reset potential)
 
     LIFNode(decay_input=True):  H = V + (X - (V - V_reset)) / tau
     LIFNode(decay_input=False): H = V - (V - V_reset) / tau + X
