@@ -87,6 +87,45 @@ def headline_table(folder: Path, model: str = "medium") -> str:
     return _markdown(["dtype", *(E2E_VARIANTS[v] for v in variants)], rows)
 
 
+#: The user-loop set's networks (``e2e_<name>.csv`` in ``<set>/user-loop``).
+USER_LOOP_MODELS = ("medium", "sew-resnet18", "spiking-resnet18")
+
+
+def user_loop_table(folder: Path) -> str:
+    """Per network, dtype and memory mode, in a SpikingJelly-style loop (``repeat`` over T,
+    ``loss.item()`` each step): ms per step of the fused model eager, with
+    :func:`spikefuse.graph_model`, with the whole step captured, and the model graphs' ratio
+    to the whole-step graph; peak MiB eager and with model graphs; reduce-overhead's ms and MiB
+    where measured."""
+    header = ["network", "dtype", "memory", "eager", "model graphs", "whole step", "ratio"]
+    header += ["peak MiB eager / graphs", "reduce-overhead"]
+    rows = []
+    for model in USER_LOOP_MODELS:
+        path = folder / "user-loop" / f"e2e_{model}.csv"
+        if not path.exists():
+            continue
+        results = read_csv(path)
+        for dtype in ("fp32", "bf16"):
+            by_variant = {r.variant: r for r in results if r.dtype == dtype and r.ok}
+            for base in ("fused", "fused-min"):
+                eager, graphs = by_variant.get(base), by_variant.get(f"{base}+model-graphs")
+                whole = by_variant.get(f"{base}+graph")
+                if eager is None or graphs is None or whole is None:
+                    continue
+                compiled = by_variant.get(f"{base}+reduce-overhead")
+                cells = [f"{eager.ms:.2f}", f"{graphs.ms:.2f}", f"{whole.ms:.2f}"]
+                cells += [f"{graphs.ms / whole.ms:.2f}x"]
+                cells += [f"{eager.peak_mib:.0f} / {graphs.peak_mib:.0f}"]
+                cells += [
+                    "-"
+                    if compiled is None
+                    else f"{compiled.ms:.2f} ms, {compiled.peak_mib:.0f} MiB"
+                ]
+                memory = "min" if base == "fused-min" else "default"
+                rows.append([model, dtype, memory, *cells])
+    return _markdown(header, rows)
+
+
 def neuron_table(folder: Path) -> str:
     """The LIF layer's forward + backward, ms per step (synchronised), per T and dtype."""
     results = [r for r in read_csv(folder / "neuron.csv") if r.bench.startswith("LIF T=")]
@@ -102,7 +141,10 @@ def neuron_table(folder: Path) -> str:
 
 def all_tables(folder: Path) -> str:
     parts = [f"{dtype}:\n\n{e2e_table(folder, dtype)}" for dtype in ("fp32", "bf16")]
-    return "\n\n".join([*parts, f"LIF layer:\n\n{neuron_table(folder)}"])
+    parts.append(f"LIF layer:\n\n{neuron_table(folder)}")
+    if (folder / "user-loop").is_dir():
+        parts.append(f"User loop:\n\n{user_loop_table(folder)}")
+    return "\n\n".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

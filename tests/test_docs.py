@@ -84,5 +84,7 @@ def test_benchmark_tables_quote_the_committed_result_sets() -> None:
             tables.neuron_table(folder),
         ):
             assert table in page, f"docs/benchmarks.md lacks this table of {gpu}:\n{table}"
+    user_loop = tables.user_loop_table(ROOT / "benchmarks" / "h200")
+    assert user_loop in page, f"docs/benchmarks.md lacks the user-loop table:\n{user_loop}"
     headline = tables.headline_table(ROOT / "benchmarks" / "h200")
     assert headline in (ROOT / "README.md").read_text()

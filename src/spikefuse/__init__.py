@@ -4,6 +4,7 @@ from . import encoding, functional, layer, neuron, surrogate
 from .definitions import NeuronDef
 from .errors import BackendUnavailableError, SpikefuseError
 from .fused import fuse
+from .model_graphs import graph_model
 
 __version__ = "0.1.0"
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "encoding",
     "functional",
     "fuse",
+    "graph_model",
     "layer",
     "neuron",
     "surrogate",
