@@ -102,7 +102,7 @@ def _join_worker(rank: int, port: int) -> None:
 
 
 def test_join_without_early_termination_is_refused(monkeypatch):
-    """DDP with Join and uneven batch counts used to abort inside the fused BN all-reduce;
+    """DDP with Join and uneven batch counts aborted inside the fused BN all-reduce;
     now a Join context that would let ranks run out silently is refused with what to do."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     mp.spawn(_join_worker, args=(free_port(),), nprocs=WORLD, join=True)
