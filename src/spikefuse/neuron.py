@@ -291,7 +291,7 @@ class BaseNode(MemoryModule):
         if initial_v is None:  # BaseNode's rule: V starts at V_reset (0 under soft reset)
             initial_v = 0.0 if v_reset is None else float(v_reset)
         self.register_memory("v", initial_v)
-        self.register_memory("v_seq", None)
+        self.set_memory("v_seq", None)  # not a memory: the user's attribute unless store_v_seq
 
     def _init_definition(
         self,
@@ -334,7 +334,7 @@ class BaseNode(MemoryModule):
         self.register_memory("v", 0.0 if v_reset is None else float(v_reset))
         if definition.adaptive:
             self.register_memory("w", float(w_init))
-        self.register_memory("v_seq", None)
+        self.set_memory("v_seq", None)  # not a memory: the user's attribute unless store_v_seq
 
     @property
     def supported_backends(self) -> tuple[str, ...]:
@@ -390,6 +390,16 @@ class BaseNode(MemoryModule):
     _PROGRAM_FIELDS = ("surrogate_function", "v_reset", "detach_reset")
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # SpikingJelly's store_v_seq setter drops v_seq; a step-mode change drops a sequence
+        # this neuron recorded (store_v_seq), never one the user keeps there
+        drops_v_seq = name == "store_v_seq" or (
+            name == "step_mode" and self.__dict__.get("store_v_seq") is True
+        )
+        self._set_attribute(name, value)
+        if drops_v_seq:
+            self.set_memory("v_seq", None)
+
+    def _set_attribute(self, name: str, value: Any) -> None:
         if name == "surrogate_function":
             runs_in_kernels(value)  # validates it (torch-code surrogates: torch backend only)
         if name in _FLAGS and not isinstance(value, bool):  # bool("no") would be True
@@ -413,8 +423,6 @@ class BaseNode(MemoryModule):
         # torch.compile tracing it) only reads an attribute.
         if name in self._PROGRAM_FIELDS:
             self._update_program()
-        if name in ("step_mode", "store_v_seq"):  # a sequence recorded otherwise: dropped
-            self.set_memory("v_seq", None)
 
     def _check_torch_code_constants(self, change: dict[str, Any]) -> None:
         """A torch-code neuron's threshold and reset (it has no NeuronDef constants to check),
@@ -455,6 +463,29 @@ class BaseNode(MemoryModule):
         super().__setstate__(state)
         if isinstance(self.surrogate_function, Surrogate):  # it does not pickle its users
             self.surrogate_function.add_user(self)
+
+    # Whether reset() drops v_seq (SpikingJelly's BaseNode does; its SimpleBaseNode has no v_seq)
+    _resets_v_seq = True
+
+    def reset(self) -> None:
+        """Restore V (and W) to their defaults and drop ``v_seq``, as SpikingJelly's
+        ``BaseNode.reset`` does; other attributes (a user's ``s_seq``, ...) are left alone."""
+        super().reset()
+        if self._resets_v_seq:
+            self.set_memory("v_seq", None)
+
+    def detach(self) -> None:
+        """As :meth:`MemoryModule.detach`, and a ``v_seq`` tensor is detached too."""
+        super().detach()
+        if isinstance(self.v_seq, Tensor):
+            self.set_memory("v_seq", self.v_seq.detach())
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As :meth:`MemoryModule.__getstate__`, with a recorded ``v_seq`` detached too."""
+        state = super().__getstate__()
+        if isinstance(state.get("v_seq"), Tensor):
+            state["v_seq"] = state["v_seq"].detach()
+        return state
 
     def _validated_constants(self, changes: Mapping[str, Any]) -> list[float]:
         """V_th, V_reset (0 for soft reset) and the non-learnable parameters, with ``changes``
@@ -599,9 +630,9 @@ class BaseNode(MemoryModule):
         self.set_memory("v", v_last)
         if adaptive:
             self.set_memory("w", w_last)
-        if multi_step or not self.store_v_seq:
-            self.set_memory("v_seq", v_seq if store_v_seq else None)
-        else:
+        if store_v_seq:
+            self.set_memory("v_seq", v_seq)
+        elif self.store_v_seq:  # single-step
             self._append_v_seq(v_last)
         return spikes if multi_step else spikes[0]
 
@@ -657,7 +688,8 @@ class BaseNode(MemoryModule):
             spikes.append(step(x))
             if self.store_v_seq:
                 v_seq.append(self.v)
-        self.set_memory("v_seq", torch.stack(v_seq) if self.store_v_seq else None)
+        if self.store_v_seq:
+            self.set_memory("v_seq", torch.stack(v_seq))
         return torch.stack(spikes)
 
     def _torch_code_forward(self, x: Tensor, reason: str) -> Tensor:
@@ -763,7 +795,10 @@ class SimpleBaseNode(BaseNode):
     """SpikingJelly 2.0's base class for neurons written in torch code: subclasses implement
     ``neuronal_charge(self, x)`` (V <- H from X); fire and reset are BaseNode's. As in
     SpikingJelly, V starts at 0 (not at V_reset) and there is no ``store_v_seq``. Runs on the
-    torch backend as a per-step loop with autograd (see :class:`BaseNode`)."""
+    torch backend as a per-step loop with autograd (see :class:`BaseNode`). ``reset()`` leaves
+    ``v_seq`` alone (SpikingJelly's SimpleBaseNode does not manage it)."""
+
+    _resets_v_seq = False
 
     def __init__(
         self,
