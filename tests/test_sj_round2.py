@@ -94,3 +94,162 @@ def test_store_v_seq_assignment_drops_a_user_value_as_in_spikingjelly():
     node.store_v_seq = True
     node(torch.rand(3, 2))
     assert node.v_seq.shape == (3, 2)
+
+
+# ---- base, _neuron, SimpleLIFNode, lif_charge / voltage_reset ----------------------------------
+def test_base_names_are_spikefuse_classes():
+    from spikefuse import base, layer
+
+    node = neuron.LIFNode()
+    assert isinstance(node, base.MemoryModule) and isinstance(node, base.StepModule)
+    assert isinstance(layer.Linear(2, 3), base.StepModule)
+
+    class Stateful(base.MemoryModule):
+        def __init__(self):
+            super().__init__()
+            self.register_memory("acc", 0.0)
+
+        def single_step_forward(self, x):
+            self.acc = self.acc + x
+            return self.acc
+
+    m = Stateful()
+    m.step_mode = "m"
+    out = m(torch.ones(3, 2))
+    assert out[:, 0].tolist() == [1.0, 2.0, 3.0]
+    assert dict(base.named_memories(nn.Sequential(m)))["0.acc"].tolist() == [3.0, 3.0]
+    saved = base.extract_memories(m)
+    m.reset()
+    assert m.acc == 0.0 and m.get_reset_value("acc") == 0.0
+    base.load_memories(m, saved)
+    assert m.acc.tolist() == [3.0, 3.0]
+
+
+def test_multi_step_module_mixin():
+    import pytest
+
+    from spikefuse import base
+    from spikefuse.errors import SpikefuseError
+
+    class Block(nn.Module, base.MultiStepModule):
+        def forward(self, x):
+            return x
+
+    b = Block()
+    assert b.step_mode == "m" and b.supported_step_mode() == ("m",)
+    functional.set_step_mode(b, "m")
+    with pytest.raises(SpikefuseError, match="supports step_mode"):
+        functional.set_step_mode(b, "s")
+    with pytest.raises(SpikefuseError, match="step_mode must be 'm'"):
+        b.step_mode = "s"
+
+
+def test_make_multi_step_neuron_both_signatures():
+    import pytest
+
+    from spikefuse import _neuron
+
+    a = _neuron._make_multi_step_neuron(None, {"v_threshold": 0.5}, {"tau": 3.0})
+    assert type(a) is neuron.LIFNode and a.tau == 3.0 and a.v_threshold == 0.5
+    assert a.step_mode == "m"
+    b = _neuron._make_multi_step_neuron("torch", neuron.IFNode, {}, {"tau": 3.0})
+    assert type(b) is neuron.IFNode and b.backend == "torch" and b.step_mode == "m"
+    with pytest.raises(ValueError, match="step_mode='m'"):
+        _neuron._make_multi_step_neuron(None, {"step_mode": "s"})
+
+
+def test_simple_lif_node_matches_spikingjelly_formula():
+    x = torch.rand(6, 3, dtype=F64, generator=torch.Generator().manual_seed(1)) * 2
+    for decay_input in (True, False):
+        node = neuron.SimpleLIFNode(3.0, decay_input, v_reset=-0.1, step_mode="m")
+        spikes = node(x)
+        v, want = torch.zeros(3, dtype=F64), []
+        for xt in x:
+            v = v + (-0.1 - v + xt) / 3.0 if decay_input else v + (-0.1 - v) / 3.0 + xt
+            s = (v >= 1.0).to(F64)
+            v = (1 - s) * v + s * -0.1
+            want.append(s)
+        assert torch.equal(spikes, torch.stack(want))
+        torch.testing.assert_close(node.v, v, rtol=0, atol=1e-15)
+
+
+def test_lif_charge_and_voltage_reset():
+    x, v = torch.tensor([0.5, 2.0], dtype=F64), torch.tensor([0.2, -0.3], dtype=F64)
+    got = functional.lif_charge(x, v, 2.0, True, -0.1)
+    torch.testing.assert_close(got, v + (x - (v + 0.1)) / 2.0, rtol=0, atol=0)
+    got = functional.lif_charge(x, v, 2.0, False, None)
+    torch.testing.assert_close(got, v - v / 2.0 + x, rtol=0, atol=0)
+    s = torch.tensor([1.0, 0.0], dtype=F64, requires_grad=True)
+    hard = functional.voltage_reset(v, s, 1.0, 0.0, detach_reset=False)
+    assert hard.tolist() == [0.0, -0.3]
+    soft = functional.voltage_reset(v, s, 1.0, None, detach_reset=True)
+    assert soft.tolist() == [0.2 - 1.0, -0.3] and not soft.requires_grad
+
+
+# ---- OTTT and weight standardisation ----------------------------------------------------------
+def test_ottt_node_formula_trace_and_eval():
+    node = neuron.OTTTLIFNode(tau=2.0).to(F64)
+    xs = torch.rand(5, 4, dtype=F64, generator=torch.Generator().manual_seed(2)) * 2
+    v, trace = torch.zeros(4, dtype=F64), torch.zeros(4, dtype=F64)
+    for x in xs:
+        spike, got_trace = node(x)
+        h = v - v / 2.0 + x  # decay_input=False, soft reset
+        s = (h >= 1.0).to(F64)
+        v, trace = h - s, trace * 0.5 + s
+        assert torch.equal(spike, s)
+        torch.testing.assert_close(got_trace, trace, rtol=0, atol=1e-15)
+    node.eval()
+    assert isinstance(node(xs[0]), torch.Tensor)
+
+
+def test_ottt_sequential_online_training_constant_memory():
+    """One backward per step: the graph never reaches back to earlier steps, and the second
+    layer's weight gradient is the one the trace gives (SpikingJelly's OTTT)."""
+    torch.manual_seed(0)
+    net = layer.OTTTSequential(
+        layer.Linear(4, 6), neuron.OTTTLIFNode(), layer.Flatten(), layer.Linear(6, 3)
+    ).to(F64)
+    xs = torch.rand(6, 2, 4, dtype=F64) * 3
+    for x in xs:
+        net.zero_grad()
+        out = net(x)
+        _, trace = net[1].v.detach(), net[1].trace
+        out.sum().backward()  # would fail on a graph shared with an earlier step
+        want = torch.ones(2, 3, dtype=F64).T @ trace
+        torch.testing.assert_close(net[3].weight.grad, want, rtol=0, atol=1e-12)
+        assert net[1].v.grad_fn is not None  # this step's graph only
+    functional.reset_net(net)
+    assert net[1].trace is None
+
+
+def test_ottt_refuses_multi_step():
+    import pytest
+
+    from spikefuse.errors import SpikefuseError
+
+    with pytest.raises(SpikefuseError, match="step_mode must be 's'"):
+        neuron.OTTTLIFNode(step_mode="m")
+    with pytest.raises(SpikefuseError, match="supports step_mode"):
+        functional.set_step_mode(nn.Sequential(neuron.SLTTLIFNode()), "m")
+
+
+def _ws_reference(w: torch.Tensor, eps: float) -> torch.Tensor:
+    flat = w.reshape(w.shape[0], -1)
+    mean = flat.mean(1, keepdim=True)
+    var = ((flat - mean) ** 2).sum(1, keepdim=True) / (flat.shape[1] - 1)
+    return ((flat - mean) / torch.sqrt(var * flat.shape[1] + eps)).reshape(w.shape)
+
+
+def test_ws_layers_standardise_the_weight():
+    conv = layer.WSConv2d(2, 3, 3, padding=1, step_mode="m").to(F64)
+    w = _ws_reference(conv.weight.detach(), 1e-4)
+    torch.testing.assert_close(conv.get_weight().detach(), w, rtol=0, atol=1e-14)
+    x = torch.rand(2, 1, 2, 5, 5, dtype=F64)
+    want = torch.nn.functional.conv2d(x[1], w, conv.bias, padding=1)
+    torch.testing.assert_close(conv(x)[1].detach(), want, rtol=0, atol=1e-13)
+    lin = layer.WSLinear(5, 4, gain=True, eps=1e-3).to(F64)
+    torch.testing.assert_close(
+        lin.get_weight().detach(), _ws_reference(lin.weight.detach(), 1e-3), rtol=0, atol=1e-14
+    )
+    assert lin(torch.rand(3, 2, 5, dtype=F64)).shape == (3, 2, 4)
+    assert layer.WSLinear(5, 4, gain=False).gain is None

@@ -216,3 +216,29 @@ def set_backend(
             )
             continue
         module.backend = backend  # type: ignore[assignment]  # as for step_mode above
+
+
+def lif_charge(
+    x: Tensor, v: Tensor, tau: float, decay_input: bool, v_reset: float | None
+) -> Tensor:
+    """LIF charge without fire or reset (SpikingJelly's ``functional.lif_charge``), with
+    V_r = ``v_reset`` (0 when None):
+
+    decay_input=True:  H = V + (X - (V - V_r)) / tau
+    decay_input=False: H = V - (V - V_r) / tau + X
+    """
+    v_r = 0.0 if v_reset is None else v_reset
+    if decay_input:
+        return v + (x - (v - v_r)) / tau
+    return v - (v - v_r) / tau + x
+
+
+def voltage_reset(
+    v: Tensor, spike: Tensor, v_threshold: float, v_reset: float | None, detach_reset: bool
+) -> Tensor:
+    """The reset after a spike (SpikingJelly's ``functional.voltage_reset``), S detached when
+    ``detach_reset``: hard (``v_reset`` a float) S V_reset + (1 - S) V; soft (None) V - S V_th."""
+    spike_d = spike.detach() if detach_reset else spike
+    if v_reset is None:
+        return v - spike_d * v_threshold
+    return spike_d * v_reset + (1.0 - spike_d) * v
