@@ -253,3 +253,75 @@ def test_ws_layers_standardise_the_weight():
     )
     assert lin(torch.rand(3, 2, 5, dtype=F64)).shape == (3, 2, 4)
     assert layer.WSLinear(5, 4, gain=False).gain is None
+
+
+# ---- rnn --------------------------------------------------------------------------------------
+def _heaviside(x: torch.Tensor) -> torch.Tensor:
+    return (x >= 0).to(x.dtype)
+
+
+def test_spiking_lstm_matches_spikingjelly_cell_equations():
+    from spikefuse import rnn
+
+    torch.manual_seed(0)
+    net = rnn.SpikingLSTM(3, 4, num_layers=2).to(F64)
+    x = torch.randn(5, 2, 3, dtype=F64)
+    y, (h, c) = net(x)
+    assert y.shape == (5, 2, 4) and h.shape == (2, 2, 4) and c.shape == (2, 2, 4)
+    seq = x
+    for index, cell in enumerate(net.cells):
+        hh, cc, outs = torch.zeros(2, 4, dtype=F64), torch.zeros(2, 4, dtype=F64), []
+        for xt in seq:
+            pre = cell.linear_ih(xt) + cell.linear_hh(hh)
+            i, f, g, o = _heaviside(pre).split(4, dim=1)
+            cc = (cc * f + i * g).clamp(max=1.0)
+            hh = cc * o
+            outs.append(hh)
+        seq = torch.stack(outs)
+        torch.testing.assert_close(h[index], hh, rtol=0, atol=0)
+        torch.testing.assert_close(c[index], cc, rtol=0, atol=0)
+    torch.testing.assert_close(y, seq, rtol=0, atol=0)
+    y.sum().backward()  # surrogate gradients reach the weights
+    assert net.cells[0].linear_ih.weight.grad is not None
+
+
+def test_spiking_gru_and_vanilla_bidirectional_states():
+    from spikefuse import rnn
+
+    torch.manual_seed(1)
+    gru = rnn.SpikingGRU(3, 5, 1, bidirectional=True).to(F64)
+    x = torch.randn(4, 2, 3, dtype=F64)
+    y, h = gru(x)
+    assert y.shape == (4, 2, 10) and h.shape == (2, 2, 5)
+    cell_r, hr, outs = gru.cells_reverse[0], torch.zeros(2, 5, dtype=F64), []
+    for xt in x.flip(0):
+        a, b = cell_r.linear_ih(xt).split(5, 1), cell_r.linear_hh(hr).split(5, 1)
+        r, z = _heaviside(a[0] + b[0]), _heaviside(a[1] + b[1])
+        n = _heaviside(a[2] + r * b[2])
+        hr = (1 - z) * n + z * hr
+        outs.append(hr)
+    torch.testing.assert_close(y[..., 5:], torch.stack(outs).flip(0), rtol=0, atol=0)
+    torch.testing.assert_close(h[1], hr, rtol=0, atol=0)
+    vanilla = rnn.SpikingVanillaRNN(3, 2, 2, dropout_p=0.5, invariant_dropout_mask=True)
+    out, state = vanilla(torch.randn(4, 2, 3), torch.zeros(2, 2, 2))
+    assert out.shape == (4, 2, 2) and state.shape == (2, 2, 2)
+
+
+def test_rnn_rejects_bad_states():
+    import pytest
+
+    from spikefuse import rnn
+    from spikefuse.errors import SpikefuseError
+
+    net = rnn.SpikingLSTM(3, 4, 1)
+    with pytest.raises(SpikefuseError, match="states must have shape"):
+        net(torch.randn(2, 2, 3), torch.zeros(1, 2, 4))
+    with pytest.raises(SpikefuseError, match="must both be spiking"):
+        from spikefuse import surrogate
+
+        rnn.SpikingLSTMCell(
+            2,
+            2,
+            surrogate_function1=surrogate.Erf(spiking=False),
+            surrogate_function2=surrogate.Erf(),
+        )
