@@ -325,3 +325,111 @@ def test_rnn_rejects_bad_states():
             surrogate_function1=surrogate.Erf(spiking=False),
             surrogate_function2=surrogate.Erf(),
         )
+
+
+# ---- model zoo paths, memopt, distributed, and fusion of models written with these names ------
+def test_model_zoo_paths_build_and_run():
+    from spikefuse.model import parametric_lif_net as plif
+    from spikefuse.model import sew_resnet, spiking_resnet, spiking_vgg, spiking_vggws_ottt
+
+    net = plif.DVSGestureNet(channels=4, spiking_neuron=neuron.ParametricLIFNode)
+    assert net(torch.rand(2, 2, 128, 128)).shape == (2, 11)
+    functional.reset_net(net)
+    functional.set_step_mode(net, "m")
+    assert net(torch.rand(3, 2, 2, 128, 128)).shape == (3, 2, 11)
+    assert plif.NMNISTNet(4, neuron.IFNode)(torch.rand(1, 2, 34, 34)).shape == (1, 10)
+    assert plif.CIFAR10Net(4, neuron.IFNode)(torch.rand(1, 3, 32, 32)).shape == (1, 10)
+    assert plif.CIFAR10DVSNet(4, neuron.IFNode)(torch.rand(1, 2, 128, 128)).shape == (1, 10)
+    assert plif.FashionMNISTNet(4, neuron.IFNode)(torch.rand(1, 1, 28, 28)).shape == (1, 10)
+    r = spiking_resnet.spiking_resnet18(spiking_neuron=neuron.IFNode, num_classes=3)
+    assert r(torch.rand(2, 3, 32, 32)).shape == (2, 3)
+    s = sew_resnet.sew_resnet18(spiking_neuron=neuron.IFNode, cnf="ADD", num_classes=3)
+    assert s(torch.rand(2, 3, 32, 32)).shape == (2, 3)
+    v = spiking_vgg.spiking_vgg13_bn(spiking_neuron=neuron.IFNode, num_classes=3)
+    assert len([m for m in v.features if isinstance(m, layer.Conv2d)]) == 10
+    assert len([c for c in spiking_vgg.cfgs["E"] if c != "M"]) == 16
+    o = spiking_vggws_ottt.ottt_spiking_vggws(num_classes=5)
+    out = o(torch.rand(2, 3, 32, 32))
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 5)
+
+
+def test_missing_zoo_names_say_what_to_use():
+    import pytest
+
+    from spikefuse import model
+    from spikefuse.errors import SpikefuseError
+    from spikefuse.model import spiking_resnet
+
+    with pytest.raises(SpikefuseError, match="use spiking_resnet18"):
+        spiking_resnet.spiking_resnet50(spiking_neuron=neuron.IFNode)
+    with pytest.raises(SpikefuseError, match="no spiking self-attention"):
+        getattr(model, "Spikformer")  # noqa: B009
+    with pytest.raises(SpikefuseError, match="no spiking self-attention"):
+        import spikefuse.model.spikformer  # noqa: F401
+
+
+def test_distributed_names_refuse_clearly():
+    import pytest
+
+    from spikefuse import distributed
+    from spikefuse.errors import SpikefuseError
+
+    assert distributed.TENSOR_PARALLEL_AVAILABLE is False
+    from spikefuse.distributed import make_tensor_shard_memory_module
+
+    with pytest.raises(SpikefuseError, match="DistributedDataParallel"):
+        make_tensor_shard_memory_module(nn.Linear(2, 2))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        getattr(distributed, "nope")  # noqa: B009
+
+
+def _sj_style_net() -> nn.Module:
+    """A multi-step net written as SpikingJelly's model files write them."""
+    from spikefuse import _neuron, base
+
+    class Block(nn.Module, base.MultiStepModule):
+        def __init__(self):
+            super().__init__()
+            self.conv = layer.Conv2d(2, 4, 3, padding=1, bias=False, step_mode="m")
+            self.bn = layer.BatchNorm2d(4, step_mode="m")
+            self.sn = _neuron._make_multi_step_neuron(None, {}, {"tau": 2.0, "v_threshold": 0.5})
+            self.fc = layer.Linear(4 * 8 * 8, 3, step_mode="m")
+            self.sn2 = _neuron._make_multi_step_neuron("torch", neuron.IFNode, {})
+
+        def forward(self, x):
+            return self.sn2(self.fc(self.sn(self.bn(self.conv(x))).flatten(2)))
+
+    torch.manual_seed(0)
+    return Block().to(F64)
+
+
+def test_models_written_with_the_new_names_fuse():
+    from spikefuse import fuse
+
+    net = _sj_style_net()
+    fused, report = fuse(net, return_report=True)
+    assert len(report.fused) == 2, str(report)
+    x = torch.rand(4, 2, 2, 8, 8, dtype=F64) * 2
+    net.eval(), fused.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), net(x), rtol=0, atol=1e-12)
+
+
+def test_memory_optimization_maps_onto_memory_modes():
+    from spikefuse import memopt
+
+    net = _sj_style_net()
+    same, summary = memopt.memory_optimization(net, neuron.LIFNode, return_summary=True)
+    assert same is net and summary.memory is None and "level 0" in str(summary)
+    net, summary = memopt.optimize_memory(
+        net, (neuron.LIFNode,), level=2, max_split_rounds=3, return_summary=True
+    )
+    assert summary.memory == "min" and len(summary.report.fused) == 2
+    assert "not applicable" in str(summary) and "max_split_rounds" in str(summary)
+    net.train()
+    net(torch.rand(4, 2, 2, 8, 8, dtype=F64)).sum().backward()
+    assert net.conv.synapse.weight.grad is not None
+    _, auto = memopt.memory_optimization(
+        _sj_style_net(), neuron.LIFNode, prefer="speed", return_summary=True
+    )
+    assert auto.level == 1 and auto.memory == "auto"
