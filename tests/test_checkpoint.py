@@ -19,7 +19,7 @@ import torch
 
 from conftest import SMALL, train
 from spikefuse import train as train_module
-from spikefuse.train import CHECKPOINT_VERSION, payload_digest
+from spikefuse.train import CHECKPOINT_VERSION, loop, payload_digest
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_a_second_run_on_a_locked_checkpoint_refuses(
 def test_two_processes_on_one_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "digits.pt"
     command = [sys.executable, "-m", "spikefuse", "train", *SMALL, "--checkpoint", str(path)]
-    env = {**os.environ, "PYTHONPATH": str(Path(train_module.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(train_module.__file__).parents[2])}
     first = subprocess.Popen([*command, "--epochs", "1000"], env=env, stdout=subprocess.PIPE)
     assert first.stdout is not None
     assert first.stdout.readline().startswith(b"device: ")  # the first run holds the lock
@@ -214,7 +214,7 @@ def test_a_read_only_directory_fails_before_training(
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(train_module.os, "open", read_only)
+    monkeypatch.setattr(os, "open", read_only)
     path = tmp_path / "digits.pt"
     assert train(path, "--epochs", "1") == 1
     assert f"cannot write checkpoint '{path}': Read-only file system" in error_of(
@@ -229,7 +229,7 @@ def test_a_full_disk_keeps_the_checkpoint(
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(train_module.os, "fsync", full)
+    monkeypatch.setattr(os, "fsync", full)
     before = copy.read_bytes()
     assert train(copy, "--epochs", "2", "--resume") == 1
     err = error_of(capsys)
@@ -244,7 +244,7 @@ def test_a_full_disk_at_the_start_is_a_clear_error(
     def full(fd: int, data: bytes) -> int:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(train_module.os, "write", full)  # the pid into the lock file
+    monkeypatch.setattr(os, "write", full)  # the pid into the lock file
     path = tmp_path / "digits.pt"
     assert train(path, "--epochs", "1") == 1
     lock = tmp_path / ".digits.pt.lock"
@@ -278,14 +278,14 @@ def test_non_finite_state_is_never_saved(
     poison: Callable[[torch.nn.Module, torch.optim.Optimizer], None],
     where: str,
 ) -> None:
-    real_epoch = train_module.train_epoch
+    real_epoch = loop.train_epoch
 
     def diverging_epoch(model: Any, optimizer: Any, *args: Any) -> float:
         loss = real_epoch(model, optimizer, *args)
         poison(model, optimizer)
         return loss
 
-    monkeypatch.setattr(train_module, "train_epoch", diverging_epoch)
+    monkeypatch.setattr(loop, "train_epoch", diverging_epoch)
     before = copy.read_bytes()
     assert train(copy, "--epochs", "2", "--resume") == 1
     err = error_of(capsys)
@@ -307,8 +307,10 @@ def test_a_huge_learning_rate_stops_with_a_clear_error(
 def test_a_non_finite_loss_stops_the_run(
     copy: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real_loss = train_module.F.cross_entropy
-    monkeypatch.setattr(train_module.F, "cross_entropy", lambda *args: real_loss(*args) * math.nan)
+    real_loss = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(
+        torch.nn.functional, "cross_entropy", lambda *args: real_loss(*args) * math.nan
+    )
     before = copy.read_bytes()
     assert train(copy, "--epochs", "2", "--resume") == 1
     err = error_of(capsys)
@@ -448,7 +450,7 @@ def test_an_unreadable_checkpoint_says_why(
     def denied(path: Any, *args: Any, **kwargs: Any) -> None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
-    monkeypatch.setattr(train_module.torch, "load", denied)  # the tests may run as root
+    monkeypatch.setattr(torch, "load", denied)  # the tests may run as root
     assert train(copy, "--epochs", "2", flag) == 1
     err = error_of(capsys)
     assert message.format(copy) in err

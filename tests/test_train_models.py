@@ -28,6 +28,7 @@ from spikefuse.train import (
     build_model,
     forward,
     load_cifar10,
+    loop,
     ranks_from_env,
 )
 
@@ -256,13 +257,13 @@ def _set_torchrun_environment(rank: int, port: int) -> None:
 def _ddp_worker(rank: int, port: int, folder: str, argv: list[str]) -> None:
     _set_torchrun_environment(rank, port)
     # Keep each rank's final weights: the model evaluate() sees after the last epoch.
-    evaluate = train_module.evaluate
+    evaluate = loop.evaluate
 
     def recording_evaluate(model, *args, **kwargs):
         torch.save(model.state_dict(), Path(folder, f"rank{rank}.weights"))
         return evaluate(model, *args, **kwargs)
 
-    train_module.evaluate = recording_evaluate
+    loop.evaluate = recording_evaluate  # the name the training loop calls
     status = main(["train", *argv])
     if status != 0:
         raise AssertionError(f"rank {rank} exited with {status}")

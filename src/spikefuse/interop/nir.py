@@ -65,6 +65,13 @@ beta); ``Flatten`` is ``nir.Flatten`` (NIR counts dimensions without the batch);
 graphs, recurrent edges (spikefuse neurons run a whole sequence per call) and non-uniform neuron
 parameters. Export refuses QIF/EIF/Izhikevich and custom neurons, soft reset, MaxPool, training-
 mode BatchNorm and any module it does not know.
+
+Input is checked as possibly hostile (:mod:`spikefuse.interop.nir_input`): import follows the
+per-sample shapes along every edge itself (nir's type check may be off) and refuses a node that
+cannot take its input or inputs that would broadcast; node names that are attributes of torch's
+containers get the prefix ``node_``; :func:`read_nir` reads a file only after checking its size,
+signature and declared dataset sizes; export refuses per-sample shapes whose per-neuron arrays
+would exceed ``MAX_SAMPLE_ELEMENTS`` elements.
 """
 
 from __future__ import annotations
@@ -90,11 +97,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .. import definitions as defs
 from .. import layer
-from ..errors import SpikefuseError
+from ..errors import NIRConversionError
 from ..fused import FusedBlock, SpikePool
 from ..fused.blocks import SYNAPSES
 from ..neuron import BaseNode, IFNode, LIFNode
 from ..surrogate import Rect, Surrogate, is_finite_real
+from .nir_input import check_sample_shape, infer_shapes, module_keys, read_nir
 
 __all__ = [
     "LeakyIntegrator",
@@ -103,6 +111,7 @@ __all__ = [
     "Scale",
     "export_nir",
     "import_nir",
+    "read_nir",
 ]
 
 # NIR stores parameters in float32 by many exporters: values within this relative distance of
@@ -113,10 +122,6 @@ _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d)
 _CHAINS = (nn.Sequential, layer.SeqToANNContainer)
 _LIF_DEFS = {defs.LIF: True, defs.LIF_NO_DECAY_INPUT: False}  # definition -> decay_input
 _PLIF_DEFS = {defs.PLIF: True, defs.PLIF_NO_DECAY_INPUT: False}
-
-
-class NIRConversionError(SpikefuseError):
-    """A model or graph part that has no faithful NIR (or spikefuse) equivalent."""
 
 
 class Scale(nn.Module):
@@ -240,12 +245,7 @@ def export_nir(model: nn.Module, input_shape: Sequence[int], *, dt: float) -> ni
         a type-checked ``nir.NIRGraph`` with nodes ``input`` and ``output``.
     """
     _check_dt(dt)
-    shape = tuple(input_shape)
-    if not shape or not all(isinstance(s, (int, np.integer)) and s > 0 for s in shape):
-        raise NIRConversionError(
-            f"export_nir: input_shape must be positive ints (one sample), got {input_shape!r}"
-        )
-    shape = tuple(int(s) for s in shape)
+    shape = check_sample_shape("export_nir: input_shape", input_shape)
     exporter = _Exporter(dt)
     if isinstance(model, NIRGraphModule):
         return exporter.graph_module(model, shape)
@@ -327,6 +327,8 @@ class _Exporter:
                 if isinstance(following, _BATCHNORM):
                     bn = following
                     i += 1
+            # the shape a neuron's arrays get: bounded before the next node allocates them
+            shape = check_sample_shape(f"{name} ({type(module).__name__})", shape)
             node, shape = self.node(name, module, bn, shape)
             nodes.append((name, node))
             i += 1
@@ -610,7 +612,8 @@ def import_nir(
     source, sink = inputs[0], outputs[0]
     preds, succs = _adjacency(graph)
     order = _topological_order(graph, preds, succs, source, sink)
-    keys = _module_keys(order)
+    keys = module_keys(order)
+    infer_shapes(graph, [source, *order], preds, sink)  # before any module is built
     importer = _Importer(float(dt), surrogate_function, bool(detach_reset), backend)
     modules = OrderedDict((keys[n], importer.module(n, graph.nodes[n])) for n in order)
     if all(len(preds[n]) == 1 and len(succs[n]) == 1 for n in order) and len(succs[source]) == 1:
@@ -657,20 +660,6 @@ def _topological_order(graph, preds, succs, source: str, sink: str) -> list[str]
             f"import_nir: nodes {stray or [sink]} are not on a path from the input to the output"
         )
     return [n for n in order if n not in (source, sink)]
-
-
-def _module_keys(names: list[str]) -> dict[str, str]:
-    """Submodule names for NIR node names: '.' becomes '_', and names of nn.Module
-    attributes get a prefix."""
-    keys = {}
-    for name in names:
-        key = name.replace(".", "_") or "node"
-        keys[name] = f"node_{key}" if hasattr(nn.Module, key) else key
-    if len(set(keys.values())) != len(keys):
-        raise NIRConversionError(
-            f"import_nir: node names {names} collide once '.' is replaced by '_'; rename them"
-        )
-    return keys
 
 
 def _graph_module(modules, keys, order, preds, succs, source, sink) -> NIRGraphModule:

@@ -1,0 +1,155 @@
+"""Train a spiking network: by default a small CNN on scikit-learn's digits (8x8 images, 1797
+samples, no download), or a model of :mod:`spikefuse.models` on CIFAR-10 read from a local folder.
+
+This is both the quick-start example and an end-to-end check of spikefuse's neurons, surrogate
+gradients, backends and fused blocks: plain SpikingJelly-style code in the multi-step layout
+``[T, N, *]``. Under ``torchrun`` (``WORLD_SIZE`` > 1) it trains with DistributedDataParallel.
+
+The package's modules import only those listed before them: ``config`` (options, networks),
+``files`` (atomic writes, the lock), ``data``, ``checkpoint``, ``logs``, ``ranks``, ``loop``
+and ``cli``; this module re-exports their public names.
+"""
+
+from spikefuse.train.checkpoint import (
+    check_checkpoint_writable,
+    first_non_finite,
+    is_checkpoint,
+    load_checkpoint,
+    payload_digest,
+    prepare_checkpoint_dir,
+    restore,
+    save_checkpoint,
+    set_capturable,
+)
+from spikefuse.train.cli import (
+    build_parser,
+    main,
+)
+from spikefuse.train.config import (
+    AMP_MODES,
+    ARCHITECTURE,
+    BACKENDS,
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_KEYS,
+    CHECKPOINT_VERSION,
+    CIFAR10_RECORD_BYTES,
+    CIFAR10_SIZE,
+    CIFAR10_TEST_FILE,
+    CIFAR10_TRAIN_FILES,
+    DATA_SETS,
+    DEVICES,
+    DIGITS_SAMPLES,
+    DIGITS_SIZE,
+    MAX_SEED,
+    MIN_SAMPLES,
+    MODELS,
+    NEURONS,
+    NUM_CLASSES,
+    CheckpointError,
+    ModelSpec,
+    TrainConfig,
+    build_model,
+    check_limit,
+)
+from spikefuse.train.data import (
+    Dataset,
+    load_cifar10,
+    load_data,
+    load_digits_split,
+    read_cifar10_file,
+)
+from spikefuse.train.files import (
+    checkpoint_lock,
+    checkpoint_target,
+    remove_stale_temp_files,
+    replace_file,
+)
+from spikefuse.train.logs import (
+    LOG_HEADER,
+    TrainingLog,
+    check_logs_writable,
+    log_paths,
+)
+from spikefuse.train.loop import (
+    build_network,
+    cpu_threads,
+    describe_backend,
+    evaluate,
+    forward,
+    optional_needs,
+    resolve_device,
+    run,
+    train_epoch,
+    train_step,
+)
+from spikefuse.train.ranks import (
+    Ranks,
+    agree,
+    epoch_order,
+    ranks_from_env,
+)
+
+__all__ = [
+    "AMP_MODES",
+    "ARCHITECTURE",
+    "BACKENDS",
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_KEYS",
+    "CHECKPOINT_VERSION",
+    "CIFAR10_RECORD_BYTES",
+    "CIFAR10_SIZE",
+    "CIFAR10_TEST_FILE",
+    "CIFAR10_TRAIN_FILES",
+    "CheckpointError",
+    "DATA_SETS",
+    "DEVICES",
+    "DIGITS_SAMPLES",
+    "DIGITS_SIZE",
+    "Dataset",
+    "LOG_HEADER",
+    "MAX_SEED",
+    "MIN_SAMPLES",
+    "MODELS",
+    "ModelSpec",
+    "NEURONS",
+    "NUM_CLASSES",
+    "Ranks",
+    "TrainConfig",
+    "TrainingLog",
+    "agree",
+    "build_model",
+    "build_network",
+    "build_parser",
+    "check_checkpoint_writable",
+    "check_limit",
+    "check_logs_writable",
+    "checkpoint_lock",
+    "checkpoint_target",
+    "cpu_threads",
+    "describe_backend",
+    "epoch_order",
+    "evaluate",
+    "first_non_finite",
+    "forward",
+    "is_checkpoint",
+    "load_checkpoint",
+    "load_cifar10",
+    "load_data",
+    "load_digits_split",
+    "log_paths",
+    "main",
+    "optional_needs",
+    "payload_digest",
+    "prepare_checkpoint_dir",
+    "ranks_from_env",
+    "read_cifar10_file",
+    "remove_stale_temp_files",
+    "replace_file",
+    "resolve_device",
+    "restore",
+    "run",
+    "save_checkpoint",
+    "set_capturable",
+    "train_epoch",
+    "train_step",
+]

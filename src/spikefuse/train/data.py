@@ -1,0 +1,149 @@
+"""The data sets ``spikefuse train`` reads: scikit-learn's digits and CIFAR-10's binary version."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from spikefuse.errors import SpikefuseError
+from spikefuse.extras import require
+from spikefuse.train.config import (
+    CIFAR10_RECORD_BYTES,
+    CIFAR10_SIZE,
+    CIFAR10_TEST_FILE,
+    CIFAR10_TRAIN_FILES,
+    NEEDS_DIGITS,
+    NUM_CLASSES,
+    TEST_FRACTION,
+    TRAIN,
+    TrainConfig,
+    check_limit,
+)
+from spikefuse.train.files import os_reason
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A fixed train/test split, images scaled to [0, 1] with shape ``[N, C, H, W]``."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+    def to(self, device: torch.device) -> Dataset:
+        """Return the split on ``device`` (the whole data set is kept on the device)."""
+        return Dataset(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def with_channels(self, channels: int) -> Dataset:
+        """Return the split with grey images repeated to ``channels`` channels."""
+        if self.x_train.shape[1] == channels:
+            return self
+        expand = functools.partial(torch.repeat_interleave, repeats=channels, dim=1)
+        return Dataset(expand(self.x_train), self.y_train, expand(self.x_test), self.y_test)
+
+
+def _subset(seed: int, count: int, limit: int | None) -> np.ndarray | slice:
+    """A seeded random choice of ``limit`` of ``count`` indices (all of them for None)."""
+    if limit is None:
+        return slice(None)
+    return np.random.default_rng(seed).permutation(count)[:limit]
+
+
+def load_digits_split(seed: int, limit: int | None = None) -> Dataset:
+    """Load the digits and split them reproducibly; ``limit`` keeps a random subset."""
+    check_limit(limit)
+    require(TRAIN, "demo", NEEDS_DIGITS)
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = digits.images.astype(np.float32) / 16.0  # pixel values are 0..16
+    labels = digits.target.astype(np.int64)
+    keep = _subset(seed, len(labels), limit)
+    images, labels = images[keep], labels[keep]
+    x_train, x_test, y_train, y_test = train_test_split(
+        images, labels, test_size=TEST_FRACTION, random_state=seed
+    )
+    return Dataset(
+        *(torch.from_numpy(a) for a in (x_train[:, None], y_train, x_test[:, None], y_test))
+    )
+
+
+def read_cifar10_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read one file of CIFAR-10's binary version: images ``uint8 [N, 3, 32, 32]``, labels.
+
+    Raises :class:`SpikefuseError` naming the file when it is missing, unreadable, empty, not
+    a whole number of records (truncated) or holds a label outside 0..9. (The binary version
+    is plain bytes; the python version's pickles are never read: unpickling can run code.)
+    """
+    try:
+        raw = np.fromfile(path, dtype=np.uint8)
+    except FileNotFoundError:
+        raise SpikefuseError(
+            f"CIFAR-10 file '{path}' does not exist: --data-dir must be the folder of CIFAR-10's "
+            f"binary version (cifar-10-batches-bin), holding {', '.join(CIFAR10_TRAIN_FILES)} "
+            f"and {CIFAR10_TEST_FILE}"
+        ) from None
+    except (OSError, ValueError) as exc:  # ValueError: numpy on a directory
+        reason = os_reason(exc) if isinstance(exc, OSError) else str(exc)
+        raise SpikefuseError(f"cannot read CIFAR-10 file '{path}': {reason}") from exc
+    if raw.size == 0 or raw.size % CIFAR10_RECORD_BYTES:
+        raise SpikefuseError(
+            f"CIFAR-10 file '{path}' is truncated or not in CIFAR-10's binary format: its "
+            f"{raw.size} bytes are not a whole number >= 1 of {CIFAR10_RECORD_BYTES}-byte "
+            f"records (a label byte and 3x32x32 pixel bytes)"
+        )
+    records = raw.reshape(-1, CIFAR10_RECORD_BYTES)
+    labels = records[:, 0].astype(np.int64)
+    bad = np.flatnonzero(labels >= NUM_CLASSES)
+    if bad.size:
+        raise SpikefuseError(
+            f"CIFAR-10 file '{path}' is corrupt: record {bad[0]} has label {labels[bad[0]]}, "
+            f"not 0..{NUM_CLASSES - 1}"
+        )
+    images = records[:, 1:].reshape(-1, 3, CIFAR10_SIZE, CIFAR10_SIZE)
+    return images, labels
+
+
+def load_cifar10(data_dir: Path, seed: int, limit: int | None = None) -> Dataset:
+    """Load CIFAR-10's training and test batches from ``data_dir``, pixels scaled to [0, 1].
+
+    ``limit`` keeps a seeded random subset of that many training samples (and as many test
+    samples, or all when there are fewer).
+    """
+    check_limit(limit, "cifar10")
+    parts = [read_cifar10_file(data_dir / name) for name in CIFAR10_TRAIN_FILES]
+    train_images = np.concatenate([images for images, _ in parts])
+    train_labels = np.concatenate([labels for _, labels in parts])
+    test_images, test_labels = read_cifar10_file(data_dir / CIFAR10_TEST_FILE)
+    if limit is not None and limit > len(train_labels):
+        raise SpikefuseError(
+            f"--limit {limit}: the CIFAR-10 files in '{data_dir}' hold only "
+            f"{len(train_labels)} training samples"
+        )
+    train_keep = _subset(seed, len(train_labels), limit)
+    test_keep = _subset(
+        seed, len(test_labels), None if limit is None else min(limit, len(test_labels))
+    )
+
+    def scaled(images: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(images.astype(np.float32) / 255.0)
+
+    return Dataset(
+        scaled(train_images[train_keep]),
+        torch.from_numpy(train_labels[train_keep]),
+        scaled(test_images[test_keep]),
+        torch.from_numpy(test_labels[test_keep]),
+    )
+
+
+def load_data(config: TrainConfig) -> Dataset:
+    """The data set ``config`` names, split and limited as it says."""
+    if config.data_dir is not None:  # TrainConfig: a --data-dir exactly for --data cifar10
+        return load_cifar10(Path(config.data_dir), config.seed, config.limit)
+    return load_digits_split(config.seed, config.limit)

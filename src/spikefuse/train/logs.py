@@ -1,0 +1,131 @@
+"""The per-epoch training log (CSV) and plot (PNG) beside a checkpoint."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spikefuse.errors import SpikefuseError
+from spikefuse.extras import require
+from spikefuse.train.config import NEEDS_PLOT, TRAIN, TrainConfig
+from spikefuse.train.files import checkpoint_target, os_reason, replace_file
+
+LOG_HEADER = "epoch,train_loss,test_accuracy,seconds"
+PLOT_MARKER = b"spikefuse training plot"  # in the PNG's Software text chunk: marks it as ours
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def log_paths(target: Path) -> tuple[Path, Path]:
+    """The per-epoch CSV log and the loss/accuracy plot (PNG) beside checkpoint ``target``:
+    its whole name with ``.csv`` / ``.png`` added (``digits.pt.csv``), so that checkpoints
+    sharing a stem (``a.pt``, ``a.ckpt``) never share a log."""
+    return target.with_name(f"{target.name}.csv"), target.with_name(f"{target.name}.png")
+
+
+def _is_our_log(path: Path) -> bool:
+    """Whether ``path`` holds a training log or plot that spikefuse wrote (only such a file
+    may be replaced)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as exc:
+        raise SpikefuseError(f"cannot read '{path}': {os_reason(exc)}") from exc
+    if path.suffix == ".png":
+        return head.startswith(PNG_SIGNATURE) and PLOT_MARKER in head
+    return head.split(b"\n", 1)[0].decode(errors="replace").strip() == LOG_HEADER
+
+
+def check_logs_writable(target: Path, config: TrainConfig) -> None:
+    """Under the lock, with the checkpoint checked: the log and plot beside checkpoint
+    ``target`` follow its rules. Another kind of file is never replaced; an existing log
+    needs ``--resume`` (continued) or ``--overwrite`` (replaced)."""
+    for path in log_paths(target):
+        resolved = checkpoint_target(path)
+        if resolved == target:
+            raise SpikefuseError(  # a symbolic link where the log goes, to the checkpoint
+                f"checkpoint '{config.checkpoint}' would be overwritten by its own training "
+                f"log or plot ('{path}' leads to it); remove that link"
+            )
+        if not resolved.exists():
+            continue
+        if not resolved.is_file() or not _is_our_log(resolved):
+            raise SpikefuseError(
+                f"'{path}' exists and is not a spikefuse training log or plot; refusing to "
+                f"overwrite it (move it away or choose another --checkpoint)"
+            )
+        if not (config.resume or config.overwrite):
+            # --resume needs the run's checkpoint too: without it only --overwrite can start
+            resume = "pass --resume to continue its run or " if target.exists() else ""
+            raise SpikefuseError(
+                f"training log '{path}' already exists; {resume}pass --overwrite to start a new "
+                "run in its place"
+            )
+
+
+@dataclass
+class TrainingLog:
+    """The per-epoch log beside a checkpoint ``<name>``: ``<name>.csv`` (epoch, train loss, test
+    accuracy, seconds) and ``<name>.png`` (loss and accuracy over the epochs), both rewritten
+    atomically after every epoch. A resumed run keeps the rows up to the checkpoint's epoch and
+    appends."""
+
+    checkpoint: Path
+    resumed_epoch: int
+    rows: list[tuple[int, float, float, float]] = field(default_factory=list)
+
+    @property
+    def csv_path(self) -> Path:
+        return log_paths(self.checkpoint)[0]
+
+    @property
+    def png_path(self) -> Path:
+        return log_paths(self.checkpoint)[1]
+
+    def load(self) -> None:
+        """Read the rows of a resumed run, up to its checkpoint's epoch (later ones belong to
+        epochs whose checkpoint was not kept); none when the run starts over or has no log."""
+        if not self.resumed_epoch or not self.csv_path.exists():
+            return
+        try:
+            lines = self.csv_path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpikefuseError(f"cannot read training log '{self.csv_path}': {exc}") from exc
+        for number, line in enumerate(lines[1:], start=2):
+            try:
+                epoch, loss, accuracy, seconds = line.split(",")
+                row = (int(epoch), float(loss), float(accuracy), float(seconds))
+            except ValueError:
+                raise SpikefuseError(
+                    f"training log '{self.csv_path}' is damaged: line {number} is {line!r}, not "
+                    f"{LOG_HEADER}; move it away to resume"
+                ) from None
+            if row[0] <= self.resumed_epoch:
+                self.rows.append(row)
+
+    def append(self, epoch: int, loss: float, accuracy: float, seconds: float) -> None:
+        """Add an epoch's row and rewrite the CSV and the plot."""
+        self.rows.append((epoch, loss, accuracy, seconds))
+        text = "".join(f"{e},{lo:.6g},{a:.6g},{s:.3f}\n" for e, lo, a, s in self.rows)
+        replace_file(self.csv_path, f"{LOG_HEADER}\n{text}".encode(), "training log")
+        replace_file(self.png_path, self._plot(), "training plot")
+
+    def _plot(self) -> bytes:
+        require(TRAIN, "demo", NEEDS_PLOT)
+        # Figure, not pyplot: no global figure state and no GUI backend (PNG renders with Agg).
+        from matplotlib.figure import Figure
+
+        epochs = [row[0] for row in self.rows]
+        figure = Figure(figsize=(8, 3.2))
+        loss_axes, accuracy_axes = figure.subplots(1, 2)
+        loss_axes.plot(epochs, [row[1] for row in self.rows], marker="o")
+        loss_axes.set(xlabel="epoch", ylabel="train loss", title=self.checkpoint.name)
+        accuracy_axes.plot(epochs, [row[2] for row in self.rows], marker="o", color="C1")
+        accuracy_axes.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1))
+        for axes in (loss_axes, accuracy_axes):
+            axes.grid(alpha=0.3)
+            axes.xaxis.get_major_locator().set_params(integer=True)
+        figure.tight_layout()
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", metadata={"Software": PLOT_MARKER.decode()})
+        return buffer.getvalue()
