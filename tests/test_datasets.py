@@ -271,3 +271,38 @@ def test_settings_are_validated(tmp_path):
         datasets.NMNIST(tmp_path, True, "frame", frames_number=4, duration=10, split_by="time")
     with pytest.raises(SpikefuseError, match="train must be True or False"):
         datasets.DVS128Gesture(tmp_path, train=None)
+
+
+# ---- spikefuse train --data <neuromorphic> -----------------------------------------------------
+def _nmnist_extract(root: Path, per_class: int = 2) -> None:
+    for split in ("Train", "Test"):
+        for digit in range(10):
+            folder = root / "extract" / split / str(digit)
+            folder.mkdir(parents=True)
+            for k in range(per_class):
+                (folder / f"{k:05d}.bin").write_bytes(_atis(_events(60, 34, 34, t0=0, span=50_000)))
+
+
+def test_train_loads_neuromorphic_frames(tmp_path):
+    from spikefuse.train.data import load_neuromorphic
+
+    _nmnist_extract(tmp_path)
+    data = load_neuromorphic("n-mnist", tmp_path, T=3, seed=0)
+    assert data.x_train.shape == (20, 3, 2, 34, 34) and data.y_test.shape == (20,)
+    frames, label = datasets.NMNIST(tmp_path, True, "frame", frames_number=3, split_by="number")[5]
+    assert np.array_equal(data.x_train[5].numpy(), frames) and int(data.y_train[5]) == label
+    limited = load_neuromorphic("n-mnist", tmp_path, T=3, seed=0, limit=10)
+    assert len(limited.y_train) == 10 and len(limited.y_test) == 10
+
+
+def test_spikefuse_train_runs_on_n_mnist(tmp_path, capsys):
+    from spikefuse.cli import main
+
+    _nmnist_extract(tmp_path / "nmnist")
+    args = ["train", "--epochs", "1", "--T", "2", "--batch-size", "5", "--quiet", "--device", "cpu"]
+    args += ["--data", "n-mnist", "--data-dir", str(tmp_path / "nmnist")]
+    assert main([*args, "--checkpoint", str(tmp_path / "run.pt")]) == 0
+    assert "train/test samples: 20/20" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", "--data", "shd", "--checkpoint", str(tmp_path / "x.pt")])
+    assert "--data shd needs --data-dir" in capsys.readouterr().err

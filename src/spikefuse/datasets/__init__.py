@@ -18,7 +18,12 @@ from .events import (
     load_ATIS_bin,
     load_cifar10dvs_aedat,
 )
-from .folder import NeuromorphicDatasetConfig, NeuromorphicDatasetFolder, load_npz_frames
+from .folder import (
+    NeuromorphicDatasetConfig,
+    NeuromorphicDatasetFolder,
+    load_npz_frames,
+    split_to_train_test_set,
+)
 from .shd import SHD_N_CLASSES, SpikingHeidelbergDigits
 
 SHD = SpikingHeidelbergDigits
@@ -41,4 +46,5 @@ __all__ = [
     "load_aedat_v3",
     "load_cifar10dvs_aedat",
     "load_npz_frames",
+    "split_to_train_test_set",
 ]

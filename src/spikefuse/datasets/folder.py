@@ -15,6 +15,7 @@ the sorted folder names (so DVS128 Gesture's folder '10' is label 2), samples in
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tarfile
@@ -30,7 +31,7 @@ import torch.utils.data
 from ..errors import SpikefuseError
 from . import events as ev
 
-__all__ = ["NeuromorphicDatasetConfig", "NeuromorphicDatasetFolder"]
+__all__ = ["NeuromorphicDatasetConfig", "NeuromorphicDatasetFolder", "split_to_train_test_set"]
 
 EXTENSIONS = (".npy", ".npz")
 
@@ -279,3 +280,35 @@ class NeuromorphicDatasetFolder(torch.utils.data.Dataset):
     @classmethod
     def create_raw_from_extracted(cls, extract_root: Path, raw_root: Path) -> None:
         raise NotImplementedError
+
+
+def split_to_train_test_set(
+    train_ratio: float,
+    origin_dataset: torch.utils.data.Dataset,
+    num_classes: int,
+    random_split: bool = False,
+) -> tuple[torch.utils.data.Subset, torch.utils.data.Subset]:
+    """SpikingJelly's per-class split: of each class's samples (in order, or shuffled with
+    numpy's global generator when ``random_split``), the first ceil(n * train_ratio) train.
+    Labels come from the dataset's ``targets`` where it has them (else each sample is read)."""
+    if not 0 < train_ratio <= 1:
+        raise SpikefuseError(f"train_ratio must be in (0, 1], got {train_ratio!r}")
+    targets = getattr(origin_dataset, "targets", None)
+    if targets is None:
+        targets = [int(origin_dataset[i][1]) for i in range(len(origin_dataset))]  # type: ignore[arg-type]
+    label_idx: list[list[int]] = [[] for _ in range(num_classes)]
+    for i, label in enumerate(targets):
+        if not 0 <= int(label) < num_classes:
+            raise SpikefuseError(f"sample {i} has label {label}, not 0..{num_classes - 1}")
+        label_idx[int(label)].append(i)
+    train_idx, test_idx = [], []
+    for indices in label_idx:
+        if random_split:
+            np.random.shuffle(indices)
+        pos = math.ceil(len(indices) * train_ratio)
+        train_idx += indices[:pos]
+        test_idx += indices[pos:]
+    return (
+        torch.utils.data.Subset(origin_dataset, train_idx),
+        torch.utils.data.Subset(origin_dataset, test_idx),
+    )

@@ -31,7 +31,7 @@ HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 def _h5py() -> Any:
     try:
-        import h5py
+        import h5py  # type: ignore[import-untyped]  # optional (the datasets extra), untyped
     except ImportError:
         raise SpikefuseError(
             "SpikingHeidelbergDigits reads HDF5 files with h5py: pip install 'spikefuse[datasets]'"
