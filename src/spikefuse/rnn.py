@@ -103,9 +103,10 @@ class SpikingRNNCellBase(nn.Module):
         return torch.zeros(x.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
 
 
-class SpikingLSTMCell(SpikingRNNCellBase):
-    """i, f, o = sg1(...), g = sg2(...) (sg1 without sg2); c = c f + i g (clamped at 1, no
-    gradient through the clamp); h = c o. Returns (h, c)."""
+class _GatedCell(SpikingRNNCellBase):
+    """A cell with ``gates`` gate blocks in ``linear_ih``/``linear_hh`` and two surrogates."""
+
+    gates: int
 
     def __init__(
         self,
@@ -116,12 +117,19 @@ class SpikingLSTMCell(SpikingRNNCellBase):
         surrogate_function2: Any = None,
     ) -> None:
         super().__init__(input_size, hidden_size, bias)
-        self.linear_ih = nn.Linear(input_size, 4 * hidden_size, bias=bias)
-        self.linear_hh = nn.Linear(hidden_size, 4 * hidden_size, bias=bias)
+        self.linear_ih = nn.Linear(input_size, self.gates * hidden_size, bias=bias)
+        self.linear_hh = nn.Linear(hidden_size, self.gates * hidden_size, bias=bias)
         self.surrogate_function1 = Erf() if surrogate_function1 is None else surrogate_function1
         self.surrogate_function2 = surrogate_function2
         _check_same_mode(self.surrogate_function1, surrogate_function2)
         self.reset_parameters()
+
+
+class SpikingLSTMCell(_GatedCell):
+    """i, f, o = sg1(...), g = sg2(...) (sg1 without sg2); c = c f + i g (clamped at 1, no
+    gradient through the clamp); h = c o. Returns (h, c)."""
+
+    gates = 4
 
     def forward(self, x: Tensor, hc: Any = None) -> tuple[Tensor, Tensor]:
         h, c = (self._zeros(x), self._zeros(x)) if hc is None else (hc[0], hc[1])
@@ -155,24 +163,10 @@ class SpikingVanillaRNNCell(SpikingRNNCellBase):
         return self.surrogate_function(self.linear_ih(x) + self.linear_hh(h))
 
 
-class SpikingGRUCell(SpikingRNNCellBase):
+class SpikingGRUCell(_GatedCell):
     """r, z = sg1(...); n = sg2(W_in x + r (W_hn h)) (sg1 without sg2); h = (1 - z) n + z h."""
 
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        bias: bool = True,
-        surrogate_function1: Any = None,
-        surrogate_function2: Any = None,
-    ) -> None:
-        super().__init__(input_size, hidden_size, bias)
-        self.linear_ih = nn.Linear(input_size, 3 * hidden_size, bias=bias)
-        self.linear_hh = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
-        self.surrogate_function1 = Erf() if surrogate_function1 is None else surrogate_function1
-        self.surrogate_function2 = surrogate_function2
-        _check_same_mode(self.surrogate_function1, surrogate_function2)
-        self.reset_parameters()
+    gates = 3
 
     def forward(self, x: Tensor, h: Tensor | None = None) -> Tensor:
         h = self._zeros(x) if h is None else h
@@ -298,8 +292,8 @@ class SpikingRNNBase(nn.Module):
         return (y, out[0]) if self.states_num() == 1 else (y, tuple(out))
 
 
-class SpikingLSTM(SpikingRNNBase):
-    """Stacked :class:`SpikingLSTMCell` layers; states ``(h, c)``."""
+class _TwoSurrogateRNN(SpikingRNNBase):
+    """Stacked cells taking ``surrogate_function1`` and ``surrogate_function2``."""
 
     def __init__(
         self,
@@ -314,16 +308,13 @@ class SpikingLSTM(SpikingRNNBase):
         surrogate_function2: Any = None,
     ) -> None:
         super().__init__(
-            input_size,
-            hidden_size,
-            num_layers,
-            bias,
-            dropout_p,
-            invariant_dropout_mask,
-            bidirectional,
-            surrogate_function1,
-            surrogate_function2,
-        )
+            input_size, hidden_size, num_layers, bias, dropout_p, invariant_dropout_mask,
+            bidirectional, surrogate_function1, surrogate_function2,
+        )  # fmt: skip
+
+
+class SpikingLSTM(_TwoSurrogateRNN):
+    """Stacked :class:`SpikingLSTMCell` layers; states ``(h, c)``."""
 
     @staticmethod
     def base_cell() -> type[nn.Module]:
@@ -368,32 +359,8 @@ class SpikingVanillaRNN(SpikingRNNBase):
         return 1
 
 
-class SpikingGRU(SpikingRNNBase):
+class SpikingGRU(_TwoSurrogateRNN):
     """Stacked :class:`SpikingGRUCell` layers; state ``h``."""
-
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        num_layers: int,
-        bias: bool = True,
-        dropout_p: float = 0,
-        invariant_dropout_mask: bool = False,
-        bidirectional: bool = False,
-        surrogate_function1: Any = None,
-        surrogate_function2: Any = None,
-    ) -> None:
-        super().__init__(
-            input_size,
-            hidden_size,
-            num_layers,
-            bias,
-            dropout_p,
-            invariant_dropout_mask,
-            bidirectional,
-            surrogate_function1,
-            surrogate_function2,
-        )
 
     @staticmethod
     def base_cell() -> type[nn.Module]:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import SpikefuseError
 from . import events as ev
-from .folder import NeuromorphicDatasetFolder, save_events
+from .folder import NeuromorphicDatasetFolder, TrainTestFolder, save_events
 
 __all__ = ["CIFAR10DVS", "CIFAR10DVS_CLASS_NAMES", "DVS128Gesture", "NMNIST"]
 
@@ -26,11 +26,6 @@ CIFAR10DVS_CLASS_NAMES = (
     "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
 )  # fmt: skip
 GESTURE_CLASSES = 11
-
-
-def _check_train(train: Any) -> None:
-    if not isinstance(train, bool):
-        raise SpikefuseError(f"train must be True or False, got {train!r}")
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -67,29 +62,10 @@ def _split_gesture_recording(name: str, aedat: Path, csv_file: Path, out: Path) 
         counts[label] += 1
 
 
-class DVS128Gesture(NeuromorphicDatasetFolder):
+class DVS128Gesture(TrainTestFolder):
     """IBM's DVS128 Gesture (11 classes, 128 x 128): ``DvsGesture.tar.gz`` (with
     ``trials_to_train.txt``, ``trials_to_test.txt``, ``userXX_*.aedat`` AEDAT 3.1 recordings and
     their ``*_labels.csv``) split into one sample per labelled gesture."""
-
-    def __init__(
-        self,
-        root: str | Path,
-        train: bool = True,
-        data_type: str = "event",
-        frames_number: int | None = None,
-        split_by: str | None = None,
-        duration: int | None = None,
-        custom_integrate_function: Callable[..., Any] | None = None,
-        custom_integrated_frames_dir_name: str | None = None,
-        transform: Callable[..., Any] | None = None,
-        target_transform: Callable[..., Any] | None = None,
-    ) -> None:
-        _check_train(train)
-        super().__init__(
-            root, train, data_type, frames_number, split_by, duration, custom_integrate_function,
-            custom_integrated_frames_dir_name, transform, target_transform,
-        )  # fmt: skip
 
     @classmethod
     def get_H_W(cls) -> tuple[int, int]:
@@ -156,28 +132,9 @@ class CIFAR10DVS(NeuromorphicDatasetFolder):
                     )
 
 
-class NMNIST(NeuromorphicDatasetFolder):
+class NMNIST(TrainTestFolder):
     """N-MNIST (10 classes, 34 x 34): ``Train.zip`` and ``Test.zip`` of ATIS ``.bin`` files
     in digit folders."""
-
-    def __init__(
-        self,
-        root: str | Path,
-        train: bool = True,
-        data_type: str = "event",
-        frames_number: int | None = None,
-        split_by: str | None = None,
-        duration: int | None = None,
-        custom_integrate_function: Callable[..., Any] | None = None,
-        custom_integrated_frames_dir_name: str | None = None,
-        transform: Callable[..., Any] | None = None,
-        target_transform: Callable[..., Any] | None = None,
-    ) -> None:
-        _check_train(train)
-        super().__init__(
-            root, train, data_type, frames_number, split_by, duration, custom_integrate_function,
-            custom_integrated_frames_dir_name, transform, target_transform,
-        )  # fmt: skip
 
     @classmethod
     def get_H_W(cls) -> tuple[int, int]:

@@ -31,7 +31,12 @@ import torch.utils.data
 from ..errors import SpikefuseError
 from . import events as ev
 
-__all__ = ["NeuromorphicDatasetConfig", "NeuromorphicDatasetFolder", "split_to_train_test_set"]
+__all__ = [
+    "NeuromorphicDatasetConfig",
+    "NeuromorphicDatasetFolder",
+    "TrainTestFolder",
+    "split_to_train_test_set",
+]
 
 EXTENSIONS = (".npy", ".npz")
 
@@ -168,6 +173,7 @@ class NeuromorphicDatasetFolder(torch.utils.data.Dataset):
             target_transform,
         )  # fmt: skip
         self.transform, self.target_transform = transform, target_transform
+        self._check_config()
         self.prepare_raw_dataset()
         self.processed_root = self._build_frames() if data_type == "frame" else self.raw_root
         self.loader = load_npz_frames if data_type == "frame" else load_events
@@ -181,6 +187,9 @@ class NeuromorphicDatasetFolder(torch.utils.data.Dataset):
         self.classes, self.samples = find_samples(split)
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         self.targets = [target for _, target in self.samples]
+
+    def _check_config(self) -> None:
+        """Refuse settings a subclass cannot honour (before any file is touched)."""
 
     @property
     def raw_root(self) -> Path:
@@ -280,6 +289,31 @@ class NeuromorphicDatasetFolder(torch.utils.data.Dataset):
     @classmethod
     def create_raw_from_extracted(cls, extract_root: Path, raw_root: Path) -> None:
         raise NotImplementedError
+
+
+class TrainTestFolder(NeuromorphicDatasetFolder):
+    """A data set published as a train and a test split: ``train`` (default True) must be
+    True or False."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        train: bool = True,
+        data_type: str = "event",
+        frames_number: int | None = None,
+        split_by: str | None = None,
+        duration: int | None = None,
+        custom_integrate_function: Callable[..., Any] | None = None,
+        custom_integrated_frames_dir_name: str | None = None,
+        transform: Callable[..., Any] | None = None,
+        target_transform: Callable[..., Any] | None = None,
+    ) -> None:
+        if not isinstance(train, bool):
+            raise SpikefuseError(f"train must be True or False, got {train!r}")
+        super().__init__(
+            root, train, data_type, frames_number, split_by, duration, custom_integrate_function,
+            custom_integrated_frames_dir_name, transform, target_transform,
+        )  # fmt: skip
 
 
 def split_to_train_test_set(

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import SpikefuseError
-from .folder import NeuromorphicDatasetFolder
+from .folder import TrainTestFolder
 
 __all__ = ["SHD_N_CLASSES", "SHD_UNITS", "SpikingHeidelbergDigits"]
 
@@ -108,35 +107,18 @@ def integrate_shd_by_fixed_duration(events: dict[str, np.ndarray], duration: int
     return np.stack([_counts(events["x"][bounds[i] : bounds[i + 1]]) for i in range(frames_num)])
 
 
-class SpikingHeidelbergDigits(NeuromorphicDatasetFolder):
+class SpikingHeidelbergDigits(TrainTestFolder):
     """SHD (20 classes, 700 input units): SpikingJelly's ``SpikingHeidelbergDigits``."""
 
-    def __init__(
-        self,
-        root: str | Path,
-        train: bool = True,
-        data_type: str = "event",
-        frames_number: int | None = None,
-        split_by: str | None = None,
-        duration: int | None = None,
-        custom_integrate_function: Callable[..., Any] | None = None,
-        custom_integrated_frames_dir_name: str | None = None,
-        transform: Callable[..., Any] | None = None,
-        target_transform: Callable[..., Any] | None = None,
-    ) -> None:
-        if not isinstance(train, bool):
-            raise SpikefuseError(f"train must be True or False, got {train!r}")
-        if custom_integrate_function is not None:
+    _h5: Any = None  # the open file of event mode (per process: not pickled)
+
+    def _check_config(self) -> None:
+        if self.cfg.custom_integrate_function is not None:
             raise SpikefuseError(
                 "SpikingHeidelbergDigits: custom_integrate_function is not supported (its "
                 "SpikingJelly form writes files from an open h5py file); use frames_number or "
                 "duration, or data_type='event' and integrate in a transform"
             )
-        self._h5: Any = None
-        super().__init__(
-            root, train, data_type, frames_number, split_by, duration, None,
-            custom_integrated_frames_dir_name, transform, target_transform,
-        )  # fmt: skip
 
     @property
     def raw_root(self) -> Path:

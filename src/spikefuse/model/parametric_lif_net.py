@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
@@ -72,17 +73,24 @@ def _classifier(
     ]
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A PLIF network: ``stages`` x (``per_stage`` x Conv → BN → neuron, MaxPool) on
+    ``in_channels``, leaving ``side`` x ``side`` maps, then the classifier (``hidden`` wide,
+    ``outputs`` neurons voting in groups of 10)."""
+
+    in_channels: int
+    stages: int
+    per_stage: int
+    side: int
+    hidden: int
+    outputs: int = 100
+
+
 class _PLIFNet(nn.Module):
-    """``conv_fc``: the network; subclasses give its layout."""
+    """``conv_fc``: the network of ``layout`` (a class attribute of each subclass)."""
 
-    conv_fc: nn.Sequential
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.conv_fc(x)
-
-
-class MNISTNet(_PLIFNet):
-    """[N, 1, 28, 28] → two (Conv → BN → neuron → MaxPool) stages → 2048 → 100 → 10 votes."""
+    layout: _Layout
 
     def __init__(
         self,
@@ -91,10 +99,21 @@ class MNISTNet(_PLIFNet):
         **kwargs: Any,
     ) -> None:
         super().__init__()
+        shape = self.layout
         sn = lambda: _neuron(spiking_neuron, kwargs)  # noqa: E731
         self.conv_fc = nn.Sequential(
-            *_conv_stages(1, channels, 2, 1, sn), *_classifier(channels * 7 * 7, 2048, sn)
+            *_conv_stages(shape.in_channels, channels, shape.stages, shape.per_stage, sn),
+            *_classifier(channels * shape.side**2, shape.hidden, sn, shape.outputs),
         )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv_fc(x)
+
+
+class MNISTNet(_PLIFNet):
+    """[N, 1, 28, 28] → two (Conv → BN → neuron → MaxPool) stages → 2048 → 100 → 10 votes."""
+
+    layout = _Layout(1, 2, 1, 7, 2048)
 
 
 class FashionMNISTNet(MNISTNet):
@@ -103,7 +122,8 @@ class FashionMNISTNet(MNISTNet):
 
 class NMNISTNet(MNISTNet):
     """:class:`MNISTNet` for N-MNIST: 2 input channels, [N, 2, 34, 34] input (8 x 8 after the
-    two poolings)."""
+    two poolings). Built as SpikingJelly builds it: an MNISTNet whose first Conv and first
+    Linear are then replaced."""
 
     def __init__(
         self,
@@ -118,7 +138,9 @@ class NMNISTNet(MNISTNet):
 
 class CIFAR10Net(_PLIFNet):
     """[N, 3, 32, 32] → two stages of three Conv → BN → neuron, each + MaxPool → 2048 → 100 →
-    10 votes."""
+    10 votes (``channels`` default 256)."""
+
+    layout = _Layout(3, 2, 3, 8, 2048)
 
     def __init__(
         self,
@@ -126,40 +148,16 @@ class CIFAR10Net(_PLIFNet):
         spiking_neuron: Callable[..., nn.Module] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__()
-        sn = lambda: _neuron(spiking_neuron, kwargs)  # noqa: E731
-        self.conv_fc = nn.Sequential(
-            *_conv_stages(3, channels, 2, 3, sn), *_classifier(channels * 8 * 8, 2048, sn)
-        )
+        super().__init__(channels, spiking_neuron, **kwargs)
 
 
 class CIFAR10DVSNet(_PLIFNet):
     """[N, 2, 128, 128] → four (Conv → BN → neuron → MaxPool) stages → 512 → 100 → 10 votes."""
 
-    def __init__(
-        self,
-        channels: int = 128,
-        spiking_neuron: Callable[..., nn.Module] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__()
-        sn = lambda: _neuron(spiking_neuron, kwargs)  # noqa: E731
-        self.conv_fc = nn.Sequential(
-            *_conv_stages(2, channels, 4, 1, sn), *_classifier(channels * 8 * 8, 512, sn)
-        )
+    layout = _Layout(2, 4, 1, 8, 512)
 
 
 class DVSGestureNet(_PLIFNet):
     """[N, 2, 128, 128] → five (Conv → BN → neuron → MaxPool) stages → 512 → 110 → 11 votes."""
 
-    def __init__(
-        self,
-        channels: int = 128,
-        spiking_neuron: Callable[..., nn.Module] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__()
-        sn = lambda: _neuron(spiking_neuron, kwargs)  # noqa: E731
-        self.conv_fc = nn.Sequential(
-            *_conv_stages(2, channels, 5, 1, sn), *_classifier(channels * 4 * 4, 512, sn, 110)
-        )
+    layout = _Layout(2, 5, 1, 4, 512, 110)

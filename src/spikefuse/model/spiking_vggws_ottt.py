@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
 from .. import layer, neuron
 from ..errors import SpikefuseError
+from ..models import SpikingVGG
 from .spiking_vgg import cfgs as _vgg_cfgs
 
 __all__ = [
@@ -113,17 +114,8 @@ class OTTTSpikingVGG(nn.Module):
         return self.classifier(self.features(x))
 
     def _initialize_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):  # layer.Conv2d, WSConv2d
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                if m.bias is not None:
-                    nn.init.constant_(m.bias, 0)
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
-            elif isinstance(m, nn.Linear):  # layer.Linear, WSLinear
-                nn.init.normal_(m.weight, 0, 0.01)
-                nn.init.constant_(m.bias, 0)
+        """SpikingVGG's initialisation (Conv: Kaiming, BN: 1/0, Linear: N(0, 0.01)/0)."""
+        SpikingVGG._initialize_weights(cast(Any, self))
 
     @staticmethod
     def make_layers(
