@@ -433,3 +433,26 @@ def test_memory_optimization_maps_onto_memory_modes():
         _sj_style_net(), neuron.LIFNode, prefer="speed", return_summary=True
     )
     assert auto.level == 1 and auto.memory == "auto"
+
+
+def test_ms_resnet_and_max_resnet():
+    from spikefuse import fuse
+    from spikefuse.model import ms_resnet
+
+    torch.manual_seed(0)
+    net = ms_resnet.MSResNet(T=2, num_classes=5, layers=(1, 2, 1), base_channels=4).to(F64)
+    x = torch.rand(2, 3, 32, 32, dtype=F64)
+    assert net(x).shape == (2, 5)
+    block = net.layer2[1]  # no downsample: bn2 starts at weight 0, so the block passes x on
+    seq = torch.rand(2, 2, 8, 4, 4, dtype=F64)
+    functional.reset_net(net)
+    assert torch.equal(block(seq), seq)
+    fused, report = fuse(net, return_report=True)
+    assert len(report.fused) >= 3, str(report)
+    net.eval(), fused.eval()
+    functional.reset_net(net)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), net(x), rtol=0, atol=1e-10)
+    small = ms_resnet.max_resnet18(T=2, num_classes=3)
+    assert isinstance(small.layer2[0], ms_resnet._MaxResNetMaxBlock)
+    assert small(torch.rand(2, 3, 16, 16)).shape == (2, 3)

@@ -1,5 +1,5 @@
 """SpikingJelly's model zoo paths (``activation_based.model``): ``model.parametric_lif_net``
-(``DVSGestureNet``, ``CIFAR10DVSNet``, ...), ``model.spiking_resnet``, ``model.sew_resnet``,
+(``DVSGestureNet``, ``CIFAR10DVSNet``, ...), ``model.ms_resnet``, ``model.spiking_resnet``, ``model.sew_resnet``,
 ``model.spiking_vgg`` and ``model.spiking_vggws_ottt``, built from spikefuse's layers and neurons
 (and :mod:`spikefuse.models`). Builders spikefuse lacks raise a
 :class:`~spikefuse.errors.SpikefuseError` naming an alternative; so does importing
@@ -11,10 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import SpikefuseError
-from . import parametric_lif_net, sew_resnet, spiking_resnet, spiking_vgg, spiking_vggws_ottt
+from . import (
+    ms_resnet,
+    parametric_lif_net,
+    sew_resnet,
+    spiking_resnet,
+    spiking_vgg,
+    spiking_vggws_ottt,
+)
 from ._refuse import NO_SPIKFORMER
 
 __all__ = [
+    "ms_resnet",
     "parametric_lif_net",
     "sew_resnet",
     "spiking_resnet",
