@@ -360,8 +360,8 @@ def test_missing_zoo_names_say_what_to_use():
     from spikefuse.errors import SpikefuseError
     from spikefuse.model import spiking_resnet
 
-    with pytest.raises(SpikefuseError, match="use spiking_resnet18"):
-        spiking_resnet.spiking_resnet50(spiking_neuron=neuron.IFNode)
+    with pytest.raises(SpikefuseError, match="use spiking_resnet18/34/50/101/152"):
+        spiking_resnet.spiking_resnext50_32x4d(spiking_neuron=neuron.IFNode)
     with pytest.raises(SpikefuseError, match="no spiking self-attention"):
         getattr(model, "Spikformer")  # noqa: B009
     with pytest.raises(SpikefuseError, match="no spiking self-attention"):
@@ -456,3 +456,42 @@ def test_ms_resnet_and_max_resnet():
     small = ms_resnet.max_resnet18(T=2, num_classes=3)
     assert isinstance(small.layer2[0], ms_resnet._MaxResNetMaxBlock)
     assert small(torch.rand(2, 3, 16, 16)).shape == (2, 3)
+
+
+def test_bottleneck_resnets_follow_spikingjelly_and_fuse():
+    from spikefuse import fuse
+    from spikefuse.model import sew_resnet, spiking_resnet
+
+    torch.manual_seed(0)
+    net = spiking_resnet.spiking_resnet50(
+        spiking_neuron=neuron.IFNode, num_classes=3, zero_init_residual=True, step_mode="m"
+    ).to(F64)
+    blocks = [m for m in net.modules() if isinstance(m, spiking_resnet.Bottleneck)]
+    assert len(blocks) == 16 and all(b.bn3.weight.abs().sum() == 0 for b in blocks)
+    assert all(b.bn2.weight.min() == 1 for b in blocks)
+    assert net.fc.in_features == 2048
+    x = torch.rand(2, 2, 3, 32, 32, dtype=F64)
+    fused, report = fuse(net, return_report=True)
+    assert len(report.fused) >= 16 * 2, str(report)
+    net.eval(), fused.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), net(x), rtol=0, atol=1e-10)
+    sew = sew_resnet.sew_resnet50(spiking_neuron=neuron.IFNode, cnf="IAND", num_classes=3)
+    first = sew.layer1[0]
+    assert isinstance(first, sew_resnet.Bottleneck) and hasattr(first, "downsample_sn")
+    assert sew(torch.rand(2, 3, 32, 32)).shape == (2, 3)
+
+
+def test_sew_bottleneck_connects_the_branch_first():
+    """SpikingJelly's SEW bottleneck calls sew_function(branch, shortcut, cnf) (IAND: branch
+    AND NOT shortcut), where its basic block puts the shortcut first."""
+    from spikefuse.model import sew_resnet
+
+    torch.manual_seed(1)
+    block = sew_resnet.Bottleneck(16, 4, cnf="IAND", spiking_neuron=neuron.IFNode).to(F64)
+    x = (torch.rand(2, 16, 5, 5, dtype=F64) > 0.5).to(F64)
+    with torch.no_grad():
+        got = block(x)
+        functional.reset_net(block)
+        branch = block.sn3(block.branch(x))
+    assert torch.equal(got, branch * (1.0 - x))
