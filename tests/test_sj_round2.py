@@ -495,3 +495,24 @@ def test_sew_bottleneck_connects_the_branch_first():
         functional.reset_net(block)
         branch = block.sn3(block.branch(x))
     assert torch.equal(got, branch * (1.0 - x))
+
+
+def test_if_and_lif_steps_match_the_neurons():
+    from spikefuse import surrogate
+
+    x = torch.rand(5, 3, dtype=F64, generator=torch.Generator().manual_seed(3)) * 2
+    for make, step in (
+        (
+            lambda: neuron.IFNode(v_reset=None, backend="torch"),
+            lambda xt, v: functional.if_step(xt, v, 1.0, None, surrogate.Sigmoid()),
+        ),
+        (
+            lambda: neuron.LIFNode(tau=3.0, decay_input=False, backend="torch"),
+            lambda xt, v: functional.lif_step(xt, v, 3.0, False, 1.0, 0.0, surrogate.Sigmoid()),
+        ),
+    ):
+        node, v = make(), torch.zeros(3, dtype=F64)
+        for xt in x:
+            s, v = step(xt, v)
+            assert torch.equal(node(xt), s)
+            torch.testing.assert_close(node.v, v, rtol=0, atol=1e-15)

@@ -242,3 +242,35 @@ def voltage_reset(
     if v_reset is None:
         return v - spike_d * v_threshold
     return spike_d * v_reset + (1.0 - spike_d) * v
+
+
+def if_step(
+    x: Tensor,
+    v: Tensor,
+    v_threshold: float,
+    v_reset: float | None,
+    surrogate_function: Callable[[Tensor], Tensor],
+    detach_reset: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """One IF step (SpikingJelly's ``functional.if_step``): H = V + X, S = sg(H - V_th), then
+    :func:`voltage_reset`; returns (S, V)."""
+    h = v + x
+    spike = surrogate_function(h - v_threshold)
+    return spike, voltage_reset(h, spike, v_threshold, v_reset, detach_reset)
+
+
+def lif_step(
+    x: Tensor,
+    v: Tensor,
+    tau: float,
+    decay_input: bool,
+    v_threshold: float,
+    v_reset: float | None,
+    surrogate_function: Callable[[Tensor], Tensor],
+    detach_reset: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """One LIF step (SpikingJelly's ``functional.lif_step``): H = :func:`lif_charge`,
+    S = sg(H - V_th), then :func:`voltage_reset`; returns (S, V)."""
+    h = lif_charge(x, v, tau, decay_input, v_reset)
+    spike = surrogate_function(h - v_threshold)
+    return spike, voltage_reset(h, spike, v_threshold, v_reset, detach_reset)
