@@ -306,3 +306,15 @@ def test_spikefuse_train_runs_on_n_mnist(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--data", "shd", "--checkpoint", str(tmp_path / "x.pt")])
     assert "--data shd needs --data-dir" in capsys.readouterr().err
+
+
+# ---- against SpikingJelly itself, where it is importable ---------------------------------------
+def test_integration_equals_spikingjellys():
+    sj = pytest.importorskip("spikingjelly.datasets")
+    ev = _events(500, 34, 34)
+    for split_by in ("number", "time"):
+        want = sj.integrate_events_by_fixed_frames_number(ev, split_by, 6, 34, 34)
+        got = datasets.integrate_events_by_fixed_frames_number(ev, split_by, 6, 34, 34)
+        assert np.array_equal(got, want)
+    want = sj.integrate_events_by_fixed_duration(ev, 7_000, 34, 34)
+    assert np.array_equal(datasets.integrate_events_by_fixed_duration(ev, 7_000, 34, 34), want)

@@ -415,24 +415,30 @@ def test_models_written_with_the_new_names_fuse():
         torch.testing.assert_close(fused(x), net(x), rtol=0, atol=1e-12)
 
 
-def test_memory_optimization_maps_onto_memory_modes():
+def test_optimize_memory_maps_onto_memory_modes():
+    import pytest
+
     from spikefuse import memopt
 
     net = _sj_style_net()
-    same, summary = memopt.memory_optimization(net, neuron.LIFNode, return_summary=True)
-    assert same is net and summary.memory is None and "level 0" in str(summary)
-    net, summary = memopt.optimize_memory(
-        net, (neuron.LIFNode,), level=2, max_split_rounds=3, return_summary=True
+    assert memopt.optimize_memory(net, neuron.LIFNode, level=0) is net
+    with pytest.raises(ValueError, match="example_forward is required"):
+        memopt.optimize_memory(net, neuron.LIFNode, level=1)
+    with pytest.raises(ValueError, match="level must be one of"):
+        memopt.optimize_memory(net, neuron.LIFNode, lambda m: m, level=5)
+    probe = lambda m: m(torch.rand(2, 1, 2, 8, 8, dtype=F64))  # noqa: E731
+    same, summary = memopt.optimize_memory(
+        net, (neuron.LIFNode,), probe, level=1, can_chunk=lambda m: True, return_summary=True
     )
-    assert summary.memory == "min" and len(summary.report.fused) == 2
-    assert "not applicable" in str(summary) and "max_split_rounds" in str(summary)
+    assert same is net and summary.memory == "min" and len(summary.report.fused) == 2
+    assert "not applicable: can_chunk" in str(summary)
     net.train()
     net(torch.rand(4, 2, 2, 8, 8, dtype=F64)).sum().backward()
     assert net.conv.synapse.weight.grad is not None
-    _, auto = memopt.memory_optimization(
-        _sj_style_net(), neuron.LIFNode, prefer="speed", return_summary=True
+    _, auto = memopt.optimize_memory(
+        _sj_style_net(), neuron.LIFNode, probe, level=1, compress=False, return_summary=True
     )
-    assert auto.level == 1 and auto.memory == "auto"
+    assert auto.memory == "auto"
 
 
 def test_ms_resnet_and_max_resnet():
