@@ -230,7 +230,7 @@ def test_cifar10_options_are_validated_while_parsing(
 ) -> None:
     assert "--data cifar10 needs --data-dir" in usage_error(capsys, "--data", "cifar10")
     err = usage_error(capsys, "--data-dir", str(tmp_path))
-    assert "--data-dir is for --data cifar10; the digits are built in" in err
+    assert "--data-dir is for --data cifar10 or a neuromorphic set; the digits are built in" in err
     err = usage_error(capsys, "--data", "cifar10", "--data-dir", str(tmp_path), "--limit", "5")
     assert "--limit must be >= 10, got 5 (--data cifar10)" in err
     # Beyond the digits' 1797 is fine for CIFAR-10 (checked against the files when read).

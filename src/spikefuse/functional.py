@@ -216,3 +216,61 @@ def set_backend(
             )
             continue
         module.backend = backend  # type: ignore[assignment]  # as for step_mode above
+
+
+def lif_charge(
+    x: Tensor, v: Tensor, tau: float, decay_input: bool, v_reset: float | None
+) -> Tensor:
+    """LIF charge without fire or reset (SpikingJelly's ``functional.lif_charge``), with
+    V_r = ``v_reset`` (0 when None):
+
+    decay_input=True:  H = V + (X - (V - V_r)) / tau
+    decay_input=False: H = V - (V - V_r) / tau + X
+    """
+    v_r = 0.0 if v_reset is None else v_reset
+    if decay_input:
+        return v + (x - (v - v_r)) / tau
+    return v - (v - v_r) / tau + x
+
+
+def voltage_reset(
+    v: Tensor, spike: Tensor, v_threshold: float, v_reset: float | None, detach_reset: bool
+) -> Tensor:
+    """The reset after a spike (SpikingJelly's ``functional.voltage_reset``), S detached when
+    ``detach_reset``: hard (``v_reset`` a float) S V_reset + (1 - S) V; soft (None) V - S V_th."""
+    spike_d = spike.detach() if detach_reset else spike
+    if v_reset is None:
+        return v - spike_d * v_threshold
+    return spike_d * v_reset + (1.0 - spike_d) * v
+
+
+def if_step(
+    x: Tensor,
+    v: Tensor,
+    v_threshold: float,
+    v_reset: float | None,
+    surrogate_function: Callable[[Tensor], Tensor],
+    detach_reset: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """One IF step (SpikingJelly's ``functional.if_step``): H = V + X, S = sg(H - V_th), then
+    :func:`voltage_reset`; returns (S, V)."""
+    h = v + x
+    spike = surrogate_function(h - v_threshold)
+    return spike, voltage_reset(h, spike, v_threshold, v_reset, detach_reset)
+
+
+def lif_step(
+    x: Tensor,
+    v: Tensor,
+    tau: float,
+    decay_input: bool,
+    v_threshold: float,
+    v_reset: float | None,
+    surrogate_function: Callable[[Tensor], Tensor],
+    detach_reset: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """One LIF step (SpikingJelly's ``functional.lif_step``): H = :func:`lif_charge`,
+    S = sg(H - V_th), then :func:`voltage_reset`; returns (S, V)."""
+    h = lif_charge(x, v, tau, decay_input, v_reset)
+    spike = surrogate_function(h - v_threshold)
+    return spike, voltage_reset(h, spike, v_threshold, v_reset, detach_reset)

@@ -28,6 +28,12 @@ from .functional import (
 )
 from .neuron import MemoryModule, StepModeMixin
 
+# SpikingJelly's layer names for online training through time (explicit re-exports)
+from .online import GradwithTrace as GradwithTrace
+from .online import OTTTSequential as OTTTSequential
+from .online import ReplaceforGrad as ReplaceforGrad
+from .online import SpikeTraceOp as SpikeTraceOp
+
 
 def seq_to_ann(module: Callable[[Tensor], Any], x_seq: Tensor) -> Any:
     """Apply ``module`` to ``[T, N, *]`` by merging T and N (tuple outputs are split too)."""
@@ -432,3 +438,91 @@ class LinearRecurrentContainer(MemoryModule):
 
     def extra_repr(self) -> str:
         return f"step_mode={self.step_mode}"
+
+
+def _standardised(weight: Tensor, gain: Tensor | None, eps: float) -> Tensor:
+    """(W - mean) / sqrt(var * fan_in + eps) [* gain], mean and (unbiased) variance over each
+    output unit's fan-in (SpikingJelly's weight standardisation)."""
+    dims = list(range(1, weight.dim()))
+    fan_in = math.prod(weight.shape[1:])
+    mean = weight.mean(dim=dims, keepdim=True)
+    var = weight.var(dim=dims, keepdim=True)
+    standard = (weight - mean) / ((var * fan_in + eps) ** 0.5)
+    return standard if gain is None else standard * gain
+
+
+def _check_eps(who: str, eps: float) -> None:
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise SpikefuseError(f"{who}: eps must be a finite float > 0, got {eps!r}")
+
+
+class WSConv2d(Conv2d):  # type: ignore[misc,valid-type]  # Conv2d is made by _wrap
+    """:class:`Conv2d` with weight standardisation (:func:`_standardised`) and a learnable gain
+    [C_out, 1, 1, 1] (``gain=True``), as SpikingJelly's ``layer.WSConv2d``. Not fused by
+    :func:`spikefuse.fuse` (its weight is not the layer's ``weight``)."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        step_mode: str = "s",
+        gain: bool = True,
+        eps: float = 1e-4,
+    ) -> None:
+        _check_eps("WSConv2d", eps)
+        super().__init__(
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            step_mode=step_mode,
+        )
+        self.gain = nn.Parameter(torch.ones(out_channels, 1, 1, 1)) if gain else None
+        self.eps = eps
+
+    def get_weight(self) -> Tensor:
+        """The standardised weight the convolution uses."""
+        return _standardised(self.weight, self.gain, self.eps)
+
+    def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return super()._conv_forward(input, self.get_weight(), bias)
+
+
+class WSLinear(Linear):  # type: ignore[misc,valid-type]  # Linear is made by _wrap
+    """:class:`Linear` with weight standardisation and a learnable gain [out_features, 1]
+    (``gain=True``), as SpikingJelly's ``layer.WSLinear`` (whose gain=True fails there: it
+    reads ``out_channels``, which a Linear lacks). Any ``[..., in_features]`` input, either
+    step mode. Not fused by :func:`spikefuse.fuse`."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        step_mode: str = "s",
+        gain: bool = True,
+        eps: float = 1e-4,
+    ) -> None:
+        _check_eps("WSLinear", eps)
+        super().__init__(in_features, out_features, bias, step_mode=step_mode)
+        self.gain = nn.Parameter(torch.ones(out_features, 1)) if gain else None
+        self.eps = eps
+
+    def get_weight(self) -> Tensor:
+        """The standardised weight the layer uses."""
+        return _standardised(self.weight, self.gain, self.eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.get_weight(), self.bias)

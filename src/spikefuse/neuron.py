@@ -13,7 +13,7 @@ import copy
 import functools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -108,9 +108,15 @@ class StepModeMixin:
 
     @step_mode.setter
     def step_mode(self, mode: str) -> None:
-        if mode not in STEP_MODES:
-            raise SpikefuseError(f"step_mode must be 's' or 'm', got {mode!r}")
+        supported = self.supported_step_mode()
+        if mode not in supported:
+            allowed = " or ".join(repr(m) for m in supported)
+            raise SpikefuseError(f"step_mode must be {allowed}, got {mode!r}")
         self._step_mode = mode
+
+    def supported_step_mode(self) -> tuple[str, ...]:
+        """The step modes this module takes (SpikingJelly's ``StepModule`` method)."""
+        return STEP_MODES
 
 
 class MemoryModule(StepModeMixin, nn.Module):
@@ -127,6 +133,28 @@ class MemoryModule(StepModeMixin, nn.Module):
             raise SpikefuseError(f"memory {name!r} clashes with a parameter, buffer or module")
         self._memory_defaults[name] = copy.deepcopy(value)
         setattr(self, name, value)
+
+    def set_reset_value(self, name: str, value: Any) -> None:
+        """Change the value :meth:`reset` restores memory ``name`` to (SpikingJelly's method)."""
+        if name not in self._memory_defaults:
+            raise SpikefuseError(f"{name!r} is not a memory of {type(self).__name__}")
+        self._memory_defaults[name] = copy.deepcopy(value)
+
+    def get_reset_value(self, name: str) -> Any:
+        """SpikingJelly's name of :meth:`memory_default`."""
+        if name not in self._memory_defaults:
+            raise KeyError(f"{name} is not a registered memory.")
+        return self._memory_defaults[name]
+
+    def named_memories(self) -> Iterator[tuple[str, Any]]:
+        """(name, current value) of every memory, in registration order."""
+        for name in self._memory_defaults:
+            yield name, getattr(self, name)
+
+    def memories(self) -> Iterator[Any]:
+        """The current value of every memory, in registration order."""
+        for _, value in self.named_memories():
+            yield value
 
     def memory_default(self, name: str) -> Any:
         """The value :meth:`reset` restores memory ``name`` to (given when it was registered:
@@ -316,7 +344,7 @@ class BaseNode(MemoryModule):
         if initial_v is None:  # BaseNode's rule: V starts at V_reset (0 under soft reset)
             initial_v = 0.0 if v_reset is None else float(v_reset)
         self.register_memory("v", initial_v)
-        self.register_memory("v_seq", None)
+        self.set_memory("v_seq", None)  # not a memory: the user's attribute unless store_v_seq
 
     def _init_definition(
         self,
@@ -359,7 +387,7 @@ class BaseNode(MemoryModule):
         self.register_memory("v", 0.0 if v_reset is None else float(v_reset))
         if definition.adaptive:
             self.register_memory("w", float(w_init))
-        self.register_memory("v_seq", None)
+        self.set_memory("v_seq", None)  # not a memory: the user's attribute unless store_v_seq
 
     @property
     def supported_backends(self) -> tuple[str, ...]:
@@ -415,6 +443,16 @@ class BaseNode(MemoryModule):
     _PROGRAM_FIELDS = ("surrogate_function", "v_reset", "detach_reset")
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # SpikingJelly's store_v_seq setter drops v_seq; a step-mode change drops a sequence
+        # this neuron recorded (store_v_seq), never one the user keeps there
+        drops_v_seq = name == "store_v_seq" or (
+            name == "step_mode" and self.__dict__.get("store_v_seq") is True
+        )
+        self._set_attribute(name, value)
+        if drops_v_seq:
+            self.set_memory("v_seq", None)
+
+    def _set_attribute(self, name: str, value: Any) -> None:
         if name == "surrogate_function":
             runs_in_kernels(value)  # validates it (torch-code surrogates: torch backend only)
         if name in _FLAGS and not isinstance(value, bool):  # bool("no") would be True
@@ -438,8 +476,6 @@ class BaseNode(MemoryModule):
         # torch.compile tracing it) only reads an attribute.
         if name in self._PROGRAM_FIELDS:
             self._update_program()
-        if name in ("step_mode", "store_v_seq"):  # a sequence recorded otherwise: dropped
-            self.set_memory("v_seq", None)
 
     def _check_torch_code_constants(self, change: dict[str, Any]) -> None:
         """A torch-code neuron's threshold and reset (it has no NeuronDef constants to check),
@@ -480,6 +516,29 @@ class BaseNode(MemoryModule):
         super().__setstate__(state)
         if isinstance(self.surrogate_function, Surrogate):  # it does not pickle its users
             self.surrogate_function.add_user(self)
+
+    # Whether reset() drops v_seq (SpikingJelly's BaseNode does; its SimpleBaseNode has no v_seq)
+    _resets_v_seq = True
+
+    def reset(self) -> None:
+        """Restore V (and W) to their defaults and drop ``v_seq``, as SpikingJelly's
+        ``BaseNode.reset`` does; other attributes (a user's ``s_seq``, ...) are left alone."""
+        super().reset()
+        if self._resets_v_seq:
+            self.set_memory("v_seq", None)
+
+    def detach(self) -> None:
+        """As :meth:`MemoryModule.detach`, and a ``v_seq`` tensor is detached too."""
+        super().detach()
+        if isinstance(self.v_seq, Tensor):
+            self.set_memory("v_seq", self.v_seq.detach())
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As :meth:`MemoryModule.__getstate__`, with a recorded ``v_seq`` detached too."""
+        state = super().__getstate__()
+        if isinstance(state.get("v_seq"), Tensor):
+            state["v_seq"] = state["v_seq"].detach()
+        return state
 
     def _validated_constants(self, changes: Mapping[str, Any]) -> list[float]:
         """V_th, V_reset (0 for soft reset) and the non-learnable parameters, with ``changes``
@@ -622,9 +681,9 @@ class BaseNode(MemoryModule):
         self.set_memory("v", v_last)
         if adaptive:
             self.set_memory("w", w_last)
-        if multi_step or not self.store_v_seq:
-            self.set_memory("v_seq", v_seq if store_v_seq else None)
-        else:
+        if store_v_seq:
+            self.set_memory("v_seq", v_seq)
+        elif self.store_v_seq:  # single-step
             self._append_v_seq(v_last)
         return spikes if multi_step else spikes[0]
 
@@ -680,7 +739,8 @@ class BaseNode(MemoryModule):
             spikes.append(step(x))
             if self.store_v_seq:
                 v_seq.append(self.v)
-        self.set_memory("v_seq", torch.stack(v_seq) if self.store_v_seq else None)
+        if self.store_v_seq:
+            self.set_memory("v_seq", torch.stack(v_seq))
         return torch.stack(spikes)
 
     def _torch_code_forward(self, x: Tensor, reason: str) -> Tensor:
@@ -786,7 +846,10 @@ class SimpleBaseNode(BaseNode):
     """SpikingJelly 2.0's base class for neurons written in torch code: subclasses implement
     ``neuronal_charge(self, x)`` (V <- H from X); fire and reset are BaseNode's. As in
     SpikingJelly, V starts at 0 (not at V_reset) and there is no ``store_v_seq``. Runs on the
-    torch backend as a per-step loop with autograd (see :class:`BaseNode`)."""
+    torch backend as a per-step loop with autograd (see :class:`BaseNode`). ``reset()`` leaves
+    ``v_seq`` alone (SpikingJelly's SimpleBaseNode does not manage it)."""
+
+    _resets_v_seq = False
 
     def __init__(
         self,
@@ -1088,3 +1151,172 @@ class IzhikevichNode(BaseNode):
     def w_rest(self, value: float) -> None:
         _check_finite("IzhikevichNode", "w_rest", value)
         self._memory_defaults["w"] = float(value)
+
+
+class SimpleLIFNode(SimpleBaseNode):
+    """SpikingJelly's torch-code LIF (no kernels, no ``store_v_seq``; V starts at 0):
+
+    decay_input=True:  H[t] = V[t-1] + (V_reset - V[t-1] + X[t]) / tau
+    decay_input=False: H[t] = V[t-1] + (V_reset - V[t-1]) / tau + X[t]
+
+    ``tau`` and ``decay_input`` have no defaults, as in SpikingJelly. Extension: under soft reset
+    (``v_reset=None``, where SpikingJelly's charge fails on None) V leaks towards 0, as
+    :func:`spikefuse.functional.lif_charge` does."""
+
+    def __init__(
+        self,
+        tau: float,
+        decay_input: bool,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        surrogate_function: Any = None,
+        detach_reset: bool = False,
+        step_mode: str = "s",
+    ) -> None:
+        _check_finite("SimpleLIFNode", "tau", tau)
+        if not tau > 0:
+            raise SpikefuseError(f"SimpleLIFNode: tau must be > 0, got {tau}")
+        if not isinstance(decay_input, bool):
+            raise SpikefuseError(
+                f"SimpleLIFNode: decay_input must be True or False, got {decay_input!r}"
+            )
+        super().__init__(v_threshold, v_reset, surrogate_function, detach_reset, step_mode)
+        self.tau = tau
+        self.decay_input = decay_input
+
+    def neuronal_charge(self, x: Tensor) -> None:
+        v_reset = 0.0 if self.v_reset is None else self.v_reset
+        if self.decay_input:
+            self.v = self.v + (v_reset - self.v + x) / self.tau
+        else:
+            self.v = self.v + (v_reset - self.v) / self.tau + x
+
+    def extra_repr(self) -> str:
+        return f"tau={self.tau}, decay_input={self.decay_input}, " + super().extra_repr()
+
+
+class _OnlineLIFNode(LIFNode):
+    """A single-step LIFNode for online training through time: in training, V is detached
+    from the earlier steps before each step, so backward never reaches back in time and the
+    memory of a training step does not grow with T (call ``loss.backward()`` and the optimiser
+    at every step). In eval mode it is a plain LIFNode. Only ``step_mode='s'``."""
+
+    def __init__(
+        self,
+        tau: float,
+        decay_input: bool,
+        v_threshold: float,
+        v_reset: float | None,
+        surrogate_function: Surrogate | None,
+        detach_reset: bool,
+        step_mode: str,
+        backend: str,
+        store_v_seq: bool,
+    ) -> None:
+        if step_mode != "s":
+            raise SpikefuseError(
+                f"{type(self).__name__}: step_mode must be 's' (online training runs one step "
+                f"at a time to keep memory constant in T), got {step_mode!r}"
+            )
+        super().__init__(
+            tau,
+            decay_input,
+            v_threshold,
+            v_reset,
+            surrogate_function,
+            detach_reset,
+            step_mode,
+            backend,
+            store_v_seq,
+        )
+
+    def supported_step_mode(self) -> tuple[str, ...]:
+        return ("s",)
+
+    def _online_step(self, x: Tensor) -> Tensor:
+        if self.training and isinstance(self.v, Tensor):
+            self.set_memory("v", self.v.detach())  # no gradient path to earlier steps
+        return BaseNode.forward(self, x)
+
+
+class SLTTLIFNode(_OnlineLIFNode):
+    """SLTT's LIF: a LIFNode whose V is detached from earlier steps in training (see
+    :class:`_OnlineLIFNode`); returns the spikes [N, *]. SpikingJelly's defaults
+    (``decay_input=True``, ``v_reset=0``, ``detach_reset=True``)."""
+
+    def __init__(
+        self,
+        tau: float = 2.0,
+        decay_input: bool = True,
+        v_threshold: float = 1.0,
+        v_reset: float | None = 0.0,
+        surrogate_function: Surrogate | None = None,
+        detach_reset: bool = True,
+        step_mode: str = "s",
+        backend: str = "auto",
+        store_v_seq: bool = False,
+    ) -> None:
+        super().__init__(
+            tau,
+            decay_input,
+            v_threshold,
+            v_reset,
+            surrogate_function,
+            detach_reset,
+            step_mode,
+            backend,
+            store_v_seq,
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._online_step(x)
+
+
+class OTTTLIFNode(_OnlineLIFNode):
+    """OTTT's LIF (SpikingJelly's defaults: ``decay_input=False``, soft reset,
+    ``detach_reset=True``). In training V is detached from earlier steps and the neuron also
+    keeps a presynaptic trace, ``trace[t] = trace[t-1] (1 - 1/tau) + S[t]`` (no gradient); it
+    returns ``[spike, trace]`` (a list, which :class:`spikefuse.layer.OTTTSequential` passes
+    on: the next layer's weights get their gradient from the trace). In eval mode it returns
+    the spikes only and leaves the trace alone."""
+
+    trace: Tensor | None
+
+    def __init__(
+        self,
+        tau: float = 2.0,
+        decay_input: bool = False,
+        v_threshold: float = 1.0,
+        v_reset: float | None = None,
+        surrogate_function: Surrogate | None = None,
+        detach_reset: bool = True,
+        step_mode: str = "s",
+        backend: str = "auto",
+        store_v_seq: bool = False,
+    ) -> None:
+        super().__init__(
+            tau,
+            decay_input,
+            v_threshold,
+            v_reset,
+            surrogate_function,
+            detach_reset,
+            step_mode,
+            backend,
+            store_v_seq,
+        )
+        self.register_memory("trace", None)
+
+    @staticmethod
+    def track_trace(spike: Tensor, trace: Tensor, tau: float) -> Tensor:
+        """trace (1 - 1/tau) + spike, without gradient."""
+        with torch.no_grad():
+            return trace * (1.0 - 1.0 / tau) + spike
+
+    def forward(self, x: Tensor) -> Tensor | list[Tensor]:  # type: ignore[override]
+        spike = self._online_step(x)
+        if not self.training:
+            return spike
+        trace = torch.zeros_like(spike) if self.trace is None else self.trace
+        self.set_memory("trace", self.track_trace(spike, trace, cast(float, self.tau)))
+        return [spike, cast(Tensor, self.trace)]

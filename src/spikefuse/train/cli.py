@@ -70,14 +70,17 @@ def _add_data_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         "--data",
         choices=list(DATA_SETS),
         default=d.data,
-        help="digits: scikit-learn's, built in; cifar10: read from --data-dir",
+        help="digits: scikit-learn's, built in; cifar10 and the neuromorphic sets "
+        "(dvs128-gesture, cifar10-dvs, n-mnist, shd: --T frames per sample): read from "
+        "--data-dir",
     )
     p.add_argument(
         "--data-dir",
         default=d.data_dir,
         metavar="PATH",
         help="CIFAR-10's binary version (cifar-10-batches-bin: data_batch_1..5.bin, "
-        "test_batch.bin)",
+        "test_batch.bin), or a neuromorphic set's root folder as spikingjelly.datasets "
+        "takes it (download/ with the published files, extract/ or events_np/)",
     )
     p.add_argument(
         "--fuse",

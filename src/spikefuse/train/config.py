@@ -33,7 +33,22 @@ CIFAR10_SIZE = 32
 CIFAR10_RECORD_BYTES = 1 + 3 * CIFAR10_SIZE * CIFAR10_SIZE
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
 CIFAR10_TEST_FILE = "test_batch.bin"
-DATA_SETS = {"digits": DIGITS_SIZE, "cifar10": CIFAR10_SIZE}  # name -> image side
+# Neuromorphic data sets (spikefuse.datasets, read from --data-dir): image side, classes.
+# SHD's 700 units are laid out as a 28 x 28 map (84 cells stay 0) for the convolutional nets.
+NEUROMORPHIC = {
+    "dvs128-gesture": (128, 11),
+    "cifar10-dvs": (128, 10),
+    "n-mnist": (34, 10),
+    "shd": (28, 20),
+}
+DATA_SETS = {  # name -> image side
+    "digits": DIGITS_SIZE,
+    "cifar10": CIFAR10_SIZE,
+    **{name: side for name, (side, _) in NEUROMORPHIC.items()},
+}
+CLASSES = {
+    name: NEUROMORPHIC[name][1] if name in NEUROMORPHIC else NUM_CLASSES for name in DATA_SETS
+}
 AMP_MODES = ("none", "bf16")
 # CUDA graphs: "model" replays the model's forward and backward (spikefuse.graph_model) inside
 # the eager step, "step" the whole step (spikefuse.graphs.GraphedStep), "auto" is "model" on
@@ -83,8 +98,9 @@ def check_limit(limit: int | None, data: str = "digits") -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A network ``--model`` can train: ``build(make_neuron, channels, size)`` returns it in
-    multi-step mode for ``channels`` x ``size`` x ``size`` images, ``[T, N, classes]`` out.
+    """A network ``--model`` can train: ``build(make_neuron, channels, size, classes)``
+    returns it in multi-step mode for ``channels`` x ``size`` x ``size`` images,
+    ``[T, N, classes]`` out.
 
     ``architecture`` is recorded in checkpoints; ``channels`` is the input channel count the
     network needs (None: any; grey digits are repeated to RGB for a 3-channel network);
@@ -95,24 +111,33 @@ class ModelSpec:
     architecture: str
     channels: int | None
     min_size: int
-    build: Callable[[Callable[..., nn.Module], int, int], nn.Module]
+    build: Callable[[Callable[..., nn.Module], int, int, int], nn.Module]
     bn_stride: int
 
 
 def _zoo(constructor: Callable[..., nn.Module], **options: Any) -> Callable[..., nn.Module]:
     """A :class:`ModelSpec` builder for a :mod:`spikefuse.models` constructor (10 classes)."""
 
-    def build(make_neuron: Callable[..., nn.Module], channels: int, size: int) -> nn.Module:
+    def build(
+        make_neuron: Callable[..., nn.Module], channels: int, size: int, classes: int
+    ) -> nn.Module:
         # step_mode goes to every neuron and (an extension of SpikingJelly's) to the layers.
+        if channels != 3:
+            raise SpikefuseError(
+                f"{constructor.__name__} takes RGB images; this data has {channels} channels "
+                "(use --model digits-cnn)"
+            )
         return constructor(
-            spiking_neuron=make_neuron, num_classes=NUM_CLASSES, step_mode="m", **options
+            spiking_neuron=make_neuron, num_classes=classes, step_mode="m", **options
         )
 
     return build
 
 
-def _digits_cnn(make_neuron: Callable[..., nn.Module], channels: int, size: int) -> nn.Module:
-    return build_model(make_neuron, channels=channels, size=size)
+def _digits_cnn(
+    make_neuron: Callable[..., nn.Module], channels: int, size: int, classes: int
+) -> nn.Module:
+    return build_model(make_neuron, channels=channels, size=size, classes=classes)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -140,7 +165,10 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def build_model(
-    make_neuron: Callable[..., nn.Module], channels: int = 1, size: int = DIGITS_SIZE
+    make_neuron: Callable[..., nn.Module],
+    channels: int = 1,
+    size: int = DIGITS_SIZE,
+    classes: int = NUM_CLASSES,
 ) -> nn.Sequential:
     """The digits CNN: Conv-BN-spike-pool, twice, then a linear readout, all in multi-step
     mode, for ``channels`` x ``size`` x ``size`` images (``size`` a multiple of 4).
@@ -159,7 +187,7 @@ def build_model(
         make_neuron(step_mode="m"),
         layer.MaxPool2d(2, step_mode="m"),  # 4x4 -> 2x2
         layer.Flatten(step_mode="m"),
-        layer.Linear(32 * (size // 4) ** 2, NUM_CLASSES, step_mode="m"),
+        layer.Linear(32 * (size // 4) ** 2, classes, step_mode="m"),
     )
 
 
@@ -225,8 +253,16 @@ class TrainConfig:
                 "--data cifar10 needs --data-dir: the folder holding CIFAR-10's binary version "
                 f"(cifar-10-batches-bin: {', '.join(CIFAR10_TRAIN_FILES)}, {CIFAR10_TEST_FILE})"
             )
+        if self.data in NEUROMORPHIC and not (isinstance(self.data_dir, str) and self.data_dir):
+            raise SpikefuseError(
+                f"--data {self.data} needs --data-dir: the data set's root folder, as "
+                "spikingjelly.datasets takes it (download/ with the published files, or "
+                "extract/, or events_np/; nothing is downloaded)"
+            )
         if self.data == "digits" and self.data_dir is not None:
-            raise SpikefuseError("--data-dir is for --data cifar10; the digits are built in")
+            raise SpikefuseError(
+                "--data-dir is for --data cifar10 or a neuromorphic set; the digits are built in"
+            )
         size, least = DATA_SETS[self.data], MODELS[self.model].min_size
         if size < least:
             raise SpikefuseError(

@@ -1,16 +1,20 @@
-"""The data sets ``spikefuse train`` reads: scikit-learn's digits and CIFAR-10's binary version."""
+"""The data sets ``spikefuse train`` reads: scikit-learn's digits, CIFAR-10's binary version
+and the neuromorphic sets of :mod:`spikefuse.datasets`."""
 
 from __future__ import annotations
 
 import functools
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from spikefuse import datasets
 from spikefuse.errors import SpikefuseError
 from spikefuse.extras import require
 from spikefuse.train.config import (
@@ -19,6 +23,7 @@ from spikefuse.train.config import (
     CIFAR10_TEST_FILE,
     CIFAR10_TRAIN_FILES,
     NEEDS_DIGITS,
+    NEUROMORPHIC,
     NUM_CLASSES,
     TEST_FRACTION,
     TRAIN,
@@ -33,7 +38,8 @@ READ_CHUNK_BYTES = 1 << 24
 
 @dataclass(frozen=True)
 class Dataset:
-    """A fixed train/test split, images scaled to [0, 1] with shape ``[N, C, H, W]``."""
+    """A fixed train/test split: images scaled to [0, 1] with shape ``[N, C, H, W]``, or
+    sequences of frames ``[N, T, C, H, W]`` (neuromorphic data)."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
@@ -46,9 +52,14 @@ class Dataset:
 
     def with_channels(self, channels: int) -> Dataset:
         """Return the split with grey images repeated to ``channels`` channels."""
-        if self.x_train.shape[1] == channels:
+        if self.x_train.shape[-3] == channels:
             return self
-        expand = functools.partial(torch.repeat_interleave, repeats=channels, dim=1)
+        if self.x_train.shape[-3] != 1:
+            raise SpikefuseError(
+                f"the network takes {channels}-channel input; this data has "
+                f"{self.x_train.shape[-3]} channels (use --model digits-cnn)"
+            )
+        expand = functools.partial(torch.repeat_interleave, repeats=channels, dim=-3)
         return Dataset(expand(self.x_train), self.y_train, expand(self.x_test), self.y_test)
 
 
@@ -177,8 +188,76 @@ def load_cifar10(data_dir: Path, seed: int, limit: int | None = None) -> Dataset
     )
 
 
+NEUROMORPHIC_TRAIN_RATIO = 0.9  # CIFAR10-DVS has no split: SpikingJelly's examples take 9:1
+
+
+def _frame_dataset(name: str, root: Path, T: int, train: bool) -> Any:
+    """spikefuse.datasets' ``name`` as frames: T frames of equal event counts (CIFAR10-DVS,
+    which has no split, ignores ``train``)."""
+    if name == "cifar10-dvs":
+        return datasets.CIFAR10DVS(root, "frame", frames_number=T, split_by="number")
+    kinds = {
+        "dvs128-gesture": datasets.DVS128Gesture,
+        "n-mnist": datasets.NMNIST,
+        "shd": datasets.SHD,
+    }
+    return kinds[name](root, train, "frame", frames_number=T, split_by="number")
+
+
+def _as_images(frames: np.ndarray, name: str) -> np.ndarray:
+    """[T, C, H, W] frames; SHD's [T, 700] spike counts laid out as [T, 1, 28, 28]."""
+    if name != "shd":
+        return frames
+    side = NEUROMORPHIC[name][0]
+    padded = np.zeros((frames.shape[0], side * side), np.float32)
+    padded[:, : frames.shape[1]] = frames
+    return padded.reshape(-1, 1, side, side)
+
+
+def _stack(data: Any, indices: Sequence[int], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frames ``[N, T, C, H, W]`` (event counts) and labels of ``data[indices]``."""
+    samples = [data[i] for i in indices]
+    x = np.stack([_as_images(frames, name) for frames, _ in samples])
+    return torch.from_numpy(x), torch.tensor([int(label) for _, label in samples])
+
+
+def load_neuromorphic(
+    name: str, root: Path, T: int, seed: int, limit: int | None = None
+) -> Dataset:
+    """A neuromorphic data set (``--data dvs128-gesture|cifar10-dvs|n-mnist|shd``) from the
+    files under ``root`` (see :mod:`spikefuse.datasets`), as ``T`` frames per sample
+    (SpikingJelly's ``frames_number=T, split_by='number'``, cached in ``root``); ``limit``
+    keeps a seeded random subset of the training samples (and as many test samples at most)."""
+    check_limit(limit, name)
+    if name == "cifar10-dvs":
+        every = _frame_dataset(name, root, T, True)
+        train_part, test_part = datasets.split_to_train_test_set(
+            NEUROMORPHIC_TRAIN_RATIO, every, NEUROMORPHIC[name][1]
+        )
+        train_set, train_idx = every, list(train_part.indices)
+        test_set, test_idx = every, list(test_part.indices)
+    else:
+        train_set, test_set = (_frame_dataset(name, root, T, train) for train in (True, False))
+        train_idx, test_idx = list(range(len(train_set))), list(range(len(test_set)))
+    if limit is not None and limit > len(train_idx):
+        raise SpikefuseError(
+            f"--limit {limit}: '{root}' holds only {len(train_idx)} training samples"
+        )
+    train_keep = np.asarray(train_idx)[_subset(seed, len(train_idx), limit)]
+    test_limit = None if limit is None else min(limit, len(test_idx))
+    test_keep = np.asarray(test_idx)[_subset(seed, len(test_idx), test_limit)]
+    return Dataset(
+        *_stack(train_set, train_keep.tolist(), name), *_stack(test_set, test_keep.tolist(), name)
+    )
+
+
 def load_data(config: TrainConfig) -> Dataset:
     """The data set ``config`` names, split and limited as it says."""
+    if config.data in NEUROMORPHIC:
+        assert config.data_dir is not None  # TrainConfig requires it
+        return load_neuromorphic(
+            config.data, Path(config.data_dir), config.T, config.seed, config.limit
+        )
     if config.data_dir is not None:  # TrainConfig: a --data-dir exactly for --data cifar10
         return load_cifar10(Path(config.data_dir), config.seed, config.limit)
     return load_digits_split(config.seed, config.limit)

@@ -32,6 +32,7 @@ from spikefuse.train.checkpoint import (
 from spikefuse.train.config import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
+    CLASSES,
     EVAL_BATCH_SIZE,
     MODELS,
     NEEDS_DIGITS,
@@ -65,21 +66,27 @@ def build_network(config: TrainConfig, data: Dataset) -> tuple[nn.Module, Datase
     if spec.channels is not None:
         data = data.with_channels(spec.channels)
     make_neuron = functools.partial(NEURONS[config.neuron], backend=config.backend)
-    _, channels, size, _ = data.x_train.shape
-    return spec.build(make_neuron, channels, size), data
+    channels, size = data.x_train.shape[-3], data.x_train.shape[-1]
+    return spec.build(make_neuron, channels, size, CLASSES[config.data]), data
 
 
 def forward(
     model: nn.Module, images: torch.Tensor, T: int, amp: str = "none", graphed: bool = False
 ) -> torch.Tensor:
     """Direct encoding: feed the same image at each of the T steps (a view, ``expand``: the
-    first synapse then runs once per image); return ``[N, classes]`` (float32).
+    first synapse then runs once per image), or a sequence of frames ``[N, T, C, H, W]`` step
+    by step; return ``[N, classes]`` (float32).
     ``amp="bf16"`` runs the model under bf16 autocast (CPU or CUDA); ``graphed``: the call is
     captured into a CUDA graph, where autocast must not cache its weight casts."""
     with torch.autocast(
         images.device.type, torch.bfloat16, enabled=amp == "bf16", cache_enabled=not graphed
     ):
-        logits = model(images.unsqueeze(0).expand(T, *images.shape)).mean(0)
+        steps = (
+            images.transpose(0, 1)
+            if images.dim() == 5
+            else images.unsqueeze(0).expand(T, *images.shape)
+        )
+        logits = model(steps).mean(0)
     functional.reset_net(model)  # the next batch starts from resting neurons
     return logits.float()
 
