@@ -178,3 +178,24 @@ def test_a_training_config_takes_numpy_numbers_as_python_numbers() -> None:
     assert type(config.model_config()["seed"]) is int  # what the checkpoint records
     with pytest.raises(SpikefuseError, match="--epochs must be a whole number >= 1, got np.True_"):
         TrainConfig(epochs=np.bool_(True))
+
+
+@pytest.mark.parametrize("num_classes", [0, -1, 10.0, True])
+@pytest.mark.parametrize("zoo", ["spiking_resnet18", "spiking_resnet19", "spiking_vgg11_bn"])
+def test_the_zoo_refuses_a_class_count_that_is_not_a_count(zoo: str, num_classes) -> None:
+    from spikefuse import models
+
+    make = getattr(models, zoo)
+    with pytest.raises(
+        SpikefuseError, match=rf"num_classes must be an int >= 1, got {num_classes}"
+    ):
+        make(spiking_neuron=neuron.IFNode, num_classes=num_classes)
+
+
+def test_the_zoo_takes_numpy_counts() -> None:
+    from spikefuse import models
+
+    net = models.spiking_vgg11_bn(
+        spiking_neuron=neuron.IFNode, num_classes=np.int64(3), classifier_features=np.int32(8)
+    )
+    assert net.classifier[-1].out_features == 3 and net.classifier[0].out_features == 8

@@ -9,17 +9,15 @@ import csv
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import free_port, status_worker, write_cifar10
 from spikefuse.cli import main
 from spikefuse.train import (
     CIFAR10_RECORD_BYTES,
-    CIFAR10_TEST_FILE,
     CIFAR10_TRAIN_FILES,
     LOG_HEADER,
     log_paths,
@@ -91,28 +89,6 @@ def test_a_resume_refuses_a_log_too_large_to_be_ours(
 
 
 # ---- ranks ----------------------------------------------------------------------------------
-def write_cifar10(folder: Path, records: int) -> Path:
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for name in (*CIFAR10_TRAIN_FILES, CIFAR10_TEST_FILE):
-        labels = rng.integers(0, 10, (records, 1), dtype=np.uint8)
-        pixels = rng.integers(0, 256, (records, CIFAR10_RECORD_BYTES - 1), dtype=np.uint8)
-        np.concatenate([labels, pixels], axis=1).tofile(folder / name)
-    return folder
-
-
-def _rank_worker(rank: int, port: int, folder: str, argv: list[list[str]]) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-    )
-    Path(folder, f"rank{rank}.status").write_text(str(main(["train", *argv[rank]])))
-
-
 @pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
 )
@@ -120,12 +96,12 @@ def test_ranks_that_see_different_data_stop_together(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    complete, partial = write_cifar10(tmp_path / "a", 4), write_cifar10(tmp_path / "b", 3)
+    complete, partial = write_cifar10(tmp_path / "a", 4), write_cifar10(tmp_path / "b", 3, 1)
     argv = ["--device", "cpu", "--quiet", "--T", "1", "--data", "cifar10", "--batch-size", "2"]
     argv += ["--checkpoint", str(tmp_path / "run.pt")]
     per_rank = [[*argv, "--data-dir", str(complete)], [*argv, "--data-dir", str(partial)]]
     context = mp.start_processes(
-        _rank_worker,
+        status_worker,
         args=(free_port(), str(tmp_path), per_rank),
         nprocs=2,
         join=False,
