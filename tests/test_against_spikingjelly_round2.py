@@ -220,6 +220,33 @@ def test_zoo_constructors_share_state_dicts_and_outputs():
     _compare_zoo(cases)
 
 
+def test_ottt_vgg_and_more_plif_nets_share_state_dicts_and_outputs():
+    from spikingjelly.activation_based.model import parametric_lif_net as sj_plif
+    from spikingjelly.activation_based.model import spiking_vggws_ottt as sj_ottt
+
+    from spikefuse.model import parametric_lif_net, spiking_vggws_ottt
+
+    _compare_zoo(
+        [
+            (
+                lambda: sj_ottt.ottt_spiking_vggws(num_classes=4),
+                lambda: spiking_vggws_ottt.ottt_spiking_vggws(num_classes=4),
+                (2, 3, 16, 16),
+            ),
+            (
+                lambda: sj_plif.CIFAR10Net(4, sj_neuron.IFNode),
+                lambda: parametric_lif_net.CIFAR10Net(4, neuron.IFNode),
+                (2, 3, 32, 32),
+            ),
+            (
+                lambda: sj_plif.MNISTNet(4, sj_neuron.IFNode),
+                lambda: parametric_lif_net.MNISTNet(4, neuron.IFNode),
+                (2, 1, 28, 28),
+            ),
+        ]
+    )
+
+
 def test_bottleneck_resnets_share_state_dicts_and_outputs(monkeypatch):
     try:  # SpikingJelly's ResNet files import torchvision's weight loader, unused here
         import torchvision  # noqa: F401
