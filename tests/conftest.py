@@ -6,10 +6,12 @@ is skipped elsewhere with the reason.
 from __future__ import annotations
 
 import math
+import os
 import socket
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,6 +95,40 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_cifar10(folder: Path, records: int, seed: int = 0) -> Path:
+    """CIFAR-10's binary layout: per record a label byte, then the R, G and B planes."""
+    from spikefuse.train import CIFAR10_RECORD_BYTES, CIFAR10_TEST_FILE, CIFAR10_TRAIN_FILES
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for name in (*CIFAR10_TRAIN_FILES, CIFAR10_TEST_FILE):
+        labels = rng.integers(0, 10, (records, 1), dtype=np.uint8)
+        pixels = rng.integers(0, 256, (records, CIFAR10_RECORD_BYTES - 1), dtype=np.uint8)
+        np.concatenate([labels, pixels], axis=1).tofile(folder / name)
+    return folder
+
+
+def status_worker(rank: int, port: int, folder: str, argv: list[list[str]]) -> None:
+    """A torchrun rank of ``len(argv)`` running ``spikefuse train`` with ``argv[rank]``; writes
+    its exit status to ``rank<r>.status`` in ``folder``."""
+    from spikefuse.cli import main
+
+    set_torchrun_environment(rank, len(argv), port)
+    Path(folder, f"rank{rank}.status").write_text(str(main(["train", *argv[rank]])))
+
+
+def set_torchrun_environment(rank: int, world: int, port: int) -> None:
+    """What torchrun sets for rank ``rank`` of ``world`` processes on this host."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Issue 10: hostile input and faults in the library (neurons, surrogates, definitions, fused
+"""Hostile input and faults in the library (neurons, surrogates, definitions, fused
 blocks). Each test failed on the code before the fix."""
 
 from __future__ import annotations

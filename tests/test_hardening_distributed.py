@@ -1,4 +1,4 @@
-"""Issue 10: a process with no samples contributes nothing to the synchronised BatchNorm.
+"""A process with no samples contributes nothing to the synchronised BatchNorm.
 
 Two gloo processes: rank 0 has a batch, rank 1 an empty one. Rank 0 must compute exactly what
 one process computes alone on its batch (outputs, running statistics, gradients), and rank 1
@@ -102,7 +102,7 @@ def _join_worker(rank: int, port: int) -> None:
 
 
 def test_join_without_early_termination_is_refused(monkeypatch):
-    """Issue 10: DDP with Join and uneven batch counts aborted inside the fused BN all-reduce;
+    """DDP with Join and uneven batch counts aborted inside the fused BN all-reduce;
     now a Join context that would let ranks run out silently is refused with what to do."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     mp.spawn(_join_worker, args=(free_port(),), nprocs=WORLD, join=True)

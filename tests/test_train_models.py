@@ -5,7 +5,6 @@ log and plot beside the checkpoint."""
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port
+import conftest
+from conftest import free_port, set_torchrun_environment, status_worker
 from spikefuse import train as train_module
 from spikefuse.cli import main
 from spikefuse.errors import SpikefuseError
@@ -41,14 +41,7 @@ def train(checkpoint: Path, *extra: str) -> int:
 
 
 def write_cifar10(folder: Path, records: int = RECORDS, seed: int = 0) -> Path:
-    """CIFAR-10's binary layout: per record a label byte, then the R, G and B planes."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    for name in (*CIFAR10_TRAIN_FILES, CIFAR10_TEST_FILE):
-        labels = rng.integers(0, 10, (records, 1), dtype=np.uint8)
-        pixels = rng.integers(0, 256, (records, CIFAR10_RECORD_BYTES - 1), dtype=np.uint8)
-        np.concatenate([labels, pixels], axis=1).tofile(folder / name)
-    return folder
+    return conftest.write_cifar10(folder, records, seed)
 
 
 @pytest.fixture(scope="module")
@@ -242,20 +235,8 @@ def test_cifar10_options_are_validated_while_parsing(
 WORLD = 2
 
 
-def _set_torchrun_environment(rank: int, port: int) -> None:
-    """What torchrun sets for rank ``rank`` of WORLD processes on this host."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(WORLD),
-    )
-
-
 def _ddp_worker(rank: int, port: int, folder: str, argv: list[str]) -> None:
-    _set_torchrun_environment(rank, port)
+    set_torchrun_environment(rank, WORLD, port)
     # Keep each rank's final weights: the model evaluate() sees after the last epoch.
     evaluate = loop.evaluate
 
@@ -301,12 +282,6 @@ def test_two_gloo_processes_train_identical_replicas(
     assert written == ["digits.pt", "digits.pt.csv", "digits.pt.png"]
 
 
-def _status_worker(rank: int, port: int, folder: str, argv: list[list[str]]) -> None:
-    """Run rank ``rank`` with ``argv[rank]``; write its exit status to ``rank<r>.status``."""
-    _set_torchrun_environment(rank, port)
-    Path(folder, f"rank{rank}.status").write_text(str(main(["train", *argv[rank]])))
-
-
 @pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
 )
@@ -320,7 +295,7 @@ def test_when_rank_0_refuses_the_checkpoint_every_rank_stops(
     before = checkpoint.read_bytes()
     argv = [*QUICK, "--limit", "20", "--checkpoint", str(checkpoint)]
     args = (free_port(), str(tmp_path), [argv] * WORLD)
-    mp.spawn(_status_worker, args=args, nprocs=WORLD, join=True)
+    mp.spawn(status_worker, args=args, nprocs=WORLD, join=True)
     assert [Path(tmp_path, f"rank{r}.status").read_text() for r in range(WORLD)] == ["1", "1"]
     err = capfd.readouterr().err
     assert "already exists; pass --resume" in err and "rank 0 stopped the run: " in err
@@ -337,7 +312,7 @@ def test_when_another_rank_cannot_read_the_data_every_rank_stops(
     checkpoint = tmp_path / "run.pt"
     argv = [*QUICK, "--data", "cifar10", "--limit", "10", "--checkpoint", str(checkpoint)]
     per_rank = [[*argv, "--data-dir", str(cifar)], [*argv, "--data-dir", str(tmp_path / "none")]]
-    mp.spawn(_status_worker, args=(free_port(), str(tmp_path), per_rank), nprocs=WORLD, join=True)
+    mp.spawn(status_worker, args=(free_port(), str(tmp_path), per_rank), nprocs=WORLD, join=True)
     assert [Path(tmp_path, f"rank{r}.status").read_text() for r in range(WORLD)] == ["1", "1"]
     err = capfd.readouterr().err
     assert f"rank 1 stopped the run: CIFAR-10 file '{tmp_path / 'none'}" in err

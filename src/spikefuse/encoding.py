@@ -9,6 +9,7 @@ first dimension); :func:`spikefuse.functional.reset_net` resets them between sam
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,12 @@ from torch import Tensor, nn
 from .errors import SpikefuseError
 from .layer import _StepMode
 from .neuron import MemoryModule
+
+
+def _precision(dtype: torch.dtype) -> int:
+    """The significand bits of a floating-point dtype, the implicit one included (24 for
+    float32): it holds every integer up to 2 ** precision exactly."""
+    return 1 - int(math.log2(torch.finfo(dtype).eps))
 
 
 class StatelessEncoder(_StepMode, nn.Module):
@@ -54,12 +61,16 @@ class StatefulEncoder(MemoryModule):
 
     spike: Tensor | None
     t: int
+    T: int
 
     def __init__(self, T: int, step_mode: str = "s") -> None:
         super().__init__(step_mode)
-        if not isinstance(T, int) or isinstance(T, bool) or T < 1:
-            raise SpikefuseError(f"{type(self).__name__}: T must be an int >= 1, got {T!r}")
-        self.T = T
+        # numpy integers count as ints, as in torch; bools do not
+        if not isinstance(T, numbers.Integral) or isinstance(T, bool) or T < 1:
+            raise SpikefuseError(
+                f"{type(self).__name__}: T must be an int >= 1, got {T!r} ({type(T).__name__})"
+            )
+        self.T = int(T)
         self.register_memory("spike", None)
         self.register_memory("t", 0)
 
@@ -103,7 +114,12 @@ class PeriodicEncoder(StatefulEncoder):
 class LatencyEncoder(StatefulEncoder):
     """One spike per element, the earlier the larger x in [0, 1]: at step
     ``t_f = round((T - 1)(1 - x))`` ('linear') or ``round(T - 1 - ln(α x + 1))`` with
-    α = e^(T-1) - 1 ('log'), so t_f(0) = T - 1 and t_f(1) = 0."""
+    α = e^(T-1) - 1 ('log'), so t_f(0) = T - 1 and t_f(1) = 0.
+
+    The arithmetic is SpikingJelly's, in x's dtype, while that dtype holds it: T - 1 exactly
+    and, for 'log', α. For longer sequences it runs in float64, 'log' as
+    ``T - 1 - logaddexp(0, ln α + ln x)`` (α itself overflows float64 from T = 711 on; then
+    ``alpha`` is ``inf``)."""
 
     def __init__(self, T: int, enc_function: str = "linear", step_mode: str = "s") -> None:
         super().__init__(T, step_mode)
@@ -113,16 +129,33 @@ class LatencyEncoder(StatefulEncoder):
             )
         self.enc_function = enc_function
         if enc_function == "log":
-            self.alpha = math.exp(T - 1.0) - 1.0
+            steps = self.T - 1.0
+            self.alpha = math.exp(steps) - 1.0 if steps < 709 else math.inf
+            # ln(e^s - 1) = s + ln(1 - e^-s), exact where e^s overflows
+            self.log_alpha = steps + math.log1p(-math.exp(-steps)) if steps else -math.inf
 
     def single_step_encode(self, x: Tensor) -> Tensor:
         if not bool(((x >= 0) & (x <= 1)).all()):  # also rejects NaN
             raise SpikefuseError("LatencyEncoder: input must lie in [0, 1] (and not be NaN)")
-        if self.enc_function == "log":
-            t_f = (self.T - 1.0 - torch.log(self.alpha * x + 1.0)).round().long()
+        if self._fits(x.dtype):
+            if self.enc_function == "log":
+                t_f = (self.T - 1.0 - torch.log(self.alpha * x + 1.0)).round().long()
+            else:
+                t_f = ((self.T - 1.0) * (1.0 - x)).round().long()
         else:
-            t_f = ((self.T - 1.0) * (1.0 - x)).round().long()
+            wide = x.double()
+            if self.enc_function == "log":
+                late = torch.logaddexp(torch.zeros_like(wide), self.log_alpha + wide.log())
+            else:
+                late = (self.T - 1.0) * wide
+            t_f = (self.T - 1.0 - late).round().long()
         return F.one_hot(t_f, num_classes=self.T).to(x.dtype).movedim(-1, 0)
+
+    def _fits(self, dtype: torch.dtype) -> bool:
+        """Whether ``dtype`` holds T - 1 exactly and (for 'log') α x + 1 without overflow."""
+        if self.T - 1 > 2 ** _precision(dtype):
+            return False
+        return self.enc_function != "log" or self.alpha + 1.0 < torch.finfo(dtype).max
 
 
 class WeightedPhaseEncoder(StatefulEncoder):
@@ -134,15 +167,22 @@ class WeightedPhaseEncoder(StatefulEncoder):
         super().__init__(K, step_mode)
 
     def single_step_encode(self, x: Tensor) -> Tensor:
-        if not bool(((x >= 0) & (x <= 1 - 2.0 ** (-self.T))).all()):  # also rejects NaN
+        # 1 - 2^-K in x's dtype: for K beyond its precision, the largest value below 1
+        limit = 1 - 2.0 ** -min(self.T, _precision(x.dtype))
+        if not bool(((x >= 0) & (x <= limit)).all()):  # also rejects NaN
             raise SpikefuseError(
-                f"WeightedPhaseEncoder: input must lie in [0, 1 - 2^-K] = [0, {1 - 2.0**-self.T}]"
+                f"WeightedPhaseEncoder: input must lie in [0, 1 - 2^-K] (K={self.T}), in "
+                f"{x.dtype} [0, {limit}]"
             )
+        # the smallest (subnormal) value of x's dtype: it has no smaller bit
+        smallest = torch.finfo(x.dtype).smallest_normal * 2.0 ** (1 - _precision(x.dtype))
         rest = x.clone()
         spikes = []
         weight = 0.5
         for _ in range(self.T):
-            spike = (rest >= weight).to(x.dtype)
+            # phase k spikes if bit k of x is set; bits below x's dtype are never set (a
+            # weight that rounds to 0 there would make every later phase spike)
+            spike = (rest >= weight).to(x.dtype) if weight >= smallest else torch.zeros_like(x)
             rest = rest - weight * spike
             spikes.append(spike)
             weight *= 0.5

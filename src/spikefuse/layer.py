@@ -9,6 +9,7 @@ state until :func:`spikefuse.functional.reset_net`, as SpikingJelly's do.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -70,8 +71,11 @@ class _StepMode(StepModeMixin, nn.Module):
     _seq_dims: range = range(2, 64)
     _seq_shape: str = "[T, N, *]"
     _synapse: bool = False
+    _float_input: bool = False  # the layer has float weights: integer input fails in torch
 
     def forward(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if self._float_input and isinstance(x, Tensor) and not x.is_floating_point():
+            _refuse_dtype(type(self).__name__, x)
         if self.step_mode == "m":
             check_sequence(x, type(self).__name__, self._seq_shape, self._seq_dims)
             if self._synapse and repeated_over_time(x):
@@ -83,12 +87,23 @@ class _StepMode(StepModeMixin, nn.Module):
         return f"{super().extra_repr()}, step_mode={self.step_mode}"
 
 
+def _refuse_dtype(name: str, x: Tensor) -> None:
+    raise SpikefuseError(
+        f"{name}: input must be a floating-point tensor, got {x.dtype}; convert it first, "
+        "e.g. x.float() (spikes are 0.0/1.0 floats)"
+    )
+
+
 def _wrap(
-    base: type[nn.Module], seq_shape: str = "[T, N, *]", min_dim: int = 2, synapse: bool = False
+    base: type[nn.Module],
+    seq_shape: str = "[T, N, *]",
+    min_dim: int = 2,
+    synapse: bool = False,
+    float_input: bool = False,
 ) -> type:
     """``base`` with a ``step_mode``; multi-step input must have ``seq_shape`` (ndim from
     ``min_dim``; a shape without ``*`` has exactly that many dimensions); ``synapse``: see
-    :class:`_StepMode`."""
+    :class:`_StepMode`; ``float_input``: integer and bool input is refused."""
 
     def __init__(self, *args, step_mode: str | None = None, **kwargs) -> None:
         # SpikingJelly's layers take step_mode after torch's arguments, also positionally (no
@@ -112,6 +127,7 @@ def _wrap(
         "_seq_dims": dims,
         "_seq_shape": seq_shape,
         "_synapse": synapse,
+        "_float_input": synapse or float_input,
     }
     return type(base.__name__, (_StepMode, base), namespace)
 
@@ -123,10 +139,10 @@ Conv3d = _wrap(nn.Conv3d, "[T, N, C, D, H, W]", 6, synapse=True)
 ConvTranspose1d = _wrap(nn.ConvTranspose1d, "[T, N, C, L]", 4, synapse=True)
 ConvTranspose2d = _wrap(nn.ConvTranspose2d, "[T, N, C, H, W]", 5, synapse=True)
 ConvTranspose3d = _wrap(nn.ConvTranspose3d, "[T, N, C, D, H, W]", 6, synapse=True)
-BatchNorm1d = _wrap(nn.BatchNorm1d, "[T, N, C, *]", 3)
-BatchNorm2d = _wrap(nn.BatchNorm2d, "[T, N, C, H, W]", 5)
-BatchNorm3d = _wrap(nn.BatchNorm3d, "[T, N, C, D, H, W]", 6)
-GroupNorm = _wrap(nn.GroupNorm, "[T, N, C, *]", 3)
+BatchNorm1d = _wrap(nn.BatchNorm1d, "[T, N, C, *]", 3, float_input=True)
+BatchNorm2d = _wrap(nn.BatchNorm2d, "[T, N, C, H, W]", 5, float_input=True)
+BatchNorm3d = _wrap(nn.BatchNorm3d, "[T, N, C, D, H, W]", 6, float_input=True)
+GroupNorm = _wrap(nn.GroupNorm, "[T, N, C, *]", 3, float_input=True)
 AvgPool1d = _wrap(nn.AvgPool1d, "[T, N, C, L]", 4)
 AvgPool2d = _wrap(nn.AvgPool2d, "[T, N, C, H, W]", 5)
 AvgPool3d = _wrap(nn.AvgPool3d, "[T, N, C, D, H, W]", 6)
@@ -138,7 +154,30 @@ AdaptiveAvgPool1d = _wrap(nn.AdaptiveAvgPool1d, "[T, N, C, L]", 4)
 AdaptiveAvgPool2d = _wrap(nn.AdaptiveAvgPool2d, "[T, N, C, H, W]", 5)
 AdaptiveAvgPool3d = _wrap(nn.AdaptiveAvgPool3d, "[T, N, C, D, H, W]", 6)
 Upsample = _wrap(nn.Upsample, "[T, N, C, *]", 4)
-Flatten = _wrap(nn.Flatten)
+
+
+class Flatten(_wrap(nn.Flatten)):  # type: ignore[misc]  # a class _wrap builds at run time
+    """``torch.nn.Flatten`` with a ``step_mode`` ('s': one step, 'm': a sequence [T, N, *]);
+    ``start_dim`` and ``end_dim`` count a step's batch dimension N as 0, in both modes (in
+    multi-step mode N cannot be flattened: the output is split back into [T, N, *])."""
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if isinstance(x, Tensor):
+            rank = x.dim() - (self.step_mode == "m")  # of one step [N, *]
+            dims = [d + rank if d < 0 else d for d in (self.start_dim, self.end_dim)]
+            first = 1 if self.step_mode == "m" else 0  # merged [T*N, *] must keep T*N apart
+            if rank >= 1 and not (first <= dims[0] <= dims[1] < rank):
+                shape = "[T, N, *]" if first else "[N, *]"
+                has = f"steps of {rank} dimension(s)"
+                if first and dims[0] == 0:
+                    has += ", and N cannot be flattened in multi-step mode"
+                raise SpikefuseError(
+                    f"Flatten(start_dim={self.start_dim}, end_dim={self.end_dim}) with "
+                    f"step_mode={self.step_mode!r} needs dimensions {self.start_dim}.."
+                    f"{self.end_dim} of each step [N, *], but input {shape} of shape "
+                    f"{tuple(x.shape)} has {has}"
+                )
+        return super().forward(x)
 
 
 class VotingLayer(_StepMode, nn.Module):
@@ -148,9 +187,13 @@ class VotingLayer(_StepMode, nn.Module):
 
     def __init__(self, voting_size: int = 10, step_mode: str = "s") -> None:
         super().__init__()
-        if not isinstance(voting_size, int) or voting_size < 1:
-            raise SpikefuseError(f"VotingLayer: voting_size must be an int >= 1, got {voting_size}")
-        self.voting_size = voting_size
+        integral = isinstance(voting_size, numbers.Integral) and not isinstance(voting_size, bool)
+        if not integral or voting_size < 1:
+            raise SpikefuseError(
+                f"VotingLayer: voting_size must be an int >= 1, got {voting_size!r} "
+                f"({type(voting_size).__name__})"
+            )
+        self.voting_size = int(voting_size)
         self.step_mode = step_mode
 
     def forward(self, x: Tensor) -> Tensor:
@@ -173,11 +216,16 @@ class Dropout(MemoryModule):
     """
 
     mask: Tensor | None
+    p: float
 
     def __init__(self, p: float = 0.5, step_mode: str = "s") -> None:
         super().__init__(step_mode)
-        if not (isinstance(p, (int, float)) and 0 <= p < 1):
-            raise SpikefuseError(f"{type(self).__name__}: p must be in [0, 1), got {p!r}")
+        # numpy scalars count as numbers, as in torch; bools do not
+        if not (isinstance(p, numbers.Real) and not isinstance(p, bool) and 0 <= p < 1):
+            raise SpikefuseError(
+                f"{type(self).__name__}: p must be in [0, 1) (a number), got {p!r} "
+                f"({type(p).__name__})"
+            )
         self.p = float(p)
         self.register_memory("mask", None)
 
@@ -186,6 +234,8 @@ class Dropout(MemoryModule):
         return F.dropout(torch.ones_like(x), self.p, training=True)
 
     def _apply_mask(self, x: Tensor, step: Tensor) -> Tensor:
+        if not x.is_floating_point():  # the mask's 1/(1-p) does not fit other dtypes
+            _refuse_dtype(type(self).__name__, x)
         if not self.training:
             return x
         mask = self.mask
@@ -239,8 +289,11 @@ class SynapseFilter(MemoryModule):
 
     def __init__(self, tau: float = 100.0, learnable: bool = False, step_mode: str = "s") -> None:
         super().__init__(step_mode)
-        if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 1):
-            raise SpikefuseError(f"SynapseFilter: tau must be finite and > 1, got {tau!r}")
+        real = isinstance(tau, numbers.Real) and not isinstance(tau, bool)
+        if not (real and math.isfinite(tau) and tau > 1):
+            raise SpikefuseError(
+                f"SynapseFilter: tau must be a finite number > 1, got {tau!r} ({type(tau).__name__})"
+            )
         self.learnable = learnable
         if learnable:
             self.w = nn.Parameter(torch.as_tensor(-math.log(tau - 1.0)))

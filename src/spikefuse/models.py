@@ -17,6 +17,7 @@ is that chain's shortcut). No weights are downloaded: ``pretrained=True`` is ref
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -73,6 +74,13 @@ def _norm(norm_layer: Callable[..., nn.Module], channels: int, step_mode: str) -
     if hasattr(norm, "step_mode"):
         norm.step_mode = step_mode
     return norm
+
+
+def _count(name: str, value: Any) -> int:
+    """``value`` as an int >= 1 (numpy integers included, as torch takes them; bools not)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise SpikefuseError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
+    return int(value)
 
 
 def _no_pretrained(pretrained: bool) -> None:
@@ -144,12 +152,13 @@ class SpikingVGG(nn.Module):
         classifier_features: int = 4096,
         **kwargs: Any,
     ) -> None:
+        num_classes = _count("num_classes", num_classes)
+        hidden = _count("classifier_features", classifier_features)
         super().__init__()
         mode = _step_mode(kwargs)
         self.features = self.make_layers(cfg, batch_norm, norm_layer, spiking_neuron, **kwargs)
         channels = [v for v in cfg if v != "M"][-1]
         self.avgpool = layer.AdaptiveAvgPool2d((7, 7), step_mode=mode)
-        hidden = classifier_features
         self.classifier = nn.Sequential(
             layer.Linear(channels * 7 * 7, hidden, step_mode=mode),
             _neuron(spiking_neuron, kwargs),
@@ -198,8 +207,9 @@ class SpikingVGG(nn.Module):
             if v == "M":
                 layers.append(layer.MaxPool2d(kernel_size=2, stride=2, step_mode=mode))
                 continue
-            if not isinstance(v, int):
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
                 raise SpikefuseError(f"cfg entries are channel counts or 'M', got {v!r}")
+            v = int(v)
             layers.append(layer.Conv2d(in_channels, v, kernel_size=3, padding=1, step_mode=mode))
             if batch_norm:
                 layers.append(_norm(norm_layer, v, mode))
@@ -408,6 +418,7 @@ class SpikingResNet(nn.Module):
         **block_options: Any,
     ) -> None:
         """Build the layers; ``kwargs`` go to every neuron, ``block_options`` to every block."""
+        num_classes = _count("num_classes", num_classes)
         if groups != 1 or width_per_group != 64 or (dilation is not None and any(dilation)):
             raise SpikefuseError(
                 f"{type(self).__name__}: only groups=1, width_per_group=64 and no dilation are "
@@ -521,6 +532,7 @@ class ResNet19(nn.Module):
         spiking_neuron: Callable[..., nn.Module] | None = None,
         **kwargs: Any,
     ) -> None:
+        num_classes = _count("num_classes", num_classes)
         super().__init__()
         mode = _step_mode(kwargs)
         norm_layer = norm_layer or layer.BatchNorm2d

@@ -38,22 +38,47 @@ TORCH_CODE_BACKENDS = ("auto", "torch")
 _STEP_FORWARDS = ("single_step_forward", "multi_step_forward")
 
 
+def _float32(value: float) -> float:
+    """``value`` as float32 holds it: the neurons compute in float32 (float64 only for float64
+    input), so constants are checked in that arithmetic."""
+    return float(torch.tensor(float(value), dtype=torch.float32))
+
+
 def _check_finite(owner: str, name: str, value: Any) -> None:
     if not is_finite_real(value):
-        raise SpikefuseError(f"{owner}: {name} must be a finite float, got {value!r}")
+        raise SpikefuseError(
+            f"{owner}: {name} must be a finite float, got {value!r} ({type(value).__name__})"
+        )
+    if not math.isfinite(_float32(value)):
+        raise SpikefuseError(
+            f"{owner}: {name}={value!r} overflows float32, the arithmetic the neurons use"
+        )
+
+
+def _check_above(
+    owner: str, name: str, value: float, bound: float, what: str, why: str = ""
+) -> None:
+    """``value`` > ``bound`` (``what`` names the bound; ``why`` says what breaks otherwise),
+    also once both are float32: a value above the bound only in float64 is equal to it in the
+    neurons' arithmetic."""
+    if not value > bound:
+        raise SpikefuseError(f"{owner}: {name} must be > {what}, got {value} <= {bound}{why}")
+    if not _float32(value) > _float32(bound):
+        raise SpikefuseError(
+            f"{owner}: {name} must be > {what}, but {value!r} is so only in float64; in "
+            f"float32, the arithmetic the neurons use, both are {_float32(bound)!r}{why}"
+        )
 
 
 def _check_threshold_and_reset(owner: str, v_threshold: Any, v_reset: Any) -> None:
-    """Finite V_th and V_reset (None: soft reset), and V_th > V_reset under hard reset."""
+    """Finite V_th and V_reset (None: soft reset), and V_th > V_reset under hard reset (else a
+    neuron at rest would fire on every step), in float32 too."""
     _check_finite(owner, "v_threshold", v_threshold)
     if v_reset is None:
         return
     _check_finite(owner, "v_reset", v_reset)
-    if not v_threshold > v_reset:
-        raise SpikefuseError(
-            f"{owner}: with hard reset v_threshold must be > v_reset (got {v_threshold} <= "
-            f"{v_reset}): a neuron at rest would fire on every step"
-        )
+    why = ": a neuron at rest would fire on every step"
+    _check_above(owner, "with hard reset v_threshold", v_threshold, v_reset, "v_reset", why)
 
 
 def _backend_and_store_v_seq(
@@ -529,10 +554,8 @@ class BaseNode(MemoryModule):
         for name in names:
             _check_finite(type(self).__name__, name, current[name])
             bound = self.lower_bounds.get(name)
-            if bound is not None and not current[name] > bound:
-                raise SpikefuseError(
-                    f"{type(self).__name__}: {name} must be > {bound}, got {current[name]}"
-                )
+            if bound is not None:
+                _check_above(type(self).__name__, name, current[name], bound, str(bound))
         for name in self.at_least_v_reset if hard else ():
             if not current[name] >= values[1]:
                 raise SpikefuseError(

@@ -77,7 +77,6 @@ would exceed ``MAX_SAMPLE_ELEMENTS`` elements.
 from __future__ import annotations
 
 import copy
-import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypedDict, cast
@@ -144,12 +143,18 @@ class Scale(nn.Module):
         return f"shape={tuple(self.scale.shape)}"
 
 
+# A threshold no potential reaches: float32's largest value, the largest a neuron's constants
+# may take (they are checked in float32).
+_NEVER = float(torch.finfo(torch.float32).max)
+
+
 class LeakyIntegrator(nn.Module):
     """Non-spiking leaky integrator (NIR's ``LI``) on multi-step input ``[T, N, *]``.
 
     Outputs the potential V[t] of ``LIFNode(tau, decay_input, v_reset=v_leak)`` with firing
-    disabled (its threshold is the largest float, so H >= V_th never holds and the rectangular
-    surrogate's derivative is 0): the same kernels on every backend. V starts at v_leak.
+    disabled (its threshold is float32's largest value, so H >= V_th never holds and the
+    rectangular surrogate's derivative is 0): the same kernels on every backend. V starts at
+    v_leak.
 
     decay_input=True:  V[t] = V[t-1] + (X[t] - (V[t-1] - v_leak)) / tau
     decay_input=False: V[t] = V[t-1] - (V[t-1] - v_leak) / tau + X[t]
@@ -162,7 +167,7 @@ class LeakyIntegrator(nn.Module):
         self.node = LIFNode(
             tau=tau,
             decay_input=decay_input,
-            v_threshold=sys.float_info.max,
+            v_threshold=_NEVER,
             v_reset=v_leak,
             surrogate_function=Rect(),
             step_mode="m",

@@ -7,6 +7,7 @@ import hashlib
 import io
 import math
 import os
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,12 +91,17 @@ def _non_finite_state(payload: dict[str, Any]) -> str | None:
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     """Write ``payload`` plus its ``"sha256"`` digest atomically to ``path`` (or its target).
 
-    The payload is first serialized in memory, then written to a temporary file that is
-    fsynced and renamed over the checkpoint: an interrupted or failed save never leaves a
-    truncated file and keeps the previous checkpoint. Refuses (:class:`SpikefuseError`) a
-    payload holding NaN or infinity; a failed write is a :class:`SpikefuseError` naming the
-    OS reason.
+    The payload is first serialized in memory (:func:`checkpoint_bytes`), then written to a
+    temporary file that is fsynced and renamed over the checkpoint: an interrupted or failed
+    save never leaves a truncated file and keeps the previous checkpoint. A failed write is a
+    :class:`SpikefuseError` naming the OS reason.
     """
+    replace_file(path, checkpoint_bytes(path, payload), "checkpoint")
+
+
+def checkpoint_bytes(path: Path, payload: dict[str, Any]) -> memoryview:
+    """``payload`` plus its ``"sha256"`` digest, serialized for checkpoint ``path``. Refuses
+    (:class:`SpikefuseError`) a payload holding NaN or infinity."""
     bad = _non_finite_state(payload)
     if bad is not None:
         raise SpikefuseError(
@@ -105,7 +111,7 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
         )
     buffer = io.BytesIO()
     torch.save({**payload, "sha256": payload_digest(payload)}, buffer)
-    replace_file(path, buffer.getbuffer(), "checkpoint")
+    return buffer.getbuffer()
 
 
 def _first_sentence(exc: Exception) -> str:
@@ -114,10 +120,39 @@ def _first_sentence(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+# torch.save writes a zip archive of stored (uncompressed) entries.
+ZIP_SIGNATURE = b"PK\x03\x04"
+# The largest checkpoint read: far above the zoo's models with their Adam state.
+MAX_CHECKPOINT_BYTES = 2**35
+
+
+def archive_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a checkpoint that torch.save wrote, from its size, signature and
+    zip directory alone (so that reading it allocates no more than the file holds); None when
+    it can be. Raises ``OSError``."""
+    size = os.stat(path).st_size
+    if size > MAX_CHECKPOINT_BYTES:
+        return f"it has {size} bytes, more than the {MAX_CHECKPOINT_BYTES} read"
+    with open(path, "rb") as f:
+        if f.read(len(ZIP_SIGNATURE)) != ZIP_SIGNATURE:
+            return "it is not a zip archive, as torch.save writes"
+        try:
+            with zipfile.ZipFile(f) as archive:
+                entries = archive.infolist()
+        except (zipfile.BadZipFile, ValueError, EOFError) as exc:
+            return f"its zip directory is damaged: {exc}"
+    declared = sum(entry.file_size for entry in entries)
+    if declared > size or any(entry.compress_type != zipfile.ZIP_STORED for entry in entries):
+        return f"its entries declare {declared} bytes (or compressed ones) in {size} bytes"
+    return None
+
+
 def is_checkpoint(path: Path) -> bool:
     """Whether ``path`` holds a spikefuse training checkpoint of any version, intact or not
     (only such a file may be overwritten)."""
     try:
+        if archive_problem(path) is not None:
+            return False
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as exc:
         raise SpikefuseError(f"cannot read '{path}': {os_reason(exc)}") from exc
@@ -151,15 +186,18 @@ def _read_payload(path: Path) -> dict[str, Any]:
             f"checkpoint '{path}' is empty (0 bytes): it is not a spikefuse checkpoint"
         )
     try:
+        problem = archive_problem(path)
         # weights_only: a checkpoint is data, never code to run.
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = None if problem else torch.load(path, map_location="cpu", weights_only=True)
     except OSError as exc:
         raise CheckpointError(f"checkpoint '{path}' cannot be read: {os_reason(exc)}") from exc
     except Exception as exc:
+        problem = _first_sentence(exc)
+    if problem is not None:
         raise CheckpointError(
             f"checkpoint '{path}' cannot be read: the file is corrupted or is not a "
-            f"spikefuse checkpoint ({_first_sentence(exc)})"
-        ) from exc
+            f"spikefuse checkpoint ({problem})"
+        )
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"'{path}' is not a spikefuse training checkpoint (no '{CHECKPOINT_FORMAT}' tag)"

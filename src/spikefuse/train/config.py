@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torch import nn
 
 from spikefuse import layer, models, neuron
@@ -212,6 +213,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Reject every value that could crash or poison the run, before anything happens."""
+        self._take_numpy_numbers()
         for name in ("epochs", "batch_size", "T"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
@@ -276,6 +278,16 @@ class TrainConfig:
                 "--resume and --overwrite exclude each other: --resume continues the "
                 "checkpoint, --overwrite starts a new run in its place"
             )
+
+    def _take_numpy_numbers(self) -> None:
+        """numpy integers and floats become Python numbers (as torch takes them), so that the
+        checks below and the checkpoint see Python ints and floats; bools stay refused."""
+        for name in ("epochs", "batch_size", "T", "seed", "limit", "lr"):
+            value = getattr(self, name)
+            if isinstance(value, np.integer):
+                object.__setattr__(self, name, int(value))
+            elif name == "lr" and isinstance(value, np.floating):
+                object.__setattr__(self, name, float(value))
 
     @property
     def last_bn_maps_are_1x1(self) -> bool:

@@ -4,6 +4,8 @@ and the neuromorphic sets of :mod:`spikefuse.datasets`."""
 from __future__ import annotations
 
 import functools
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -29,6 +31,9 @@ from spikefuse.train.config import (
     check_limit,
 )
 from spikefuse.train.files import os_reason
+
+CIFAR10_FILE_RECORDS = 10_000  # in each of the binary version's six files
+READ_CHUNK_BYTES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -89,26 +94,26 @@ def read_cifar10_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """Read one file of CIFAR-10's binary version: images ``uint8 [N, 3, 32, 32]``, labels.
 
     Raises :class:`SpikefuseError` naming the file when it is missing, unreadable, empty, not
-    a whole number of records (truncated) or holds a label outside 0..9. (The binary version
-    is plain bytes; the python version's pickles are never read: unpickling can run code.)
+    a whole number of records (truncated), larger than the format's files or holds a label
+    outside 0..9. The size is checked from the file system before anything is read, then the
+    file is read in pieces of at most READ_CHUNK_BYTES. (The binary version is plain bytes;
+    the python version's pickles are never read: unpickling can run code.)
     """
+    size = _cifar10_size(path)
+    raw = np.empty(size, dtype=np.uint8)
     try:
-        raw = np.fromfile(path, dtype=np.uint8)
-    except FileNotFoundError:
-        raise SpikefuseError(
-            f"CIFAR-10 file '{path}' does not exist: --data-dir must be the folder of CIFAR-10's "
-            f"binary version (cifar-10-batches-bin), holding {', '.join(CIFAR10_TRAIN_FILES)} "
-            f"and {CIFAR10_TEST_FILE}"
-        ) from None
-    except (OSError, ValueError) as exc:  # ValueError: numpy on a directory
-        reason = os_reason(exc) if isinstance(exc, OSError) else str(exc)
-        raise SpikefuseError(f"cannot read CIFAR-10 file '{path}': {reason}") from exc
-    if raw.size == 0 or raw.size % CIFAR10_RECORD_BYTES:
-        raise SpikefuseError(
-            f"CIFAR-10 file '{path}' is truncated or not in CIFAR-10's binary format: its "
-            f"{raw.size} bytes are not a whole number >= 1 of {CIFAR10_RECORD_BYTES}-byte "
-            f"records (a label byte and 3x32x32 pixel bytes)"
-        )
+        with open(path, "rb", buffering=0) as f:
+            done = 0
+            while done < size:
+                got = f.readinto(raw.data[done : done + READ_CHUNK_BYTES])
+                if not got:
+                    break
+                done += got
+            grew = f.read(1)
+    except OSError as exc:
+        raise SpikefuseError(f"cannot read CIFAR-10 file '{path}': {os_reason(exc)}") from exc
+    if done != size or grew:
+        raise SpikefuseError(f"CIFAR-10 file '{path}' changed while it was read; try again")
     records = raw.reshape(-1, CIFAR10_RECORD_BYTES)
     labels = records[:, 0].astype(np.int64)
     bad = np.flatnonzero(labels >= NUM_CLASSES)
@@ -119,6 +124,36 @@ def read_cifar10_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
         )
     images = records[:, 1:].reshape(-1, 3, CIFAR10_SIZE, CIFAR10_SIZE)
     return images, labels
+
+
+def _cifar10_size(path: Path) -> int:
+    """The size of CIFAR-10 file ``path``, checked to be a whole number of records that the
+    format's files can hold."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise SpikefuseError(
+            f"CIFAR-10 file '{path}' does not exist: --data-dir must be the folder of CIFAR-10's "
+            f"binary version (cifar-10-batches-bin), holding {', '.join(CIFAR10_TRAIN_FILES)} "
+            f"and {CIFAR10_TEST_FILE}"
+        ) from None
+    except OSError as exc:
+        raise SpikefuseError(f"cannot read CIFAR-10 file '{path}': {os_reason(exc)}") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise SpikefuseError(f"cannot read CIFAR-10 file '{path}': it is not a regular file")
+    size = info.st_size
+    if size == 0 or size % CIFAR10_RECORD_BYTES:
+        raise SpikefuseError(
+            f"CIFAR-10 file '{path}' is truncated or not in CIFAR-10's binary format: its "
+            f"{size} bytes are not a whole number >= 1 of {CIFAR10_RECORD_BYTES}-byte "
+            f"records (a label byte and 3x32x32 pixel bytes)"
+        )
+    if size > CIFAR10_FILE_RECORDS * CIFAR10_RECORD_BYTES:
+        raise SpikefuseError(
+            f"CIFAR-10 file '{path}' has {size // CIFAR10_RECORD_BYTES} records; the files of "
+            f"CIFAR-10's binary version hold {CIFAR10_FILE_RECORDS} each"
+        )
+    return size
 
 
 def load_cifar10(data_dir: Path, seed: int, limit: int | None = None) -> Dataset:

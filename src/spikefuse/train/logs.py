@@ -14,6 +14,8 @@ from spikefuse.train.files import checkpoint_target, os_reason, replace_file
 LOG_HEADER = "epoch,train_loss,test_accuracy,seconds"
 PLOT_MARKER = b"spikefuse training plot"  # in the PNG's Software text chunk: marks it as ours
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# The most bytes of a CSV log a resumed run reads: a row takes under 60 bytes.
+MAX_LOG_BYTES = 2**26
 
 
 def log_paths(target: Path) -> tuple[Path, Path]:
@@ -66,9 +68,14 @@ def check_logs_writable(target: Path, config: TrainConfig) -> None:
 @dataclass
 class TrainingLog:
     """The per-epoch log beside a checkpoint ``<name>``: ``<name>.csv`` (epoch, train loss, test
-    accuracy, seconds) and ``<name>.png`` (loss and accuracy over the epochs), both rewritten
-    atomically after every epoch. A resumed run keeps the rows up to the checkpoint's epoch and
-    appends."""
+    accuracy, seconds) and ``<name>.png`` (loss and accuracy over the epochs), each rewritten
+    atomically.
+
+    After every epoch the CSV is written before the checkpoint and the plot after it, so that
+    at every instant an interrupt can land the CSV holds a row for every epoch the checkpoint
+    has (perhaps one more, of an epoch whose checkpoint was not kept). A resumed run keeps the
+    rows up to the checkpoint's epoch, refuses a log that lacks one of them, and rewrites the
+    CSV and plot to match the checkpoint before training (:meth:`repair`)."""
 
     checkpoint: Path
     resumed_epoch: int
@@ -84,14 +91,11 @@ class TrainingLog:
 
     def load(self) -> None:
         """Read the rows of a resumed run, up to its checkpoint's epoch (later ones belong to
-        epochs whose checkpoint was not kept); none when the run starts over or has no log."""
+        epochs whose checkpoint was not kept); none when the run starts over or has no log.
+        Raises :class:`SpikefuseError` for a damaged log or one that lacks an epoch."""
         if not self.resumed_epoch or not self.csv_path.exists():
             return
-        try:
-            lines = self.csv_path.read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SpikefuseError(f"cannot read training log '{self.csv_path}': {exc}") from exc
-        for number, line in enumerate(lines[1:], start=2):
+        for number, line in enumerate(self._lines()[1:], start=2):
             try:
                 epoch, loss, accuracy, seconds = line.split(",")
                 row = (int(epoch), float(loss), float(accuracy), float(seconds))
@@ -102,13 +106,53 @@ class TrainingLog:
                 ) from None
             if row[0] <= self.resumed_epoch:
                 self.rows.append(row)
+        epochs = [row[0] for row in self.rows]
+        if epochs != list(range(1, self.resumed_epoch + 1)):
+            missing = sorted(set(range(1, self.resumed_epoch + 1)) - set(epochs))
+            problem = f"has no row for epochs {missing}" if missing else "repeats or reorders rows"
+            raise SpikefuseError(
+                f"training log '{self.csv_path}' {problem}, but checkpoint '{self.checkpoint}' "
+                f"is at epoch {self.resumed_epoch}; resuming would lose those rows: restore the "
+                "log, or move it away to log from the next epoch on"
+            )
 
-    def append(self, epoch: int, loss: float, accuracy: float, seconds: float) -> None:
-        """Add an epoch's row and rewrite the CSV and the plot."""
+    def _lines(self) -> list[str]:
+        """The CSV's lines; a file over MAX_LOG_BYTES is refused unread."""
+        limit = MAX_LOG_BYTES
+        try:
+            with open(self.csv_path, "rb") as f:
+                data = f.read(limit + 1)
+        except OSError as exc:
+            raise SpikefuseError(f"cannot read training log '{self.csv_path}': {exc}") from exc
+        if len(data) > limit:
+            raise SpikefuseError(
+                f"training log '{self.csv_path}' is larger than {limit} bytes, more than a "
+                "million epochs' rows; it is not a log spikefuse wrote: move it away to resume"
+            )
+        try:
+            return data.decode().splitlines()
+        except UnicodeDecodeError as exc:
+            raise SpikefuseError(f"cannot read training log '{self.csv_path}': {exc}") from exc
+
+    def add(self, epoch: int, loss: float, accuracy: float, seconds: float) -> None:
+        """Add an epoch's row and rewrite the CSV (the plot follows with :meth:`plot`)."""
         self.rows.append((epoch, loss, accuracy, seconds))
+        self.write_csv()
+
+    def write_csv(self) -> None:
         text = "".join(f"{e},{lo:.6g},{a:.6g},{s:.3f}\n" for e, lo, a, s in self.rows)
         replace_file(self.csv_path, f"{LOG_HEADER}\n{text}".encode(), "training log")
+
+    def plot(self) -> None:
+        """Rewrite the plot from the rows."""
         replace_file(self.png_path, self._plot(), "training plot")
+
+    def repair(self) -> None:
+        """Make a resumed run's CSV and plot match its checkpoint: rows of epochs whose
+        checkpoint was not kept are removed, and a plot an interrupt left behind is redrawn."""
+        if self.rows:
+            self.write_csv()
+            self.plot()
 
     def _plot(self) -> bytes:
         require(TRAIN, "demo", NEEDS_PLOT)

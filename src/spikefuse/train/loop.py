@@ -22,10 +22,10 @@ from spikefuse.fused import fuse
 from spikefuse.graphs import GraphedStep
 from spikefuse.train.checkpoint import (
     check_checkpoint_writable,
+    checkpoint_bytes,
     load_checkpoint,
     prepare_checkpoint_dir,
     restore,
-    save_checkpoint,
     set_capturable,
 )
 from spikefuse.train.config import (
@@ -42,9 +42,21 @@ from spikefuse.train.config import (
     TrainConfig,
 )
 from spikefuse.train.data import Dataset, load_data
-from spikefuse.train.files import checkpoint_lock, checkpoint_target, remove_stale_temp_files
+from spikefuse.train.files import (
+    checkpoint_lock,
+    checkpoint_target,
+    remove_stale_temp_files,
+    replace_file,
+)
 from spikefuse.train.logs import TrainingLog, check_logs_writable, log_paths
-from spikefuse.train.ranks import ONE_PROCESS, Ranks, agree, epoch_order, ranks_from_env
+from spikefuse.train.ranks import (
+    ONE_PROCESS,
+    Ranks,
+    agree,
+    agree_on_work,
+    epoch_order,
+    ranks_from_env,
+)
 
 
 def build_network(config: TrainConfig, data: Dataset) -> tuple[nn.Module, Dataset]:
@@ -296,6 +308,14 @@ def _train(
         error = exc
     agree(ranks, error)
     start_epoch = log.resumed_epoch
+    work = {
+        "training samples": len(data.y_train),
+        "test samples": len(data.y_test),
+        "resumed epoch": start_epoch,
+        "epochs": config.epochs,
+        "batch size": config.batch_size,
+    }
+    agree_on_work(ranks, work)  # before DistributedDataParallel's first broadcast
 
     trained = model
     if ranks.distributed:
@@ -314,19 +334,7 @@ def _train(
             error = None
             if ranks.main:
                 try:
-                    save_checkpoint(
-                        checkpoint,
-                        {
-                            "format": CHECKPOINT_FORMAT,
-                            "version": CHECKPOINT_VERSION,
-                            "epoch": epoch + 1,
-                            "config": config.model_config(),
-                            "test_accuracy": accuracy,
-                            "model": model.state_dict(),
-                            "optimizer": optimizer.state_dict(),
-                        },
-                    )
-                    log.append(epoch + 1, loss, accuracy, seconds)
+                    _keep_epoch(config, model, optimizer, log, (epoch + 1, loss, accuracy, seconds))
                 except SpikefuseError as exc:
                     error = exc
             agree(ranks, error)
@@ -339,6 +347,32 @@ def _train(
     say(f"checkpoint: {checkpoint}")
     say(f"final test accuracy: {accuracy:.4f}")
     return accuracy
+
+
+def _keep_epoch(
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    log: TrainingLog,
+    row: tuple[int, float, float, float],
+) -> None:
+    """Write an epoch's log row, checkpoint and plot, in the order that keeps them consistent
+    at every instant (see :class:`TrainingLog`): the checkpoint is serialised and checked
+    first, so that a refused one leaves the log as it was."""
+    epoch, _, accuracy, _ = row
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "epoch": epoch,
+        "config": config.model_config(),
+        "test_accuracy": accuracy,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+    }
+    data = checkpoint_bytes(Path(config.checkpoint), payload)
+    log.add(*row)
+    replace_file(Path(config.checkpoint), data, "checkpoint")
+    log.plot()
 
 
 def _set_up(
@@ -378,4 +412,5 @@ def _set_up(
     log = TrainingLog(checkpoint_target(checkpoint), start_epoch)
     if ranks.main:
         log.load()
+        log.repair()
     return model, optimizer, data, log

@@ -75,6 +75,30 @@ def agree(ranks: Ranks, error: SpikefuseError | None) -> None:
         raise error
 
 
+def agree_on_work(ranks: Ranks, work: dict[str, int]) -> None:
+    """Raise on every rank unless all ranks have the same ``work`` (sample counts, epochs,
+    batch size, ...): ranks that run different numbers of batches wait forever for each other
+    in their first unmatched collective. Call it before the first collective of training."""
+    if not ranks.distributed:
+        return
+    seen: list[dict[str, int] | None] = [None] * ranks.world_size
+    torch.distributed.all_gather_object(seen, work)
+    first = seen[0] or {}
+    for rank, other in enumerate(seen):
+        other = other or {}
+        differing = [key for key in first if other.get(key) != first[key]]
+        if differing:
+            details = "; ".join(
+                f"{key}: {other.get(key)} on rank {rank}, {first[key]} on rank 0"
+                for key in differing
+            )
+            raise SpikefuseError(
+                f"the ranks would run different work and wait for each other forever ({details}); "
+                "every rank must read the same data and checkpoint (on several nodes: a "
+                "complete copy on each)"
+            )
+
+
 def epoch_order(config: TrainConfig, epoch: int, count: int, ranks: Ranks) -> torch.Tensor:
     """This rank's training sample indices for ``epoch``, in batch order.
 
