@@ -522,3 +522,52 @@ def test_if_and_lif_steps_match_the_neurons():
             s, v = step(xt, v)
             assert torch.equal(node(xt), s)
             torch.testing.assert_close(node.v, v, rtol=0, atol=1e-15)
+
+
+def test_distributed_modules_spikingjellys_model_files_import():
+    """SpikingJelly's sew_resnet/spikformer import these at module level and subclass the
+    configs: importable; the config records and neuron resolution work; sharding refuses."""
+    import dataclasses
+
+    import pytest
+
+    from spikefuse.distributed.tensor_parallel import ChannelShardConv2d
+    from spikefuse.distributed.tensor_parallel.channel import _ColwiseBackwardAllReduce
+    from spikefuse.distributed.vision.config import (
+        ModelBuilder,
+        ModelConfig,
+        NeuronConfig,
+        _resolve_neuron_config,
+    )
+    from spikefuse.errors import SpikefuseError
+
+    @dataclasses.dataclass(frozen=True)
+    class NetConfig(ModelConfig):
+        builder = "x.Builder"
+        neuron_config: NeuronConfig | None = None
+
+    class Builder(ModelBuilder):
+        pass
+
+    config = NetConfig(
+        num_classes=3,
+        neuron_config=NeuronConfig(
+            "spikingjelly.activation_based.neuron.LIFNode",
+            {"tau": 3.0},
+            "spikefuse.surrogate.ATan",
+            {"alpha": 3.0},
+        ),
+    )
+    assert Builder(config).config.num_classes == 3
+    cls, kwargs = _resolve_neuron_config(config.neuron_config)
+    node = cls(**kwargs)
+    assert type(node) is neuron.LIFNode and node.tau == 3.0
+    assert node.surrogate_function.alpha == 3.0
+    with pytest.raises(SpikefuseError, match="unknown neuron class"):
+        _resolve_neuron_config(NeuronConfig("os.system"))
+    with pytest.raises(SpikefuseError, match="step_mode"):
+        NeuronConfig("spikefuse.neuron.IFNode", {"step_mode": "m"})
+    with pytest.raises(SpikefuseError, match="no tensor/pipeline"):
+        ChannelShardConv2d(nn.Conv2d(2, 2, 1), None, "colwise")
+    with pytest.raises(SpikefuseError, match="no tensor/pipeline"):
+        _ColwiseBackwardAllReduce.apply(torch.ones(1), None)

@@ -1,4 +1,6 @@
-"""SpikingJelly's ``activation_based.distributed`` names, for code that imports them.
+"""SpikingJelly's ``activation_based.distributed`` names, for code that imports them (its
+model files import ``distributed.tensor_parallel`` and ``distributed.vision.config``: both
+exist here, see those modules).
 
 spikefuse has no tensor-, pipeline- or FSDP-parallel SNN runtime. Data-parallel training works
 with torch's ``DistributedDataParallel`` (fused BatchNorms synchronise over
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from .errors import SpikefuseError
+from ..errors import SpikefuseError
 
 DTENSOR_AVAILABLE = False
 FSDP2_AVAILABLE = False
@@ -20,7 +22,7 @@ TENSOR_PARALLEL_AVAILABLE = False
 ZERO_REDUNDANCY_OPTIMIZER_AVAILABLE = False
 SNN_DISTRIBUTED_PREFERENCES: tuple[str, ...] = ()
 
-_INSTEAD = (
+INSTEAD = (
     "spikefuse has no tensor/pipeline/FSDP-parallel SNN runtime; train data-parallel with "
     "torch.nn.parallel.DistributedDataParallel (pass process_group to spikefuse.fuse for "
     "synchronised BatchNorm), or keep SpikingJelly for sharded models"
@@ -58,14 +60,14 @@ REFUSED = (
 
 def _refusing(name: str) -> Any:
     def refused(*args: Any, **kwargs: Any) -> NoReturn:
-        raise SpikefuseError(f"spikefuse.distributed.{name}: {_INSTEAD}")
+        raise SpikefuseError(f"spikefuse.distributed.{name}: {INSTEAD}")
 
     refused.__name__ = refused.__qualname__ = name
-    refused.__doc__ = f"SpikingJelly's ``distributed.{name}``: raises ({_INSTEAD})."
+    refused.__doc__ = f"SpikingJelly's ``distributed.{name}``: raises ({INSTEAD})."
     return refused
 
 
 def __getattr__(name: str) -> Any:
     if name in REFUSED:
         return _refusing(name)
-    raise AttributeError(f"module 'spikefuse.distributed' has no attribute {name!r} ({_INSTEAD})")
+    raise AttributeError(f"module 'spikefuse.distributed' has no attribute {name!r} ({INSTEAD})")
