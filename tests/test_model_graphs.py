@@ -44,7 +44,7 @@ class FakeGraph:
 def fake_capture(net: nn.Module, args, stream) -> model_graphs._Replayable:
     """model_graphs._capture's contract on the CPU: static inputs, outputs, grad outputs and
     gradients, graphs that refill them, the memories the forward leaves."""
-    before = list(model_graphs._memories(net))
+    before = model_graphs._attributes(net)
     inputs = tuple(model_graphs._static_input(a) for a in args)
     live: dict[str, object] = {}
 
@@ -60,13 +60,8 @@ def fake_capture(net: nn.Module, args, stream) -> model_graphs._Replayable:
     with torch.no_grad():
         for b, saved in zip(net.buffers(), buffers, strict=True):
             b.copy_(saved)
-    left = tuple(
-        (m, n, v)
-        for (m, n, v), (_, _, old) in zip(model_graphs._memories(net), before, strict=True)
-        if v is not old
-    )
-    for module, name, value in before:
-        module.__dict__[name] = value
+    left = model_graphs._set_since(before)
+    model_graphs._restore(before)
     outputs = tuple(o.detach().clone() for o in flat)
     differentiable = tuple(i for i, o in enumerate(flat) if o.requires_grad)
     grad_outputs = tuple(torch.empty_like(outputs[i]) for i in differentiable)
@@ -78,8 +73,7 @@ def fake_capture(net: nn.Module, args, stream) -> model_graphs._Replayable:
     def forward_replay() -> None:
         for into, got in zip(outputs, forward_run(), strict=True):
             into.copy_(got.detach())
-        for module, name, value in before:  # a replay runs no Python: memories untouched
-            module.__dict__[name] = value
+        model_graphs._restore(before)  # a replay runs no Python: attributes untouched
 
     def backward_replay() -> None:
         flat_now = live["flat"]

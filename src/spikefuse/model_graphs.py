@@ -27,8 +27,9 @@ The rules that keep a replay equal to the eager call, and what happens otherwise
 - The neurons start every call from their reset state (``functional.reset_net`` after each
   step, as SpikingJelly's examples do). A call that finds a memory not at its reset value
   (single-step loops, state carried across calls) runs eagerly: the graph starts from reset.
-- After a replay the neurons' memories (``v``, ``v_seq``) are what the captured forward left:
-  tensors that the next replay of that signature overwrites, outside the autograd graph.
+- After a replay the plain attributes the captured forward set (the neurons' ``v``, a
+  recorded ``v_seq``) are what it set: tensors that the next replay of that signature
+  overwrites, outside the autograd graph.
 - Python in the forward runs only during the capture: forward hooks that are not spikefuse's
   own (monitors), a module with memories whose default is a tensor, keyword or non-tensor
   arguments, CPU inputs and a capture that fails (a host sync such as ``.item()`` inside the
@@ -53,7 +54,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +65,6 @@ from torch.utils import _pytree as pytree
 
 from . import graphs, model_scan
 from .errors import SpikefuseError
-from .neuron import MemoryModule
 
 # What a call is graphed for (see the module docstring); equal signatures share graphs.
 Signature = tuple[Hashable, ...]
@@ -85,7 +85,7 @@ class _Replayable:
     differentiable: tuple[int, ...]  # indices of the outputs that carry gradients
     grad_outputs: tuple[Tensor, ...]  # static dL/d(output) the backward graph reads
     grads: tuple[Tensor | None, ...]  # the backward graph's dL/d(inputs needing it, params)
-    memories: tuple[tuple[MemoryModule, str, Any], ...]  # what the forward leaves in them
+    attributes: tuple[tuple[nn.Module, str, Any], ...]  # what the forward sets: set after replays
 
 
 class _Entry:
@@ -300,17 +300,36 @@ def _signature(found: model_scan.Layout, args: tuple[Tensor, ...]) -> Signature:
     )
 
 
-def _memories(net: nn.Module) -> Iterator[tuple[MemoryModule, str, Any]]:
-    for module in net.modules():
-        if isinstance(module, MemoryModule):
-            for name in module._memory_defaults:
-                yield module, name, module.__dict__.get(name)
+Attributes = list[tuple[nn.Module, dict[str, Any]]]  # each module's __dict__, copied
+_MISSING = object()
+
+
+def _attributes(net: nn.Module) -> Attributes:
+    return [(module, dict(module.__dict__)) for module in net.modules()]
+
+
+def _set_since(before: Attributes) -> tuple[tuple[nn.Module, str, Any], ...]:
+    """The plain attributes added or replaced since ``before`` (memories such as ``v``, a
+    recorded ``v_seq``, the blocks' per-shape caches): what a replay sets again."""
+    return tuple(
+        (module, name, value)
+        for module, old in before
+        for name, value in module.__dict__.items()
+        if old.get(name, _MISSING) is not value
+    )
+
+
+def _restore(before: Attributes) -> None:
+    for module, old in before:
+        for name in [name for name in module.__dict__ if name not in old]:
+            del module.__dict__[name]
+        module.__dict__.update(old)
 
 
 def _capture(net: nn.Module, args: tuple[Tensor, ...], stream: torch.cuda.Stream) -> _Replayable:
     """Capture ``net``'s forward on static copies of ``args`` (and, with grad, its backward
-    into the same pool); the module's memories are left as they were before."""
-    before = list(_memories(net))
+    into the same pool); the modules' attributes are left as they were before."""
+    before = _attributes(net)
     inputs = tuple(_static_input(a) for a in args)
     torch.cuda.empty_cache()  # the warm-ups' cached blocks back to the driver, for the pool
     pool = torch.cuda.graph_pool_handle()
@@ -325,14 +344,9 @@ def _capture(net: nn.Module, args: tuple[Tensor, ...], stream: torch.cuda.Stream
     try:
         with _autocast_without_cache(inputs[0].device), graphs.capturing(forward, stream, pool):
             output = torch.func.functional_call(net, aliases, inputs)
-        left = tuple(
-            (module, name, value)
-            for (module, name, value), (_, _, old) in zip(_memories(net), before, strict=True)
-            if value is not old
-        )
+        left = _set_since(before)
     finally:
-        for module, name, value in before:
-            module.__dict__[name] = value
+        _restore(before)
     outputs, spec = pytree.tree_flatten(output)
     if not all(isinstance(o, Tensor) for o in outputs):
         raise SpikefuseError("the forward returned something other than tensors")
@@ -396,7 +410,7 @@ def _replay(entry: _Entry, args: tuple[Tensor, ...], net: nn.Module) -> Any:
             if out.requires_grad:
                 entry.pending = weakref.ref(out.grad_fn)
                 break
-    for module, name, value in graphs_.memories:
+    for module, name, value in graphs_.attributes:
         module.__dict__[name] = value
     return pytree.tree_unflatten(list(outputs), graphs_.output_spec)
 
