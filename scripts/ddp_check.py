@@ -54,8 +54,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from spikefuse import functional, layer, models, neuron, surrogate
-from spikefuse.fused import FusedBlock, fuse, low_memory, paper_lif
-from spikefuse.fused.blocks import MEMORY_MODES
+from spikefuse.fused import FusedBlock, chunked, fuse, memory_modes, paper_lif
 from spikefuse.neuron import BaseNode
 
 CLASSES = 5
@@ -267,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(NETWORKS), default="cnn")
     parser.add_argument(
-        "--memory", choices=MEMORY_MODES, default="default", help="fuse's memory mode"
+        "--memory", choices=memory_modes(), default="default", help="fuse's memory mode"
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.chunked and args.memory != "min":
         parser.error("--chunked is memory='min''s batch chunking: add --memory min")
     if args.chunked:  # every map is "large", and no chunk holds more than one sample
-        low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES = 0, 1
+        chunked.CHUNKED_FROM, chunked.CHUNK_BYTES = 0, 1
     if args.share_gpu and not torch.cuda.is_available():
         parser.error("--share-gpu needs a CUDA GPU, and PyTorch sees none")
     use_cuda = args.share_gpu or (

@@ -199,8 +199,8 @@ def test_copies_keep_the_unfused_keys(duplicate, tmp_path):
 def test_a_dropped_model_is_freed_at_once(inplace, copied):
     """fx's tracer and a rewritten forward's GraphModule sit in reference cycles; fuse breaks
     them, so a model the user drops (its modules and parameters, a CUDA graph captured from
-    it) is freed at once, not at the next full garbage collection: session 16 found a dropped
-    fused model's graph pool held until then. Net's blocks have rewritten forwards. A copy
+    it) is freed at once, not at the next full garbage collection (a dropped fused model's
+    graph pool was once held until then). Net's blocks have rewritten forwards. A copy
     unpickled (torch.load of a whole model) once traced its code again on load, in a cycle."""
     gc.collect()
     gc.disable()
@@ -264,7 +264,7 @@ def test_a_long_rewritten_forward_pickles():
 
 
 def test_report_names_every_reason_a_chain_is_left_unfused(caplog):
-    """issue 10: store_v_seq, Izhikevich, 's' mode and Dropout between layers were skipped
+    """store_v_seq, Izhikevich, 's' mode and Dropout between layers were skipped
     without a word; ModuleList models were not fused at all."""
     rows = [
         [conv(3, C), bn(), lif(store_v_seq=True)],
@@ -518,7 +518,7 @@ class _ReadsPotential(nn.Module):
 
 
 def test_reading_a_fused_modules_attribute_names_the_block():
-    """issue 13: a forward reading a fused neuron's .v failed with "'Identity' object has no
+    """A forward reading a fused neuron's .v failed with "'Identity' object has no
     attribute 'v'"; it now names the module, the block and why (no per-step potentials)."""
     model = _ReadsPotential()
     x = torch.randn(T, B, 3, 6, 6)

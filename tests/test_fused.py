@@ -23,13 +23,13 @@ from spikefuse.fused import (
     FusedLinearBNNeuron,
     SpikePool,
     WindowAvgPool,
-    bn_neuron,
     fuse,
     match_optimizer_state,
     paper_lif,
     recompute,
 )
 from spikefuse.fused.neuron_call import NeuronCall
+from spikefuse.fused.ops.bn_neuron import passes
 from spikefuse.fused.spike_bits import mark_spikes
 
 T, B = 3, 4
@@ -131,13 +131,13 @@ def test_fused_model_matches_unfused(dtype, bn):
 
 def test_pass_two_recomputes_g_when_pass_one_returns_none(monkeypatch):
     """A pass-1 kernel may drop g (the paper's Alg. 2-3): pass 2 recomputes it, same result."""
-    real = bn_neuron.bn_neuron_backward
+    real = passes.bn_neuron_backward
 
     def without_g(*args):
         _, *rest = real(*args)
         return (None, *rest)
 
-    monkeypatch.setattr(bn_neuron, "bn_neuron_backward", without_g)
+    monkeypatch.setattr(passes, "bn_neuron_backward", without_g)
     ref = conv_stack(torch.float64)
     x = torch.randn(T, B, 3, 8, 8, dtype=torch.float64) * 2
     assert_same_training_step(ref, fuse(ref), x, FP64_TOL)

@@ -13,8 +13,10 @@ from conftest import gen
 from spikefuse import fuse, layer, neuron
 from spikefuse.cuda import spike_bits as cuda_bits
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, blocks, low_memory, spike_bits
-from spikefuse.fused.blocks import SpikePool
+from spikefuse.fused import FusedBlock, chunked, spike_bits
+from spikefuse.fused import memory as memory_module
+from spikefuse.fused import synapse as synapse_module
+from spikefuse.fused.pooling import SpikePool
 from spikefuse.fused.recompute import recipe_of
 from spikefuse.fused.spike_bits import (
     PackedSpikes,
@@ -185,7 +187,7 @@ def test_min_memory_recomputes_one_step_of_an_input_repeated_over_time(monkeypat
     """images.expand(T, ...): backward recomputes the first convolution on the B images, as
     forward ran it (not on T * B samples), and neither copies its output to T steps."""
     batches, copies = [], []
-    monkeypatch.setattr(blocks, "repeat_over_time", lambda *a: copies.append(a))
+    monkeypatch.setattr(synapse_module, "repeat_over_time", lambda *a: copies.append(a))
     conv2d = torch.nn.functional.conv2d
 
     def recording(x, weight, *args, **kwargs):
@@ -267,17 +269,17 @@ def test_auto_memory_recomputes_where_it_pays(monkeypatch):
     element) save y less their packed spikes, and less their packed input where the block before
     kept y (74): limit 200 recomputes all three, limit 70 only the first; the Linear (128 per
     output element, 130 or 174 per element saved) follows the block before it."""
-    monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 200)
+    monkeypatch.setattr(memory_module, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 200)
     auto = fuse(conv_stack(torch.float64), memory="auto")
     x = torch.rand(3, 2, 3, 8, 8, dtype=torch.float64)
     assert _choices(auto) == ["auto"] * 4  # chosen on the first training call
     auto(x).sum().backward()
     assert _choices(auto) == ["min"] * 4
-    monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
+    monkeypatch.setattr(memory_module, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
     auto(x).sum().backward()
     assert _choices(auto) == ["min", "default", "default", "default"]
     with torch.no_grad():  # no training call: no choice
-        monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 1)
+        monkeypatch.setattr(memory_module, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 1)
         auto(x)
     assert _choices(auto) == ["min", "default", "default", "default"]
 
@@ -296,7 +298,7 @@ def test_auto_memory_keeps_outputs_larger_inputs_would_replace():
 def test_auto_memory_equals_the_default_mode(monkeypatch):
     """Blocks of both modes in one model (and an input repeated over time): outputs, input and
     parameter gradients and running statistics equal the default mode's, float64."""
-    monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
+    monkeypatch.setattr(memory_module, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
     default = fuse(conv_stack(torch.float64))
     auto = fuse(conv_stack(torch.float64), memory="auto")
     x = torch.rand(5, 2, 3, 8, 8, dtype=torch.float64) * 2
@@ -363,7 +365,7 @@ def test_auto_memory_counts_the_synapse_output_and_its_cost(synapse):
     block = FusedBlock(synapse, None, lif(), memory="auto")
     shapes = {nn.Conv1d: (2, 6, 11), nn.Conv2d: (2, 6, 9, 10), nn.Linear: (2, 6)}
     step = torch.rand(shapes[type(synapse)])
-    per_step, fan_in = block._synapse_geometry(step.shape)
+    per_step, fan_in = block.synapse_op().geometry(step.shape)
     assert per_step == synapse(step).numel()
     weight = synapse.weight
     assert fan_in == weight[0].numel()  # in_channels / groups x kernel, or in_features
@@ -374,7 +376,7 @@ def test_auto_memory_counts_the_map_a_pooling_block_leaves_to_the_next_layer(mon
     the next layer keeps whole): 3/4 of y for 2 x 2 windows."""
     x = torch.rand(2, 2, 3, 8, 8, dtype=torch.float64)
     for limit, choice in ((27 / 0.75 + 0.01, "min"), (27 / 0.75 - 0.01, "default")):
-        monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", limit)
+        monkeypatch.setattr(memory_module, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", limit)
         block = FusedBlock(*_parts(3, 8), memory="auto", pool=nn.AvgPool2d(2)).double()
         block(x).sum().backward()
         assert block.memory_choice == choice
@@ -412,10 +414,10 @@ def test_min_memory_in_batch_chunks_equals_the_default_mode(chunks, node, monkey
     BatchNorm, in ``chunks``): outputs, input and parameter gradients and the running
     statistics equal the default mode's in float64, in training and in eval."""
     parts = []
-    real_parts = blocks.batch_parts
-    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: chunks)
+    real_parts = memory_module.batch_parts
+    monkeypatch.setattr(memory_module, "batch_chunks", lambda batch, y_bytes: chunks)
     monkeypatch.setattr(
-        blocks,
+        memory_module,
         "batch_parts",
         lambda *a: parts.append(a) or real_parts(*a),  # type: ignore[func-returns-value]
     )
@@ -439,7 +441,7 @@ def test_min_memory_in_batch_chunks_for_every_synapse(make, spikes, monkeypatch)
     """Every synapse with an explicit backward, bias or not, spikes (packed, unpacked by
     chunks) or real input, with and without an input gradient: chunked equals the default
     mode in float64."""
-    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 3)
+    monkeypatch.setattr(memory_module, "batch_chunks", lambda batch, y_bytes: 3)
     synapse = make()
     model = _synapse_pair(synapse)
     if spikes:  # tagged inside the model: the test's copies of x drop the tag
@@ -460,7 +462,7 @@ def test_a_chunked_block_keeps_its_input_packed_and_unpacks_it_by_chunks(monkeyp
     """Spike input in 2 chunks: each chunk's input is kept packed (as much as the whole
     input's packing, rows padded to 16 bytes), and backward unpacks one chunk at a time, never
     the whole input."""
-    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 2)
+    monkeypatch.setattr(memory_module, "batch_chunks", lambda batch, y_bytes: 2)
     t, b, c, h, w = 4, 8, 16, 8, 8
     model = nn.Sequential(*conv_bn_lif(3, c), *conv_bn_lif(c, c))
     x = torch.randn(t, b, 3, h, w)
@@ -482,8 +484,8 @@ def test_a_chunked_block_keeps_its_input_packed_and_unpacks_it_by_chunks(monkeyp
     [(64, 255, 1), (64, 256, 8), (64, 320, 8), (64, 1024, 32), (6, 400, 6), (7, 300, 7)],
 )
 def test_batch_chunks_are_the_fewest_equal_ones_within_the_bound(batch, mib, chunks):
-    assert (low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES) == (256 << 20, 48 << 20)
-    assert low_memory.batch_chunks(batch, mib << 20) == chunks
+    assert (chunked.CHUNKED_FROM, chunked.CHUNK_BYTES) == (256 << 20, 48 << 20)
+    assert chunked.batch_chunks(batch, mib << 20) == chunks
 
 
 class TagSpikes(nn.Module):
@@ -521,10 +523,10 @@ def test_packings_of_batch_chunks_join_into_the_whole_ones():
 
 def test_auto_memory_never_chunks(monkeypatch):
     """memory="auto" recomputes unchunked: its rule prices one synapse forward."""
-    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 2)
-    chunked = []
-    monkeypatch.setattr(blocks.FusedBlock, "_forward_chunked", lambda *a: chunked.append(a))
+    monkeypatch.setattr(memory_module, "batch_chunks", lambda batch, y_bytes: 2)
+    taken = []
+    monkeypatch.setattr(memory_module, "chunked_path", lambda *a: taken.append(a))
     model = fuse(nn.Sequential(*conv_bn_lif(3, 8), *conv_bn_lif(8, 8)), memory="auto")
     model(torch.rand(2, 4, 3, 8, 8).requires_grad_()).sum().backward()
     assert "min" in [b.memory_choice for b in model.modules() if isinstance(b, FusedBlock)]
-    assert not chunked
+    assert not taken

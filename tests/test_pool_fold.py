@@ -18,7 +18,7 @@ from spikefuse import functional, fuse, layer, neuron
 from spikefuse.cuda import affine
 from spikefuse.cuda.codegen import DefinitionKernel
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, SpikePool, WindowAvgPool, paper_lif
+from spikefuse.fused import FusedBlock, SpikePool, WindowAvgPool, paper_lif, paths
 from spikefuse.fused.convert import FusedAttributeError
 from spikefuse.fused.neuron_call import NeuronCall
 from spikefuse.fused.spike_bits import is_spikes
@@ -200,7 +200,9 @@ def test_traced_forward_pools_after_the_neuron():
         .eval()
     )
     x = net_input()
-    torch.testing.assert_close(block._traced_forward(x), block(x), **FP64_TOL)
+    torch.testing.assert_close(
+        paths.traced_path(block, x, None, paths.TRACED_PLAN), block(x), **FP64_TOL
+    )
 
 
 @pytest.mark.parametrize(

@@ -51,19 +51,11 @@ from torch.nn.utils import parametrize
 from .. import layer
 from ..errors import SpikefuseError
 from ..neuron import BaseNode, MemoryModule
-from .blocks import (
-    _BN_FOR,
-    _EXACT,
-    MEMORY_MODES,
-    POOLS,
-    SYNAPSES,
-    FusedBlock,
-    SpikePool,
-    _synapse_kind,
-    hook_kinds,
-    pool_fold_problem,
-)
+from .blocks import FusedBlock
+from .memory import memory_modes
+from .pooling import SpikePool
 from .recompute import RecomputedInput, flatten_keeps_tags
+from .spec import BN_FOR, EXACT, POOLS, SYNAPSES, hook_kinds, pool_fold_problem, synapse_kind
 
 log = logging.getLogger("spikefuse.fuse")
 MODEL = "<model>"  # how reports name the model itself
@@ -180,22 +172,22 @@ def _as_synapse_bn(module: nn.Module) -> tuple[nn.Module, _BatchNorm | None] | N
     """(synapse, bn or None) if ``module`` applies a synapse (then BN) to [T, B, ...] input."""
     if type(module) is layer.SeqToANNContainer and len(module) in (1, 2):
         synapse, *rest = module
-        if _synapse_kind(synapse) is None or getattr(synapse, "step_mode", "s") != "s":
+        if synapse_kind(synapse) is None or getattr(synapse, "step_mode", "s") != "s":
             return None
         if not rest:
             return synapse, None
         bn = rest[0]
         return (synapse, bn) if _is_bn_for(bn, synapse, step_mode="s") else None
-    if _synapse_kind(module) is not None and _multi_step(module):
+    if synapse_kind(module) is not None and _multi_step(module):
         return module, None
     return None
 
 
 def _is_bn_for(bn: nn.Module, synapse: nn.Module, step_mode: str) -> TypeGuard[_BatchNorm]:
-    kind = _synapse_kind(synapse)
+    kind = synapse_kind(synapse)
     # Inside SeqToANNContainer a layer must run single-step ('s' or a plain torch layer).
     mode = getattr(bn, "step_mode", "s")
-    return kind is not None and type(bn) in _EXACT[_BN_FOR[kind]] and mode == step_mode
+    return kind is not None and type(bn) in EXACT[BN_FOR[kind]] and mode == step_mode
 
 
 def _as_bn(module: nn.Module, synapse: nn.Module) -> _BatchNorm | None:
@@ -212,7 +204,7 @@ def _as_pool(module: nn.Module) -> nn.Module | None:
         multi_step = getattr(module, "step_mode", "s") == "s"
     else:
         multi_step = getattr(module, "step_mode", None) == "m"
-    supported = any(type(module) in _EXACT[k] for k in POOLS)
+    supported = any(type(module) in EXACT[k] for k in POOLS)
     if supported and multi_step and not getattr(module, "return_indices", False):
         return module
     return None
@@ -243,7 +235,7 @@ def _synapse_problem(module: nn.Module) -> str:
     contained = type(module) is layer.SeqToANNContainer
     inner = module[0] if type(module) is layer.SeqToANNContainer else module
     name = type(inner).__name__
-    if _synapse_kind(inner) is None:
+    if synapse_kind(inner) is None:
         return _subclass_problem(inner)
     if contained:
         if getattr(inner, "step_mode", "s") != "s":
@@ -256,12 +248,12 @@ def _synapse_problem(module: nn.Module) -> str:
 
 def _bn_problem(module: nn.Module, synapse: nn.Module) -> str:
     inner = module[0] if type(module) is layer.SeqToANNContainer else module
-    kind = _synapse_kind(synapse)
+    kind = synapse_kind(synapse)
     assert kind is not None  # called for the synapse of a chain
-    expected = _BN_FOR[kind]
+    expected = BN_FOR[kind]
     if not isinstance(inner, expected):
         return f"a {type(synapse).__name__} needs {expected.__name__}, got {type(inner).__name__}"
-    if type(inner) not in _EXACT[expected]:
+    if type(inner) not in EXACT[expected]:
         return _subclass_problem(inner)
     return f"the {type(inner).__name__} has step_mode={getattr(inner, 'step_mode', None)!r}"
 
@@ -444,7 +436,7 @@ def _folded_pool(
     if user is None or pool is None:
         return None
     assert synapse_bn is not None  # a chain's synapse
-    kind = _synapse_kind(synapse_bn[0])
+    kind = synapse_kind(synapse_bn[0])
     assert kind is not None
     target = str(user.target)
     problem = pool_fold_problem(pool, kind) or shared(target)
@@ -1185,8 +1177,8 @@ def fuse(
             "fuse: process_group must be a torch.distributed.ProcessGroup or None, got "
             f"{type(process_group).__name__}"
         )
-    if memory not in MEMORY_MODES:
-        raise SpikefuseError(f"fuse: memory must be one of {MEMORY_MODES}, got {memory!r}")
+    if memory not in memory_modes():
+        raise SpikefuseError(f"fuse: memory must be one of {memory_modes()}, got {memory!r}")
     if not inplace:
         model = copy.deepcopy(model)
     unfused = model.state_dict(keep_vars=True)

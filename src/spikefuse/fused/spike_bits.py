@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from ..backends import dense_in_order
-from ..cuda import spike_bits as cuda_bits
-from ..cuda import unavailable_reason
+from ..backends import (
+    SpikePacking,
+    capability,
+    dense_in_order,
+    flags_at,
+    packed_bytes,
+    packed_words,
+)
 from .device_constants import device_constant
 
 _SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
@@ -127,9 +133,11 @@ def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
     copy): W little-endian 32-bit words (bit k of byte i: element 8 i + k), then W bytes, byte w
     1 when a value of word w was NaN (a neuron's input was NaN): 1 bit cannot hold it, so
     :func:`unpack_bits` then gives NaN in that word's elements rather than a valid-looking 1.
-    One kernel on CUDA (:mod:`spikefuse.cuda.spike_bits`), torch ops elsewhere: the same bytes."""
+    One kernel where a backend offers the ``spike_bits`` capability (CUDA), torch ops
+    elsewhere: the same bytes."""
     flat = spikes.permute(order).reshape(-1)
-    return cuda_bits.pack(flat) if unavailable_reason(flat) is None else _pack_torch(flat)
+    kernels = cast(SpikePacking | None, capability("spike_bits", flat))
+    return _pack_torch(flat) if kernels is None else kernels.pack(flat)
 
 
 def unpack_bits(
@@ -144,8 +152,9 @@ def unpack_bits(
     ``window`` = k² > 1: the packing the pooled neuron kernels write of k x k window means
     (k² bits per value, on CUDA)."""
     flat = torch.empty(shape.numel(), dtype=dtype, device=packed.device)
-    if unavailable_reason(flat) is None:
-        cuda_bits.unpack(packed, flat, window)
+    kernels = cast(SpikePacking | None, capability("spike_bits", flat))
+    if kernels is not None:
+        kernels.unpack(packed, flat, window)
     elif window == 1:
         _unpack_torch(packed, flat)
     else:  # only the CUDA neuron kernels write such a packing
@@ -158,8 +167,8 @@ def unpack_bits(
 def _pack_torch(flat: Tensor) -> Tensor:
     """:func:`pack_bits` of a 1-D tensor with torch ops, in steps of :data:`_PACK_STEP`."""
     n = flat.numel()
-    packed = torch.empty(cuda_bits.packed_bytes(n), dtype=torch.uint8, device=flat.device)
-    flags = packed[cuda_bits.flags_at(n) :]
+    packed = torch.empty(packed_bytes(n), dtype=torch.uint8, device=flat.device)
+    flags = packed[flags_at(n) :]
     weights = _bit_weights(flat.device)
     for start in range(0, n, _PACK_STEP):
         values = flat[start : start + _PACK_STEP]
@@ -181,7 +190,7 @@ def _unpack_torch(packed: Tensor, flat: Tensor) -> Tensor:
     :data:`_PACK_STEP`; returns flat."""
     n, dtype = flat.numel(), flat.dtype
     weights = _bit_weights(packed.device)
-    flags = packed[cuda_bits.flags_at(n) :]
+    flags = packed[flags_at(n) :]
     for start in range(0, n, _PACK_STEP):
         part = flat[start : start + _PACK_STEP]
         size = part.numel()
@@ -245,7 +254,7 @@ def packing_part(packing: PackedSpikes, index: int, chunks: int) -> PackedSpikes
     step_bits = shape.numel() // max(steps, 1) * window
     if packing.order[:2] != (0, 1) or batch % chunks or step_bits % (32 * chunks):
         return None
-    words = cuda_bits.packed_words(shape.numel(), window)
+    words = packed_words(shape.numel(), window)
 
     def part(lo: int, hi: int) -> Tensor:  # chunk index's bytes of every step, in step order
         return packing.bits[lo:hi].view(steps, chunks, -1)[:, index].flatten()

@@ -3,7 +3,7 @@
 Full float32 matmuls (PyTorch's default precision) run on CUDA cores, about 7 times slower
 than bf16 tensor cores on an H100. When one operand is spikes (0 and 1, or the 2 x 2 means of
 spikes a pooled block writes: multiples of 1/4), bf16 holds it exactly, so only the other needs
-splitting: W = hi + mid + lo, three bf16 terms (:mod:`spikefuse.cuda.bf16_split`, about 2^-26
+splitting: W = hi + mid + lo, three bf16 terms (the backends' ``bf16_split`` capability, about 2^-26
 relative), and
 
     y = x Wᵀ = x hiᵀ + x midᵀ + x loᵀ,
@@ -31,14 +31,13 @@ graphed step 0.25 ms less. Not under torch.compile (the compiled graph runs torc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.cuda import is_current_stream_capturing
 
-from ..cuda import bf16_split as cuda_split
-from ..cuda import unavailable_reason
+from ..backends import SplitKernels, capability
 from ..ops import forbid_double_backward
 from .spike_bits import means_window
 
@@ -79,17 +78,21 @@ def _has_mm_out_dtype() -> bool:
 _MM_OUT_DTYPE = _has_mm_out_dtype()
 
 
+def _split_kernels(x: Tensor) -> SplitKernels | None:
+    """The split kernel of a backend that runs x (the ``bf16_split`` capability), or None."""
+    return cast("SplitKernels | None", capability("bf16_split", x))
+
+
 def takes_split_path(x: Tensor, weight: Tensor) -> bool:
     """Whether ``F.linear(x, weight)`` of a fused block (x: [..., K], as tagged: a view of it
     does not see a tag put on another view) runs as :class:`SpikeLinearFunction` on x's rows:
     under CUDA graph capture (see the module docstring). An eager call that would split if
     captured loads the split kernel, so that capturing the step later can launch it."""
     rows, (outputs, inputs) = x.shape[:-1].numel(), weight.shape
+    float32 = _MM_OUT_DTYPE and x.dtype == torch.float32 and weight.dtype == torch.float32
+    kernels = _split_kernels(x) if float32 else None
     splits = (
-        _MM_OUT_DTYPE
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and unavailable_reason(x) is None
+        kernels is not None
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled(x.device.type)
         and rows >= MIN_ROWS
@@ -97,8 +100,8 @@ def takes_split_path(x: Tensor, weight: Tensor) -> bool:
         and full_float32_matmul()
         and holds_bf16_exact_spikes(x)
     )
-    if splits and not is_current_stream_capturing():
-        cuda_split.load(x.device)  # (a lookup once loaded)
+    if splits and kernels is not None and not is_current_stream_capturing():
+        kernels.load(x.device)  # (a lookup once loaded)
         return False
     return splits
 
@@ -107,8 +110,9 @@ def split_bf16(t: Tensor) -> Tensor:
     """bfloat16 [3, *t.shape]: hi, mid, lo with hi + mid + lo = t (float32) to about 2^-26
     relative; one kernel on CUDA, torch ops elsewhere: the same bits."""
     t = t.contiguous()
-    if unavailable_reason(t) is None:
-        return cuda_split.split(t)
+    kernels = _split_kernels(t)
+    if kernels is not None:
+        return kernels.split(t)
     hi = t.to(torch.bfloat16)
     rest = t - hi.float()  # exact (Sterbenz), as in the kernel
     mid = rest.to(torch.bfloat16)

@@ -92,7 +92,7 @@ from .. import definitions as defs
 from .. import layer
 from ..errors import SpikefuseError
 from ..fused import FusedBlock, SpikePool
-from ..fused.blocks import SYNAPSES
+from ..fused.spec import SYNAPSES
 from ..neuron import BaseNode, IFNode, LIFNode
 from ..surrogate import Rect, Surrogate, is_finite_real
 
