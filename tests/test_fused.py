@@ -30,7 +30,7 @@ from spikefuse.fused import (
 )
 from spikefuse.fused.neuron_call import NeuronCall
 from spikefuse.fused.ops.bn_neuron import passes
-from spikefuse.fused.spike_bits import mark_spikes
+from spikefuse.fused.recompute import mark_spikes
 
 T, B = 3, 4
 # fp32: outputs are spikes and must match exactly; gradients differ only by summation order.
@@ -862,3 +862,21 @@ def test_linear_blocks_without_batchnorm_take_tokens():
     assert isinstance(with_bn[0], FusedBlock)
     with pytest.raises(SpikefuseError, match=r"BatchNorm1d takes \[T, B, F\] only"):
         with_bn(x.float())
+
+
+def test_a_block_pickled_without_its_spec_unpickles():
+    """A block pickled before the spec and memory policies existed (its state then held
+    ``_kind``, ``_window``, ``memory`` and ``memory_choice``) unpickles and runs."""
+    import pickle
+
+    block = FusedConvBNNeuron(3, 4, 3, padding=1, node=lif())
+    state = dict(block.__dict__)
+    for new in ("spec", "_synapse_op", "_memory", "_policy"):
+        state.pop(new)
+    state.update(_kind=nn.Conv2d, _window=1, memory="min", memory_choice="min")
+    old = FusedBlock.__new__(FusedBlock)
+    old.__setstate__(state)
+    again = pickle.loads(pickle.dumps(old))
+    assert again.spec.kind is nn.Conv2d and again.memory == "min" and "_kind" not in vars(again)
+    x = torch.rand(T, B, 3, 6, 6)
+    torch.testing.assert_close(again(x), block(x))

@@ -13,19 +13,12 @@ from conftest import gen
 from spikefuse import fuse, layer, neuron
 from spikefuse.cuda import spike_bits as cuda_bits
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, chunked, spike_bits
+from spikefuse.fused import FusedBlock, chunked, recompute, spike_bits
 from spikefuse.fused import memory as memory_module
 from spikefuse.fused import synapse as synapse_module
 from spikefuse.fused.pooling import SpikePool
-from spikefuse.fused.recompute import recipe_of
-from spikefuse.fused.spike_bits import (
-    PackedSpikes,
-    is_spikes,
-    mark_spikes,
-    memory_order,
-    pack_bits,
-    unpack_bits,
-)
+from spikefuse.fused.recompute import is_spikes, mark_spikes, recipe_of
+from spikefuse.fused.spike_bits import PackedSpikes, memory_order, pack_bits, unpack_bits
 from test_codegen import assert_compiles_without_spills, needs_nvcc
 from test_fused import (
     FP64_TOL,
@@ -152,13 +145,13 @@ def test_a_kernel_written_packing_is_kept_and_is_the_recipe():
     a same-memory view; an in-place edit drops both."""
     x = (torch.rand(3, 2, 4, 5, generator=torch.Generator().manual_seed(0)) > 0.5).float()
     packing = PackedSpikes.of(x)
-    spike_bits.mark_packed(x, packing)
-    assert spike_bits.compact(x) is packing
+    recompute.mark_packed(x, packing)
+    assert recompute.compact(x) is packing
     assert torch.equal(recipe_of(x)(), x) and torch.equal(
         recipe_of(x.flatten(0, 1))(), x.flatten(0, 1)
     )
     x.mul_(1.0)
-    assert spike_bits.packing_of(x) is None and recipe_of(x) is None
+    assert recompute.packing_of(x) is None and recipe_of(x) is None
 
 
 def test_memory_mode_is_validated():

@@ -21,7 +21,7 @@ from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock, SpikePool, WindowAvgPool, paper_lif, paths
 from spikefuse.fused.convert import FusedAttributeError
 from spikefuse.fused.neuron_call import NeuronCall
-from spikefuse.fused.spike_bits import is_spikes
+from spikefuse.fused.recompute import is_spikes
 from spikefuse.ops import run_neuron
 from test_fuse_anywhere import assert_equivalent, randomized, training_step
 

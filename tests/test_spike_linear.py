@@ -14,8 +14,13 @@ from spikefuse import layer
 from spikefuse.cuda import bf16_split as cuda_split
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import SpikePool, fuse, spike_linear, synapse
-from spikefuse.fused.recompute import mark_recomputable, recipe_of
-from spikefuse.fused.spike_bits import mark_means, mark_spikes, means_window
+from spikefuse.fused.recompute import (
+    mark_means,
+    mark_recomputable,
+    mark_spikes,
+    means_window,
+    recipe_of,
+)
 from spikefuse.fused.spike_linear import (
     SpikeLinearFunction,
     full_float32_matmul,

@@ -12,8 +12,8 @@ from torch import nn
 from spikefuse import backends
 from spikefuse.cuda import spike_bits as cuda_bits
 from spikefuse.fused import FusedBlock, paper_lif, spike_bits
-from spikefuse.fused.recompute import recipe_of
-from spikefuse.fused.spike_bits import PackedSpikes, compact
+from spikefuse.fused.recompute import compact, recipe_of
+from spikefuse.fused.spike_bits import PackedSpikes
 
 from .replay import assert_close_but_for_sum_order, eager_and_replayed_grads
 from .variants import AFFINE_CHUNK
@@ -231,7 +231,7 @@ def test_a_chunked_linear_block_on_spikes_matches_the_default_mode(features, mon
     of 100 bits is no whole number of words (backward unpacks the input whole), one of 128
     is (backward unpacks the chunks' parts of the packing)."""
     from spikefuse.fused import memory
-    from spikefuse.fused.spike_bits import mark_spikes
+    from spikefuse.fused.recompute import mark_spikes
 
     def block(memory: str) -> FusedBlock:
         torch.manual_seed(0)

@@ -13,7 +13,7 @@ from torch import nn
 from spikefuse import layer
 from spikefuse.cuda import bf16_split as cuda_split
 from spikefuse.fused import fuse, paper_lif, spike_linear, synapse
-from spikefuse.fused.spike_bits import mark_spikes
+from spikefuse.fused.recompute import mark_spikes
 from spikefuse.fused.spike_linear import SpikeLinearFunction, split_bf16
 
 from .replay import assert_close_but_for_sum_order, eager_and_replayed_grads, step_grads

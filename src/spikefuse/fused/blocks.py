@@ -23,9 +23,13 @@ from ..neuron import BaseNode, LIFNode
 from .memory import MemoryPolicy, memory_modes, memory_policy
 from .neuron_call import NeuronCall
 from .paths import DEFAULT_PLAN, TRACED_PLAN
+from .pooling import SpikePool, WindowAvgPool
 from .spec import BlockSpec, MultiStepOnly, hook_kinds
 from .statistics import BNSpec, BNStats, bn_statistics, is_distributed, refuse_join
 from .synapse import Synapse
+
+# Models pickled whole name the pooling classes by this module's path.
+_PICKLED = (SpikePool, WindowAvgPool)
 
 #: The memory modes a block takes (read by the training command line; the registry is
 #: :func:`~.memory.memory_modes`).
@@ -189,6 +193,19 @@ class FusedBlock(MultiStepOnly, nn.Module):
         # load_state_dict(assign=True) replaces the weight without _apply (a module-level
         # function: the hook is pickled with the block)
         self.register_load_state_dict_post_hook(_weight_layout_after_load)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickles blocks pickled before the spec and the memory policies existed too."""
+        super().__setstate__(state)
+        if "spec" in self.__dict__:
+            return
+        synapse, bn, node = self.synapse, self.bn, self.node
+        residual = state.get("residual", False)
+        self.spec = BlockSpec.of(synapse, bn, node, self._modules.get("pool"), residual)
+        self._synapse_op = Synapse(synapse, self.spec.kind)
+        self.memory = self.__dict__.pop("memory", "default")
+        for stale in ("_kind", "_window", "memory_choice", "_recompute_terms_of"):
+            self.__dict__.pop(stale, None)
 
     @property
     def memory(self) -> str:

@@ -37,17 +37,13 @@ from .ops.bn_neuron.passes import (
     bn_neuron_backward,
     bn_neuron_forward,
 )
+from .recompute import Compact, compact, expand, is_spikes, packing_of
 from .spike_bits import (
-    Compact,
     PackedSpikes,
-    compact,
     empty_in_order,
-    expand,
-    is_spikes,
     joined_batch_chunks,
     memory_order,
     packed_bytes,
-    packing_of,
     packing_part,
 )
 from .statistics import BNStats

@@ -32,7 +32,7 @@ from .ops.bn_neuron.autograd import (
     save_bn_context,
 )
 from .ops.bn_neuron.passes import bn_neuron_forward, bn_neuron_grads, repeated
-from .spike_bits import Compact, compact, expand
+from .recompute import Compact, compact, expand
 from .synapse import Synapse
 
 

@@ -24,8 +24,7 @@ from ..errors import SpikefuseError
 from ..functional import repeated_over_time
 from .chunked import batch_chunks, batch_parts
 from .paths import DEFAULT_PLAN, MIN_MEMORY_PLAN, Block, Plan, chunked_path
-from .recompute import recipe_of
-from .spike_bits import is_spikes
+from .recompute import is_spikes, recipe_of
 
 # memory="auto": a block recomputes its synapse in backward (as memory="min") where that costs
 # at most this many multiply-adds per element of memory it saves. Recomputing adds one synapse

@@ -39,9 +39,17 @@ from .ops.bn_neuron import (
     traced_bn_neuron,
 )
 from .pooling import WindowAvgPool
-from .recompute import Recipe, mark_recomputable
+from .recompute import (
+    Recipe,
+    compact,
+    expand,
+    mark_means,
+    mark_packed,
+    mark_recomputable,
+    mark_spikes,
+)
 from .spec import BN_FOR, BlockSpec
-from .spike_bits import PackedSpikes, compact, expand, mark_means, mark_packed, mark_spikes
+from .spike_bits import PackedSpikes
 from .statistics import (
     BNSpec,
     BNStats,
@@ -236,13 +244,13 @@ def finish(
     pools and the kernels did not (``pool`` 1), with the pooling of ``recipe`` (out's recipe)
     as its recipe; tagged with ``packed`` where the pooling kernels packed it (the spikes
     behind each mean: unpacking it is then the output's recipe, and a min-memory block keeps
-    it as its input instead of the map, :func:`~.spike_bits.compact`); and tagged as binary
+    it as its input instead of the map, :func:`~.recompute.compact`); and tagged as binary
     spikes, or as the means of k x k spikes where the block pools."""
     if packed is not None:
         out = mark_packed(out, PackedSpikes.written(packed, out, pool * pool))
     out = _pooled(block, out, pool, recipe)
     spec = block.spec.pool
-    return mark_spikes(out) if spec is None else mark_means(out, spec.area)
+    return mark_spikes(out) if spec is None else mark_means(out, spec.means_window)
 
 
 def _pooled(block: Block, out: Tensor, kernel_pool: int, recipe: Recipe | None = None) -> Tensor:

@@ -8,9 +8,8 @@ from torch import Tensor, nn
 
 from ..errors import SpikefuseError
 from ..ops import forbid_double_backward
-from .recompute import mark_recomputable, recipe_of, saving_recomputed
+from .recompute import mark_means, mark_recomputable, means_window, recipe_of, saving_recomputed
 from .spec import EXACT, POOLS, MultiStepOnly, window_size
-from .spike_bits import mark_means, means_window
 
 
 class WindowAvgPool(torch.autograd.Function):

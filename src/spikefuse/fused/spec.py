@@ -112,8 +112,14 @@ class PoolSpec:
 
     @property
     def area(self) -> int:
-        """Spikes per output value (k²): the window of the means the output is tagged with."""
+        """Spikes per output value (k²)."""
         return self.window * self.window
+
+    @property
+    def means_window(self) -> int:
+        """What the pooled output is tagged as (:func:`~.recompute.mark_means`): the means of
+        k² spikes each."""
+        return self.area
 
 
 def _check_bn(bn: nn.Module, synapse: nn.Module, kind: type[nn.Module]) -> None:

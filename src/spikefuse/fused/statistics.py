@@ -108,8 +108,7 @@ def _channel_stats(y: Tensor) -> ChannelStatsKernels | None:
     return cast("ChannelStatsKernels | None", capability("channel_stats", y))
 
 
-# Below this many elements the kernel's two launches cost more than torch's one (H100: a
-# [640, 1024] Linear output took 24 us against batch_norm_stats' 9-13 us; 2^21 took 42 vs 55).
+# Below this many elements the kernel's two launches cost more than torch's one.
 _KERNEL_MIN_ELEMENTS = 1 << 21
 
 
@@ -123,8 +122,8 @@ def batch_mean_invstd(
 
     Where channels are innermost (:func:`rows_by_channel`), y is large (``_KERNEL_MIN_ELEMENTS``)
     and a backend with the ``channel_stats`` capability runs y, that kernel (the cuda backend's)
-    streams y at memory bandwidth, where torch's Welford kernel reaches a fraction of it (0.56
-    TB/s in bfloat16 on an H100). Every other layout, dtype, or a missing CuPy keeps
+    streams y at memory bandwidth, where torch's Welford kernel reaches a fraction of it. Every
+    other layout, dtype, or a missing CuPy keeps
     ``torch.batch_norm_stats`` (Welford in float32, any layout) on the [T*B, C, *] view. Eager
     only: under ``torch.compile`` neither op traces (CuPy launches are opaque, and
     ``batch_norm_stats`` has no fake-tensor kernel), so the callers use ``torch.var_mean`` there.

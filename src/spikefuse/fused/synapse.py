@@ -18,8 +18,7 @@ from torch.nn import functional as F
 from torch.nn.modules.conv import _ConvNd
 
 from ..functional import repeat_over_time, repeated_over_time
-from .recompute import Recipe, recipe_of, saving_recomputed
-from .spike_bits import is_spikes, mark_spikes
+from .recompute import Recipe, is_spikes, mark_spikes, recipe_of, saving_recomputed
 from .spike_linear import SpikeLinearFunction, takes_split_path
 
 

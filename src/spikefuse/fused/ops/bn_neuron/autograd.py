@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ....ops import forbid_double_backward
 from ...neuron_call import Kept, NeuronCall
-from ...spike_bits import Compact, expand, join, split
+from ...recompute import Compact, expand, join, split
 from ...statistics import BNSpec, BNStats
 from .passes import bn_neuron_forward, bn_neuron_grads, repeated
 
@@ -33,7 +33,7 @@ class BNNeuronArgs:
     the view y.expand(T, ...), keeps only the one step, and y's gradient is the sum of the
     steps'); ``save``: a backward will follow (keep the neuron's checkpoints);
     ``kept_residual``: what backward keeps of the residual (itself, or its 1-bit packing when
-    it is spikes: :func:`~spikefuse.fused.spike_bits.compact`).
+    it is spikes: :func:`~spikefuse.fused.recompute.compact`).
     """
 
     neuron: NeuronCall
