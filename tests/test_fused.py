@@ -880,3 +880,24 @@ def test_a_block_pickled_without_its_spec_unpickles():
     assert again.spec.kind is nn.Conv2d and again.memory == "min" and "_kind" not in vars(again)
     x = torch.rand(T, B, 3, 6, 6)
     torch.testing.assert_close(again(x), block(x))
+
+
+def test_fused_blocks_reach_kernels_through_backend_capabilities():
+    """The packing, statistics and split-matmul kernels come from the backend contract: none on
+    the CPU (torch ops run), an unknown capability refused; no fused module imports the cuda
+    package."""
+    import pathlib
+    import re
+
+    from spikefuse import backends
+
+    cpu = torch.zeros(4)
+    for name in backends.CAPABILITIES:
+        assert backends.capability(name, cpu) is None
+    with pytest.raises(SpikefuseError, match="unknown capability"):
+        backends.capability("bogus", cpu)
+    assert backends.packed_bytes(33) == 5 * backends.packed_words(33) == 10
+    fused_dir = pathlib.Path(backends.__file__).parent / "fused"
+    cuda_import = re.compile(r"from \.+cuda\b|spikefuse\.cuda import|import spikefuse\.cuda")
+    for path in fused_dir.rglob("*.py"):
+        assert cuda_import.search(path.read_text()) is None, path

@@ -161,6 +161,53 @@ def test_memory_mode_is_validated():
         FusedBlock(nn.Linear(2, 3), None, lif(), memory="low")
 
 
+@pytest.fixture
+def linear_min_mode(monkeypatch):
+    """A memory mode registered for one test: Linear blocks recompute, the others keep y."""
+    registry = dict(memory_module._POLICIES)
+    monkeypatch.setattr(memory_module, "_POLICIES", registry)
+
+    @memory_module.register_memory
+    class LinearMin(memory_module.MemoryPolicy):
+        name = "linear-min"
+
+        def plan(self, block, x, residual):
+            linear = block.spec.kind is nn.Linear
+            return memory_module.MIN_MEMORY_PLAN if linear else memory_module.DEFAULT_PLAN
+
+    return LinearMin
+
+
+def test_a_memory_mode_is_one_registered_class(linear_min_mode):
+    """A policy class registered with register_memory is a mode FusedBlock and fuse take, the
+    modes list names it, and its plans run: here the same training step as the default mode,
+    with the Linear block keeping only its input."""
+    assert memory_module.memory_modes()[-1] == "linear-min"
+    x = torch.rand(5, 2, 3, 8, 8, dtype=torch.float64) * 2
+    default = fuse(conv_stack(torch.float64))
+    mixed = fuse(conv_stack(torch.float64), memory="linear-min")
+    blocks = [b for b in mixed.modules() if isinstance(b, FusedBlock)]
+    assert all(isinstance(b.memory_policy, linear_min_mode) for b in blocks)
+    for _ in range(2):  # twice: the running statistics move
+        assert_same_training_step(default, mixed, x, FP64_TOL)
+    linear = blocks[-1]
+    assert linear.spec.kind is nn.Linear and linear.memory_choice == "linear-min"
+
+
+def test_memory_policies_plan_the_paths():
+    """default keeps y; min recomputes it (in chunks where y is large); no policy is asked
+    without autograd."""
+    block = FusedBlock(nn.Linear(4, 3), nn.BatchNorm1d(3), lif(), memory="min")
+    x = torch.rand(2, 5, 4)
+    assert block.memory_policy.plan(block, x, None) is memory_module.MIN_MEMORY_PLAN
+    block.memory = "default"
+    assert block.memory_policy.plan(block, x, None) is memory_module.DEFAULT_PLAN
+    with torch.no_grad():  # the default path, whatever the mode
+        block.memory = "auto"
+        block(x)
+        assert block.memory_choice == "auto"
+
+
 def test_min_memory_recomputes_under_the_forwards_autocast():
     """bf16 autocast: backward recomputes the synapse under the same autocast as forward."""
     x = torch.rand(3, 2, 3, 8, 8) * 2

@@ -444,3 +444,18 @@ def test_a_pool_used_only_in_training_mode_does_not_fold():
         fused.train(training)
         torch.testing.assert_close(fused(net_input()), model(net_input()), **FP64_TOL)
         functional.reset_net(model)
+
+
+def test_a_block_spec_records_its_parts_once():
+    """BlockSpec: the synapse kind and input rank, BatchNorm, the folded pooling's kind and
+    window (its output tagged as means of k² spikes), the residual; built once, validated."""
+    from spikefuse.fused.spec import BlockSpec, PoolSpec
+
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    block = FusedBlock(conv, nn.BatchNorm2d(4), paper_lif(), pool=nn.AvgPool2d(2))
+    assert block.spec == BlockSpec(nn.Conv2d, 5, True, PoolSpec("avg", 2), False)
+    assert (block.spec.window, block.spec.pool.area, block.spec.pool.means_window) == (2, 4, 4)
+    linear = FusedBlock(nn.Linear(3, 4), None, paper_lif(), residual=True)
+    assert linear.spec == BlockSpec(nn.Linear, 3, False, None, True) and linear.spec.window == 1
+    with pytest.raises(SpikefuseError, match="only 2x2 windows fold"):
+        BlockSpec.of(conv, None, paper_lif(), nn.AvgPool2d(3), False)
