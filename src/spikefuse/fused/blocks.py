@@ -124,7 +124,7 @@ class FusedBlock(MultiStepOnly, nn.Module):
     cuda backend and BatchNorm the kernels pool themselves: forward writes only the pooled map
     (never the full spikes) and backward reads only its gradient. Otherwise (torch backend, no
     BatchNorm, odd H or W, ``memory="min"``, ``torch.compile``) the block pools its full spikes
-    with torch ops (:class:`WindowAvgPool`): the same values either way.
+    with torch ops (:class:`~.pooling.WindowAvgPool`): the same values either way.
 
     Args:
         synapse: ``nn.Conv1d``/``nn.Conv2d``/``nn.Linear`` (or spikefuse ``layer`` versions).
@@ -135,9 +135,10 @@ class FusedBlock(MultiStepOnly, nn.Module):
             ``"min"`` keeps only the block's input, 1-bit packed when it is the spike output
             of another fused block, and recomputes y in backward (one more synapse forward per
             block; the same gradients; see :mod:`spikefuse.fused.low_memory`); ``"auto"``
-            chooses between the two on every training call (:meth:`recomputes`): "min" where
-            recomputing costs at most :data:`AUTO_MAX_MACS_PER_SAVED_ELEMENT` multiply-adds
-            per element of memory saved. ``memory_choice`` holds the last call's choice.
+            chooses between the two on every training call: "min" where recomputing costs
+            at most :data:`~spikefuse.fused.memory.AUTO_MAX_MACS_PER_SAVED_ELEMENT`
+            multiply-adds per element of memory saved. ``memory_choice`` holds the last
+            call's choice. Any mode registered in :mod:`spikefuse.fused.memory`.
         pool: an ``nn.AvgPool2d`` (or ``layer.AvgPool2d``) averaging 2 x 2 windows with kernel =
             stride, no padding, ceil_mode or divisor_override, applied to the spikes; or None.
         residual: the block adds a residual to the BatchNorm output before the neuron (Spiking
@@ -218,6 +219,7 @@ class FusedBlock(MultiStepOnly, nn.Module):
 
     @property
     def memory_policy(self) -> MemoryPolicy:
+        """This block's policy of its memory mode (:mod:`.memory`)."""
         return self._policy
 
     @property
