@@ -63,8 +63,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from spikefuse import functional, layer, models, neuron, surrogate
-from spikefuse.fused import FusedBlock, fuse, low_memory, paper_lif
-from spikefuse.fused.blocks import MEMORY_MODES
+from spikefuse.fused import FusedBlock, chunked, fuse, memory_modes, paper_lif
 from spikefuse.model_graphs import graph_model, model_graphs
 from spikefuse.neuron import BaseNode
 
@@ -282,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(NETWORKS), default="cnn")
     parser.add_argument(
-        "--memory", choices=MEMORY_MODES, default="default", help="fuse's memory mode"
+        "--memory", choices=memory_modes(), default="default", help="fuse's memory mode"
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
@@ -339,12 +338,12 @@ def parse_checks(parser: argparse.ArgumentParser, argv: list[str]) -> list[argpa
 def run_checks(checks: list[argparse.Namespace], device: torch.device) -> bool:
     """Run every check (each dtype of each) and print PASS or FAIL per run on rank 0."""
     ok = True
-    chunking = low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES
+    chunking = chunked.CHUNKED_FROM, chunked.CHUNK_BYTES
     for args in checks:
         use_cuda = device.type == "cuda"
         dtypes = [getattr(torch, n) for n in args.dtype or ["float32" if use_cuda else "float64"]]
         if args.chunked:  # every map is "large", and no chunk holds more than one sample
-            low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES = 0, 1
+            chunked.CHUNKED_FROM, chunked.CHUNK_BYTES = 0, 1
         try:
             for dtype in dtypes:
                 worst = run_check(
@@ -376,7 +375,7 @@ def run_checks(checks: list[argparse.Namespace], device: torch.device) -> bool:
                         f"max relative error {flag.item():.2e}"
                     )
         finally:
-            low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES = chunking
+            chunked.CHUNKED_FROM, chunked.CHUNK_BYTES = chunking
     return ok
 
 

@@ -73,9 +73,9 @@ def routes(monkeypatch):
         calls.append(("torch", flat, eps))
         return flat.new_zeros(flat.shape[1]), flat.new_ones(flat.shape[1])
 
-    monkeypatch.setattr(statistics, "_channel_stats", lambda: kernel)
+    kernels = types.SimpleNamespace(channel_stats=kernel)
+    monkeypatch.setattr(statistics, "capability", lambda name, x: kernels)
     monkeypatch.setattr(torch, "batch_norm_stats", torch_stats)
-    monkeypatch.setattr(statistics, "unavailable_reason", lambda name, x: None)
     monkeypatch.setattr(statistics, "_KERNEL_MIN_ELEMENTS", 0)
     return calls
 
@@ -118,8 +118,7 @@ def test_other_layouts_keep_torch_batch_norm_stats(routes):
 
 
 def test_without_the_cuda_backend_torch_batch_norm_stats_runs(routes, monkeypatch):
-    why = "CuPy is not installed"
-    monkeypatch.setattr(statistics, "unavailable_reason", lambda name, x: why)
+    monkeypatch.setattr(statistics, "capability", lambda name, x: None)  # no backend offers it
     statistics.batch_mean_invstd(torch.randn(3, 2, 6), 1e-5)
     assert routes.pop()[0] == "torch"
 

@@ -200,7 +200,7 @@ def test_a_dropped_model_is_freed_at_once(inplace, copied):
     """fx's tracer and a rewritten forward's GraphModule sit in reference cycles; fuse breaks
     them, so a model the user drops (its modules and parameters, a CUDA graph captured from
     it) is freed at once, not at the next full garbage collection (a dropped fused model's
-    graph pool used to be held until then). Net's blocks have rewritten forwards. A copy
+    graph pool was once held until then). Net's blocks have rewritten forwards. A copy
     unpickled (torch.load of a whole model) once traced its code again on load, in a cycle."""
     gc.collect()
     gc.disable()
@@ -264,8 +264,8 @@ def test_a_long_rewritten_forward_pickles():
 
 
 def test_report_names_every_reason_a_chain_is_left_unfused(caplog):
-    """store_v_seq, Izhikevich, 's' mode and Dropout between layers used to be skipped
-    without a word, and ModuleList models were not fused at all."""
+    """store_v_seq, Izhikevich, 's' mode and Dropout between layers were skipped
+    without a word; ModuleList models were not fused at all."""
     rows = [
         [conv(3, C), bn(), lif(store_v_seq=True)],
         [conv(), bn(), neuron.IzhikevichNode(step_mode="m", backend="torch")],
@@ -518,7 +518,7 @@ class _ReadsPotential(nn.Module):
 
 
 def test_reading_a_fused_modules_attribute_names_the_block():
-    """A forward reading a fused neuron's .v used to fail with "'Identity' object has no
+    """A forward reading a fused neuron's .v failed with "'Identity' object has no
     attribute 'v'"; it now names the module, the block and why (no per-step potentials)."""
     model = _ReadsPotential()
     x = torch.randn(T, B, 3, 6, 6)

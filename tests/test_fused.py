@@ -23,14 +23,14 @@ from spikefuse.fused import (
     FusedLinearBNNeuron,
     SpikePool,
     WindowAvgPool,
-    bn_neuron,
     fuse,
     match_optimizer_state,
     paper_lif,
     recompute,
 )
 from spikefuse.fused.neuron_call import NeuronCall
-from spikefuse.fused.spike_bits import mark_spikes
+from spikefuse.fused.ops.bn_neuron import passes
+from spikefuse.fused.recompute import mark_spikes
 
 T, B = 3, 4
 # fp32: outputs are spikes and must match exactly; gradients differ only by summation order.
@@ -131,13 +131,13 @@ def test_fused_model_matches_unfused(dtype, bn):
 
 def test_pass_two_recomputes_g_when_pass_one_returns_none(monkeypatch):
     """A pass-1 kernel may drop g (the paper's Alg. 2-3): pass 2 recomputes it, same result."""
-    real = bn_neuron.bn_neuron_backward
+    real = passes.bn_neuron_backward
 
     def without_g(*args):
         _, *rest = real(*args)
         return (None, *rest)
 
-    monkeypatch.setattr(bn_neuron, "bn_neuron_backward", without_g)
+    monkeypatch.setattr(passes, "bn_neuron_backward", without_g)
     ref = conv_stack(torch.float64)
     x = torch.randn(T, B, 3, 8, 8, dtype=torch.float64) * 2
     assert_same_training_step(ref, fuse(ref), x, FP64_TOL)
@@ -862,3 +862,42 @@ def test_linear_blocks_without_batchnorm_take_tokens():
     assert isinstance(with_bn[0], FusedBlock)
     with pytest.raises(SpikefuseError, match=r"BatchNorm1d takes \[T, B, F\] only"):
         with_bn(x.float())
+
+
+def test_a_block_pickled_without_its_spec_unpickles():
+    """A block pickled before the spec and memory policies existed (its state then held
+    ``_kind``, ``_window``, ``memory`` and ``memory_choice``) unpickles and runs."""
+    import pickle
+
+    block = FusedConvBNNeuron(3, 4, 3, padding=1, node=lif())
+    state = dict(block.__dict__)
+    for new in ("spec", "_synapse_op", "_memory", "_policy"):
+        state.pop(new)
+    state.update(_kind=nn.Conv2d, _window=1, memory="min", memory_choice="min")
+    old = FusedBlock.__new__(FusedBlock)
+    old.__setstate__(state)
+    again = pickle.loads(pickle.dumps(old))
+    assert again.spec.kind is nn.Conv2d and again.memory == "min" and "_kind" not in vars(again)
+    x = torch.rand(T, B, 3, 6, 6)
+    torch.testing.assert_close(again(x), block(x))
+
+
+def test_fused_blocks_reach_kernels_through_backend_capabilities():
+    """The packing, statistics and split-matmul kernels come from the backend contract: none on
+    the CPU (torch ops run), an unknown capability refused; no fused module imports the cuda
+    package."""
+    import pathlib
+    import re
+
+    from spikefuse import backends
+
+    cpu = torch.zeros(4)
+    for name in backends.CAPABILITIES:
+        assert backends.capability(name, cpu) is None
+    with pytest.raises(SpikefuseError, match="unknown capability"):
+        backends.capability("bogus", cpu)
+    assert backends.packed_bytes(33) == 5 * backends.packed_words(33) == 10
+    fused_dir = pathlib.Path(backends.__file__).parent / "fused"
+    cuda_import = re.compile(r"from \.+cuda\b|spikefuse\.cuda import|import spikefuse\.cuda")
+    for path in fused_dir.rglob("*.py"):
+        assert cuda_import.search(path.read_text()) is None, path

@@ -13,17 +13,12 @@ from conftest import gen
 from spikefuse import fuse, layer, neuron
 from spikefuse.cuda import spike_bits as cuda_bits
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, blocks, low_memory, spike_bits
-from spikefuse.fused.blocks import SpikePool
-from spikefuse.fused.recompute import recipe_of
-from spikefuse.fused.spike_bits import (
-    PackedSpikes,
-    is_spikes,
-    mark_spikes,
-    memory_order,
-    pack_bits,
-    unpack_bits,
-)
+from spikefuse.fused import FusedBlock, chunked, recompute, spike_bits
+from spikefuse.fused import memory as memory_module
+from spikefuse.fused import synapse as synapse_module
+from spikefuse.fused.pooling import SpikePool
+from spikefuse.fused.recompute import is_spikes, mark_spikes, recipe_of
+from spikefuse.fused.spike_bits import PackedSpikes, memory_order, pack_bits, unpack_bits
 from test_codegen import assert_compiles_without_spills, needs_nvcc
 from test_fused import (
     FP64_TOL,
@@ -150,13 +145,13 @@ def test_a_kernel_written_packing_is_kept_and_is_the_recipe():
     a same-memory view; an in-place edit drops both."""
     x = (torch.rand(3, 2, 4, 5, generator=torch.Generator().manual_seed(0)) > 0.5).float()
     packing = PackedSpikes.of(x)
-    spike_bits.mark_packed(x, packing)
-    assert spike_bits.compact(x) is packing
+    recompute.mark_packed(x, packing)
+    assert recompute.compact(x) is packing
     assert torch.equal(recipe_of(x)(), x) and torch.equal(
         recipe_of(x.flatten(0, 1))(), x.flatten(0, 1)
     )
     x.mul_(1.0)
-    assert spike_bits.packing_of(x) is None and recipe_of(x) is None
+    assert recompute.packing_of(x) is None and recipe_of(x) is None
 
 
 def test_memory_mode_is_validated():
@@ -164,6 +159,53 @@ def test_memory_mode_is_validated():
         fuse(conv_stack(torch.float32), memory="tiny")
     with pytest.raises(SpikefuseError, match="memory must be one of"):
         FusedBlock(nn.Linear(2, 3), None, lif(), memory="low")
+
+
+@pytest.fixture
+def linear_min_mode(monkeypatch):
+    """A memory mode registered for one test: Linear blocks recompute, the others keep y."""
+    registry = dict(memory_module._POLICIES)
+    monkeypatch.setattr(memory_module, "_POLICIES", registry)
+
+    @memory_module.register_memory
+    class LinearMin(memory_module.MemoryPolicy):
+        name = "linear-min"
+
+        def plan(self, block, x, residual):
+            linear = block.spec.kind is nn.Linear
+            return memory_module.MIN_MEMORY_PLAN if linear else memory_module.DEFAULT_PLAN
+
+    return LinearMin
+
+
+def test_a_memory_mode_is_one_registered_class(linear_min_mode):
+    """A policy class registered with register_memory is a mode FusedBlock and fuse take, the
+    modes list names it, and its plans run: here the same training step as the default mode,
+    with the Linear block keeping only its input."""
+    assert memory_module.memory_modes()[-1] == "linear-min"
+    x = torch.rand(5, 2, 3, 8, 8, dtype=torch.float64) * 2
+    default = fuse(conv_stack(torch.float64))
+    mixed = fuse(conv_stack(torch.float64), memory="linear-min")
+    blocks = [b for b in mixed.modules() if isinstance(b, FusedBlock)]
+    assert all(isinstance(b.memory_policy, linear_min_mode) for b in blocks)
+    for _ in range(2):  # twice: the running statistics move
+        assert_same_training_step(default, mixed, x, FP64_TOL)
+    linear = blocks[-1]
+    assert linear.spec.kind is nn.Linear and linear.memory_choice == "linear-min"
+
+
+def test_memory_policies_plan_the_paths():
+    """default keeps y; min recomputes it (in chunks where y is large); no policy is asked
+    without autograd."""
+    block = FusedBlock(nn.Linear(4, 3), nn.BatchNorm1d(3), lif(), memory="min")
+    x = torch.rand(2, 5, 4)
+    assert block.memory_policy.plan(block, x, None) is memory_module.MIN_MEMORY_PLAN
+    block.memory = "default"
+    assert block.memory_policy.plan(block, x, None) is memory_module.DEFAULT_PLAN
+    with torch.no_grad():  # the default path, whatever the mode
+        block.memory = "auto"
+        block(x)
+        assert block.memory_choice == "auto"
 
 
 def test_min_memory_recomputes_under_the_forwards_autocast():
@@ -185,7 +227,7 @@ def test_min_memory_recomputes_one_step_of_an_input_repeated_over_time(monkeypat
     """images.expand(T, ...): backward recomputes the first convolution on the B images, as
     forward ran it (not on T * B samples), and neither copies its output to T steps."""
     batches, copies = [], []
-    monkeypatch.setattr(blocks, "repeat_over_time", lambda *a: copies.append(a))
+    monkeypatch.setattr(synapse_module, "repeat_over_time", lambda *a: copies.append(a))
     conv2d = torch.nn.functional.conv2d
 
     def recording(x, weight, *args, **kwargs):
@@ -267,17 +309,17 @@ def test_auto_memory_recomputes_where_it_pays(monkeypatch):
     element) save y less their packed spikes, and less their packed input where the block before
     kept y (74): limit 200 recomputes all three, limit 70 only the first; the Linear (128 per
     output element, 130 or 174 per element saved) follows the block before it."""
-    monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 200)
+    monkeypatch.setattr(memory_module, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 200)
     auto = fuse(conv_stack(torch.float64), memory="auto")
     x = torch.rand(3, 2, 3, 8, 8, dtype=torch.float64)
     assert _choices(auto) == ["auto"] * 4  # chosen on the first training call
     auto(x).sum().backward()
     assert _choices(auto) == ["min"] * 4
-    monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
+    monkeypatch.setattr(memory_module, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
     auto(x).sum().backward()
     assert _choices(auto) == ["min", "default", "default", "default"]
     with torch.no_grad():  # no training call: no choice
-        monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 1)
+        monkeypatch.setattr(memory_module, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 1)
         auto(x)
     assert _choices(auto) == ["min", "default", "default", "default"]
 
@@ -296,7 +338,7 @@ def test_auto_memory_keeps_outputs_larger_inputs_would_replace():
 def test_auto_memory_equals_the_default_mode(monkeypatch):
     """Blocks of both modes in one model (and an input repeated over time): outputs, input and
     parameter gradients and running statistics equal the default mode's, float64."""
-    monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
+    monkeypatch.setattr(memory_module, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", 70)
     default = fuse(conv_stack(torch.float64))
     auto = fuse(conv_stack(torch.float64), memory="auto")
     x = torch.rand(5, 2, 3, 8, 8, dtype=torch.float64) * 2
@@ -363,7 +405,7 @@ def test_auto_memory_counts_the_synapse_output_and_its_cost(synapse):
     block = FusedBlock(synapse, None, lif(), memory="auto")
     shapes = {nn.Conv1d: (2, 6, 11), nn.Conv2d: (2, 6, 9, 10), nn.Linear: (2, 6)}
     step = torch.rand(shapes[type(synapse)])
-    per_step, fan_in = block._synapse_geometry(step.shape)
+    per_step, fan_in = block.synapse_op().geometry(step.shape)
     assert per_step == synapse(step).numel()
     weight = synapse.weight
     assert fan_in == weight[0].numel()  # in_channels / groups x kernel, or in_features
@@ -374,7 +416,7 @@ def test_auto_memory_counts_the_map_a_pooling_block_leaves_to_the_next_layer(mon
     the next layer keeps whole): 3/4 of y for 2 x 2 windows."""
     x = torch.rand(2, 2, 3, 8, 8, dtype=torch.float64)
     for limit, choice in ((27 / 0.75 + 0.01, "min"), (27 / 0.75 - 0.01, "default")):
-        monkeypatch.setattr(blocks, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", limit)
+        monkeypatch.setattr(memory_module, "AUTO_MAX_MACS_PER_SAVED_ELEMENT", limit)
         block = FusedBlock(*_parts(3, 8), memory="auto", pool=nn.AvgPool2d(2)).double()
         block(x).sum().backward()
         assert block.memory_choice == choice
@@ -412,10 +454,10 @@ def test_min_memory_in_batch_chunks_equals_the_default_mode(chunks, node, monkey
     BatchNorm, in ``chunks``): outputs, input and parameter gradients and the running
     statistics equal the default mode's in float64, in training and in eval."""
     parts = []
-    real_parts = blocks.batch_parts
-    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: chunks)
+    real_parts = memory_module.batch_parts
+    monkeypatch.setattr(memory_module, "batch_chunks", lambda batch, y_bytes: chunks)
     monkeypatch.setattr(
-        blocks,
+        memory_module,
         "batch_parts",
         lambda *a: parts.append(a) or real_parts(*a),  # type: ignore[func-returns-value]
     )
@@ -439,7 +481,7 @@ def test_min_memory_in_batch_chunks_for_every_synapse(make, spikes, monkeypatch)
     """Every synapse with an explicit backward, bias or not, spikes (packed, unpacked by
     chunks) or real input, with and without an input gradient: chunked equals the default
     mode in float64."""
-    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 3)
+    monkeypatch.setattr(memory_module, "batch_chunks", lambda batch, y_bytes: 3)
     synapse = make()
     model = _synapse_pair(synapse)
     if spikes:  # tagged inside the model: the test's copies of x drop the tag
@@ -460,7 +502,7 @@ def test_a_chunked_block_keeps_its_input_packed_and_unpacks_it_by_chunks(monkeyp
     """Spike input in 2 chunks: each chunk's input is kept packed (as much as the whole
     input's packing, rows padded to 16 bytes), and backward unpacks one chunk at a time, never
     the whole input."""
-    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 2)
+    monkeypatch.setattr(memory_module, "batch_chunks", lambda batch, y_bytes: 2)
     t, b, c, h, w = 4, 8, 16, 8, 8
     model = nn.Sequential(*conv_bn_lif(3, c), *conv_bn_lif(c, c))
     x = torch.randn(t, b, 3, h, w)
@@ -482,8 +524,8 @@ def test_a_chunked_block_keeps_its_input_packed_and_unpacks_it_by_chunks(monkeyp
     [(64, 255, 1), (64, 256, 8), (64, 320, 8), (64, 1024, 32), (6, 400, 6), (7, 300, 7)],
 )
 def test_batch_chunks_are_the_fewest_equal_ones_within_the_bound(batch, mib, chunks):
-    assert (low_memory.CHUNKED_FROM, low_memory.CHUNK_BYTES) == (256 << 20, 48 << 20)
-    assert low_memory.batch_chunks(batch, mib << 20) == chunks
+    assert (chunked.CHUNKED_FROM, chunked.CHUNK_BYTES) == (256 << 20, 48 << 20)
+    assert chunked.batch_chunks(batch, mib << 20) == chunks
 
 
 class TagSpikes(nn.Module):
@@ -521,10 +563,10 @@ def test_packings_of_batch_chunks_join_into_the_whole_ones():
 
 def test_auto_memory_never_chunks(monkeypatch):
     """memory="auto" recomputes unchunked: its rule prices one synapse forward."""
-    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 2)
-    chunked = []
-    monkeypatch.setattr(blocks.FusedBlock, "_forward_chunked", lambda *a: chunked.append(a))
+    monkeypatch.setattr(memory_module, "batch_chunks", lambda batch, y_bytes: 2)
+    taken = []
+    monkeypatch.setattr(memory_module, "chunked_path", lambda *a: taken.append(a))
     model = fuse(nn.Sequential(*conv_bn_lif(3, 8), *conv_bn_lif(8, 8)), memory="auto")
     model(torch.rand(2, 4, 3, 8, 8).requires_grad_()).sum().backward()
     assert "min" in [b.memory_choice for b in model.modules() if isinstance(b, FusedBlock)]
-    assert not chunked
+    assert not taken

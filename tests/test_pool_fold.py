@@ -18,10 +18,10 @@ from spikefuse import functional, fuse, layer, neuron
 from spikefuse.cuda import affine
 from spikefuse.cuda.codegen import DefinitionKernel
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, SpikePool, WindowAvgPool, paper_lif
+from spikefuse.fused import FusedBlock, SpikePool, WindowAvgPool, paper_lif, paths
 from spikefuse.fused.convert import FusedAttributeError
 from spikefuse.fused.neuron_call import NeuronCall
-from spikefuse.fused.spike_bits import is_spikes
+from spikefuse.fused.recompute import is_spikes
 from spikefuse.ops import run_neuron
 from test_fuse_anywhere import assert_equivalent, randomized, training_step
 
@@ -200,7 +200,9 @@ def test_traced_forward_pools_after_the_neuron():
         .eval()
     )
     x = net_input()
-    torch.testing.assert_close(block._traced_forward(x), block(x), **FP64_TOL)
+    torch.testing.assert_close(
+        paths.traced_path(block, x, None, paths.TRACED_PLAN), block(x), **FP64_TOL
+    )
 
 
 @pytest.mark.parametrize(
@@ -442,3 +444,18 @@ def test_a_pool_used_only_in_training_mode_does_not_fold():
         fused.train(training)
         torch.testing.assert_close(fused(net_input()), model(net_input()), **FP64_TOL)
         functional.reset_net(model)
+
+
+def test_a_block_spec_records_its_parts_once():
+    """BlockSpec: the synapse kind and input rank, BatchNorm, the folded pooling's kind and
+    window (its output tagged as means of k² spikes), the residual; built once, validated."""
+    from spikefuse.fused.spec import BlockSpec, PoolSpec
+
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    block = FusedBlock(conv, nn.BatchNorm2d(4), paper_lif(), pool=nn.AvgPool2d(2))
+    assert block.spec == BlockSpec(nn.Conv2d, 5, True, PoolSpec("avg", 2), False)
+    assert (block.spec.window, block.spec.pool.area, block.spec.pool.means_window) == (2, 4, 4)
+    linear = FusedBlock(nn.Linear(3, 4), None, paper_lif(), residual=True)
+    assert linear.spec == BlockSpec(nn.Linear, 3, False, None, True) and linear.spec.window == 1
+    with pytest.raises(SpikefuseError, match="only 2x2 windows fold"):
+        BlockSpec.of(conv, None, paper_lif(), nn.AvgPool2d(3), False)

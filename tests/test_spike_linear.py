@@ -3,6 +3,8 @@ the split, the Function against float64, when a fused block takes it, and the bl
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,9 +13,14 @@ from torch import nn
 from spikefuse import layer
 from spikefuse.cuda import bf16_split as cuda_split
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import SpikePool, blocks, fuse, spike_linear
-from spikefuse.fused.recompute import mark_recomputable, recipe_of
-from spikefuse.fused.spike_bits import mark_means, mark_spikes, means_window
+from spikefuse.fused import SpikePool, fuse, spike_linear, synapse
+from spikefuse.fused.recompute import (
+    mark_means,
+    mark_recomputable,
+    mark_spikes,
+    means_window,
+    recipe_of,
+)
 from spikefuse.fused.spike_linear import (
     SpikeLinearFunction,
     full_float32_matmul,
@@ -144,9 +151,9 @@ def test_a_flattened_copy_keeps_the_tags_and_the_recipe():
 def test_which_matmuls_take_the_split_path(monkeypatch):
     x, w = mark_spikes(spikes(512, 4096)), torch.zeros(1024, 4096)
     loaded = []
-    monkeypatch.setattr(spike_linear.cuda_split, "load", loaded.append)
     assert not takes_split_path(x, w) and not loaded  # the CPU: never
-    monkeypatch.setattr(spike_linear, "unavailable_reason", lambda t: None)  # as on a GPU
+    kernels = SimpleNamespace(load=loaded.append)
+    monkeypatch.setattr(spike_linear, "capability", lambda name, t: kernels)  # as on a GPU
     monkeypatch.setattr(spike_linear, "is_current_stream_capturing", lambda: False)
     # eager: the plain matmul, with the split kernel loaded for a later capture of the step
     assert not takes_split_path(x, w) and loaded == [x.device]
@@ -202,7 +209,7 @@ def test_fused_linear_blocks_on_spikes_match_the_unfused_model(monkeypatch):
         taken.append(holds_bf16_exact_spikes(inputs))
         return taken[-1]
 
-    monkeypatch.setattr(blocks, "takes_split_path", split_on_spikes)
+    monkeypatch.setattr(synapse, "takes_split_path", split_on_spikes)
     fused = fuse(linear_stack())
     assert_same_training_step(ref, fused, x, FP32_TOL)
     assert taken == [True, True]  # the means of the pooled block, then the first's spikes

@@ -236,11 +236,23 @@ class _Registered:
     # neuron call asks.
     unavailable_reason: Callable[[torch.Tensor], str | None] | None
     affine_module: str | None = None  # implements AffineKernels (None: the backend has none)
+    # Further kernels the fused blocks use where the backend runs x, by capability name
+    # (:data:`CAPABILITIES`): the module implementing it, imported on first use.
+    capabilities: tuple[tuple[str, str], ...] = ()
 
 
 _REGISTRY: dict[str, _Registered] = {
     "torch": _Registered("spikefuse.reference", unavailable_reason=None),
-    "cuda": _Registered("spikefuse.cuda.backend", cuda_unavailable_reason, "spikefuse.cuda.affine"),
+    "cuda": _Registered(
+        "spikefuse.cuda.backend",
+        cuda_unavailable_reason,
+        "spikefuse.cuda.affine",
+        (
+            ("spike_bits", "spikefuse.cuda.spike_bits"),
+            ("channel_stats", "spikefuse.cuda.channel_stats"),
+            ("bf16_split", "spikefuse.cuda.bf16_split"),
+        ),
+    ),
 }
 _ALIASES = {"cupy": "cuda"}
 _RUNS_ANYWHERE = frozenset(n for n, entry in _REGISTRY.items() if entry.unavailable_reason is None)
@@ -273,6 +285,76 @@ def affine_kernels(name: str) -> AffineKernels | None:
     apply BatchNorm with torch ops and call the plain neuron)."""
     module = _registered(name).affine_module
     return None if module is None else cast("AffineKernels", importlib.import_module(module))
+
+
+#: The kernels a backend may offer the fused blocks besides its neuron kernels, by name, and the
+#: Protocol the implementing module satisfies: ``spike_bits`` (:class:`SpikePacking`: 1-bit
+#: packing of spikes), ``channel_stats`` (:class:`ChannelStatsKernels`: BatchNorm's
+#: per-channel statistics), ``bf16_split`` (:class:`SplitKernels`: the split matmul's terms).
+CAPABILITIES = ("spike_bits", "channel_stats", "bf16_split")
+
+
+class SpikePacking(Protocol):
+    """Pack 0/1 values at 1 bit each (the layout of :func:`packed_bytes`) and unpack them."""
+
+    def pack(self, flat: torch.Tensor) -> torch.Tensor: ...
+
+    def unpack(self, packed: torch.Tensor, out: torch.Tensor, window: int = 1) -> torch.Tensor: ...
+
+
+class ChannelStatsKernels(Protocol):
+    """Per-channel (mean, invstd) of a [rows, C] matrix, updating running statistics."""
+
+    def channel_stats(
+        self, rows: torch.Tensor, eps: float, running: tuple | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class SplitKernels(Protocol):
+    """float32 → three bf16 terms (hi, mid, lo), and loading that kernel ahead of capture."""
+
+    def split(self, values: torch.Tensor) -> torch.Tensor: ...
+
+    def load(self, device: torch.device) -> None: ...
+
+
+@functools.cache
+def _capability_providers(capability: str) -> tuple[tuple[str, str], ...]:
+    """(backend name, module) of every registered backend offering ``capability``."""
+    if capability not in CAPABILITIES:
+        raise SpikefuseError(f"unknown capability {capability!r}; known: {CAPABILITIES}")
+    return tuple(
+        (name, module)
+        for name, entry in _REGISTRY.items()
+        for offered, module in entry.capabilities
+        if offered == capability
+    )
+
+
+def capability(capability: str, x: torch.Tensor) -> object | None:
+    """The module of a backend that offers ``capability`` (:data:`CAPABILITIES`) and runs
+    ``x``, or None (the caller then uses torch ops). Never imports CuPy; the module is
+    imported on first use."""
+    for name, module in _capability_providers(capability):
+        if unavailable_reason(name, x) is None:
+            return importlib.import_module(module)
+    return None
+
+
+def packed_words(n: int, window: int = 1) -> int:
+    """32-bit words that pack ``n`` values of ``window`` bits each (the spike packing layout
+    every backend's ``spike_bits`` kernels and the torch composites share)."""
+    return -(-n * window // 32)
+
+
+def packed_bytes(n: int, window: int = 1) -> int:
+    """Bytes of the packing of ``n`` values: the words, then a NaN flag byte per word."""
+    return 5 * packed_words(n, window)
+
+
+def flags_at(n: int, window: int = 1) -> int:
+    """Where the flag bytes of the packing of ``n`` values start."""
+    return 4 * packed_words(n, window)
 
 
 def unavailable_reason(name: str, x: torch.Tensor) -> str | None:

@@ -11,7 +11,9 @@ from torch import Tensor, nn
 
 from .backends import BACKEND_NAMES, repeats_one_step
 from .errors import SpikefuseError
-from .neuron import STEP_MODES
+
+#: The step modes of SpikingJelly's modules: one step ('s') or a whole sequence ('m').
+STEP_MODES = ("s", "m")
 
 Steps = nn.Module | Sequence[nn.Module] | Callable[[Tensor], Any]
 

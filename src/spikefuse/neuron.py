@@ -23,12 +23,12 @@ from . import backends
 from . import definitions as defs
 from .backends import BACKEND_NAMES, compute_dtype
 from .errors import BackendUnavailableError, SpikefuseError
+from .functional import STEP_MODES, check_sequence
 from .ops import run_neuron
 from .program import NeuronProgram
 from .surrogate import Sigmoid, Surrogate, is_finite_real, runs_in_kernels
 
 log = logging.getLogger("spikefuse")
-STEP_MODES = ("s", "m")
 # Methods a SpikingJelly-style subclass overrides with torch code (then only the torch backend
 # runs it, as a per-step loop with autograd through the user's code).
 TORCH_CODE_HOOKS = ("neuronal_charge", "neuronal_fire", "neuronal_reset")
@@ -202,8 +202,6 @@ class MemoryModule(StepModeMixin, nn.Module):
     def multi_step_forward(self, x_seq: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """A sequence ``[T, N, *]``: by default a Python loop of :meth:`single_step_forward`
         over T, stacked (SpikingJelly's default)."""
-        from .functional import check_sequence  # functional imports this module
-
         check_sequence(x_seq, type(self).__name__)
         return torch.stack([self.single_step_forward(x, *args, **kwargs) for x in x_seq])
 

@@ -17,6 +17,7 @@ its error scales with the spread where means are near 0):
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -186,7 +187,8 @@ def kernel_calls(monkeypatch):
         calls.append(tuple(rows.shape))
         return cs.channel_stats(rows, eps, running)
 
-    monkeypatch.setattr(statistics, "_channel_stats", lambda: counted)
+    kernels = SimpleNamespace(channel_stats=counted)
+    monkeypatch.setattr(statistics, "_channel_stats", lambda y: kernels)
     monkeypatch.setattr(statistics, "_KERNEL_MIN_ELEMENTS", 0)  # these nets' maps are small
     return calls
 

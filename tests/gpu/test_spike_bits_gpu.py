@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from spikefuse import backends
 from spikefuse.cuda import spike_bits as cuda_bits
 from spikefuse.fused import FusedBlock, paper_lif, spike_bits
-from spikefuse.fused.recompute import recipe_of
-from spikefuse.fused.spike_bits import PackedSpikes, compact
+from spikefuse.fused.recompute import compact, recipe_of
+from spikefuse.fused.spike_bits import PackedSpikes
 
 from .replay import assert_close_but_for_sum_order, eager_and_replayed_grads
 from .variants import AFFINE_CHUNK
@@ -43,7 +44,7 @@ def test_a_packed_nan_comes_back_as_nan_in_its_word(dtype):
     spikes = random_spikes(5000, dtype)
     spikes[4321] = float("nan")  # word 135: elements 4320 .. 4351
     packed = cuda_bits.pack(spikes)
-    flags = packed[4 * cuda_bits.packed_words(5000) :]
+    flags = packed[4 * backends.packed_words(5000) :]
     assert flags.nonzero().flatten().tolist() == [135]
     assert torch.equal(packed, spike_bits._pack_torch(spikes))
     out = cuda_bits.unpack(packed, torch.empty_like(spikes))
@@ -124,7 +125,7 @@ def test_pooled_blocks_restore_their_output_from_the_bits_the_kernels_wrote(dtyp
     nan = out.isnan()
     assert nan.any() and got[nan].isnan().all()
     assert torch.equal(got[~got.isnan()], out[~got.isnan()])
-    words = packing.bits[4 * cuda_bits.packed_words(out.numel(), packing.window) :]
+    words = packing.bits[4 * backends.packed_words(out.numel(), packing.window) :]
     assert 0 < words.count_nonzero() <= nan.sum()  # flagged: only words holding a NaN
 
 
@@ -156,7 +157,7 @@ def test_a_min_memory_block_keeps_the_packing_of_its_pooled_input(memory, no_tf3
     pooled = low[0](x.requires_grad_())
     kept = compact(pooled)
     assert isinstance(kept, PackedSpikes) and kept.window == 4
-    assert kept.bits.numel() == cuda_bits.packed_bytes(pooled.numel(), 4)
+    assert kept.bits.numel() == backends.packed_bytes(pooled.numel(), 4)
     assert torch.equal(kept.unpack(), pooled)
     grads = []
     for net in (default, low):
@@ -187,7 +188,7 @@ def test_min_memory_in_batch_chunks_matches_the_default_mode(steps, no_tf32, mon
     keeps the chunks' packings joined into the whole map's, and a training step (eager, then
     replayed from a CUDA graph) equals the default mode's to float32 rounding (and the rare
     spike that rounding flips)."""
-    from spikefuse.fused import blocks
+    from spikefuse.fused import memory
 
     def model(memory: str) -> nn.Sequential:
         torch.manual_seed(0)
@@ -198,7 +199,7 @@ def test_min_memory_in_batch_chunks_matches_the_default_mode(steps, no_tf32, mon
         )
 
     default, low = model("default"), model("min")
-    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 2)
+    monkeypatch.setattr(memory, "batch_chunks", lambda batch, y_bytes: 2)
     x = (torch.rand(steps, 4, 32, 8, 8, device="cuda") > 0.6).float().requires_grad_()
     pooled = low[0](x)
     kept = compact(pooled)
@@ -229,8 +230,8 @@ def test_a_chunked_linear_block_on_spikes_matches_the_default_mode(features, mon
     """Linear -> BN -> LIF in 2 batch chunks on tagged spikes [3, 2, features]: a chunk's step
     of 100 bits is no whole number of words (backward unpacks the input whole), one of 128
     is (backward unpacks the chunks' parts of the packing)."""
-    from spikefuse.fused import blocks
-    from spikefuse.fused.spike_bits import mark_spikes
+    from spikefuse.fused import memory
+    from spikefuse.fused.recompute import mark_spikes
 
     def block(memory: str) -> FusedBlock:
         torch.manual_seed(0)
@@ -238,7 +239,7 @@ def test_a_chunked_linear_block_on_spikes_matches_the_default_mode(features, mon
         return FusedBlock(linear.cuda(), bn.cuda(), paper_lif(), memory=memory)
 
     default, low = block("default"), block("min")
-    monkeypatch.setattr(blocks, "batch_chunks", lambda batch, y_bytes: 2)
+    monkeypatch.setattr(memory, "batch_chunks", lambda batch, y_bytes: 2)
     spikes = (torch.rand(3, 2, features, device="cuda") > 0.5).float()
     grads = []
     for net in (default, low):

@@ -12,8 +12,8 @@ from torch import nn
 
 from spikefuse import layer
 from spikefuse.cuda import bf16_split as cuda_split
-from spikefuse.fused import blocks, fuse, paper_lif, spike_linear
-from spikefuse.fused.spike_bits import mark_spikes
+from spikefuse.fused import fuse, paper_lif, spike_linear, synapse
+from spikefuse.fused.recompute import mark_spikes
 from spikefuse.fused.spike_linear import SpikeLinearFunction, split_bf16
 
 from .replay import assert_close_but_for_sum_order, eager_and_replayed_grads, step_grads
@@ -104,13 +104,13 @@ def test_fused_linear_blocks_split_under_capture_and_match_the_plain_matmul(no_t
     x = torch.rand(
         4, 128, 3, 16, 16, device="cuda", generator=torch.Generator("cuda").manual_seed(0)
     )
-    taken, takes_split_path = [], blocks.takes_split_path
+    taken, takes_split_path = [], synapse.takes_split_path
 
     def spy(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
         taken.append(takes_split_path(inputs, weight))
         return taken[-1]
 
-    monkeypatch.setattr(blocks, "takes_split_path", spy)
+    monkeypatch.setattr(synapse, "takes_split_path", spy)
     captured = fuse(pooled_then_linear())
     eager, (replayed,) = eager_and_replayed_grads(captured, x)
     assert taken == [False] * 4 + [True] * 2  # warm-up and eager steps, then the capture

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends import as_channels_innermost, channels_innermost, repeats_one_step
+from ..backends import (
+    as_channels_innermost,
+    channels_innermost,
+    flags_at,
+    packed_bytes,
+    repeats_one_step,
+)
 from ..program import NeuronProgram
 from .codegen import (
     AFFINE_BPTT_VEC,
@@ -41,7 +47,6 @@ from .runtime import (
     pointer,
     vector_width,
 )
-from .spike_bits import flags_at, packed_bytes
 
 
 def channel_layout(y: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:

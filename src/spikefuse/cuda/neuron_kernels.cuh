@@ -462,7 +462,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     const auto p = load_params(a);
     // Affine kernels: this thread's neurons' channels, and BatchNorm's backward through the
     // batch statistics from the channel totals: dL/dY = scale g + coef_y Y + coef_0
-    // (see spikefuse.fused.bn_neuron); zero coefficients with running statistics.
+    // (see spikefuse.fused.ops.bn_neuron); zero coefficients with running statistics.
     float scale[VEC], shift[VEC], mean[VEC], coef_y[VEC], coef_0[VEC], sum_g[VEC], sum_gy[VEC];
     if constexpr (AFFINE)
         for (int k = 0; k < VEC && active; ++k) {

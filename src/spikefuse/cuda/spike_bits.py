@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..backends import flags_at, packed_bytes
 from .codegen import _STORAGE, BLOCK_THREADS
 from .runtime import launch_named
 
@@ -28,22 +29,6 @@ UNROLL = 4  # values per thread of the pack kernel (loads in flight before any i
 
 #: The kernels' one argument, ``Args`` in spike_bits.cuh: values, words, flags, n, window.
 ARGS = struct.Struct("=3Q2q")
-
-
-def packed_words(n: int, window: int = 1) -> int:
-    """32-bit words of the packing of n values of ``window`` bits each."""
-    return -(-n * window // 32)
-
-
-def packed_bytes(n: int, window: int = 1) -> int:
-    """Bytes of the packing of n values of ``window`` bits each: the words, then one NaN flag
-    byte per word (from byte :func:`flags_at` on)."""
-    return 5 * packed_words(n, window)
-
-
-def flags_at(n: int, window: int = 1) -> int:
-    """The byte offset of the NaN flags in the packing of n values of ``window`` bits each."""
-    return 4 * packed_words(n, window)
 
 
 @dataclass(frozen=True)

@@ -16,28 +16,40 @@ from .blocks import (
     FusedBlock,
     FusedConvBNNeuron,
     FusedLinearBNNeuron,
-    SpikePool,
-    WindowAvgPool,
     match_optimizer_state,
     paper_lif,
 )
-from .bn_neuron import BNNeuronFunction, bn_input_grad, bn_neuron_backward, bn_neuron_forward
 from .convert import FusedChain, FuseReport, SkippedCandidate, fuse
+from .memory import MemoryPolicy, memory_modes, register_memory
+from .ops.bn_neuron import (
+    BNNeuronArgs,
+    BNNeuronFunction,
+    bn_input_grad,
+    bn_neuron_backward,
+    bn_neuron_forward,
+    bn_neuron_naive,
+)
+from .pooling import SpikePool, WindowAvgPool
 
 __all__ = [
+    "BNNeuronArgs",
     "BNNeuronFunction",
     "FuseReport",
     "FusedBlock",
     "FusedChain",
     "FusedConvBNNeuron",
     "FusedLinearBNNeuron",
+    "MemoryPolicy",
     "SkippedCandidate",
     "SpikePool",
     "WindowAvgPool",
     "bn_input_grad",
     "bn_neuron_backward",
     "bn_neuron_forward",
+    "bn_neuron_naive",
     "fuse",
     "match_optimizer_state",
+    "memory_modes",
     "paper_lif",
+    "register_memory",
 ]

@@ -1,4 +1,9 @@
-"""Save the spikes that layers keep for backward as a way to recompute them, not as tensors.
+"""Saved-tensor metadata: the tags on a fused block's output and the hooks that read them.
+
+Every tag a tensor carries is one :class:`SavedTags` record under one attribute, valid while
+the tensor is unmodified: whether it holds spikes (or the means of k x k spikes), a recipe that
+recomputes it, the packing a kernel wrote of it. The layers that keep such a tensor for backward
+read it through :func:`saving_recomputed` (a saved-tensor hook) and :func:`compact`.
 
 A Conv/Linear saves its input for ``dL/dW``; a pooling layer may save its input too. When that
 input is the spike output of a fused block, it is a function of what the block keeps anyway
@@ -8,7 +13,7 @@ packed the spikes behind its means restores them by unpacking those bits instead
 :func:`saving_recomputed` intercepts the save; the tensor's *recipe* (a function returning a
 tensor equal to it, element for element and with the same strides) is set by
 :func:`mark_recomputable`, or is unpacking the packing tagged by
-:func:`~.spike_bits.mark_packed`. Spikes without a recipe (the output of an unpooled block in the
+:func:`mark_packed`. Spikes without a recipe (the output of an unpooled block in the
 minimal-memory mode, which keeps no synapse output) are saved packed at 1 bit per element
 instead (:mod:`.spike_bits`). Tensors under :data:`RECOMPUTE_MIN_BYTES` (4 MiB: e.g. the
 Linear blocks' spikes) are saved as they are: neither recomputed nor packed.
@@ -23,22 +28,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .spike_bits import (
-    PackedSpikes,
-    dense_order,
-    is_spikes,
-    mark_means,
-    means_window,
-    packing_of,
-)
+from .spike_bits import PackedSpikes, Packing, dense_order
 
 Recipe = Callable[[], Tensor]
-_TAG = "_spikefuse_recipe"
+_TAGS = "_spikefuse_tags"  # the one attribute a tagged tensor carries (a SavedTags)
 
 #: Smaller inputs are saved as they are. Recomputing or unpacking one in backward would save a
 #: few MiB against a peak of hundreds at the price of a launch and its host work, and the small
@@ -47,29 +45,109 @@ _TAG = "_spikefuse_recipe"
 RECOMPUTE_MIN_BYTES = 4 << 20
 
 
-@dataclass(frozen=True)
-class _Tag:
-    version: int  # the tensor's _version when tagged: an in-place edit invalidates the tag
-    recipe: Recipe
+class SavedTags(NamedTuple):
+    """What a tensor carries for the layers that save it for backward, valid while the tensor
+    is unmodified (``version``: its ``_version`` when tagged; an in-place edit invalidates
+    every field).
+
+    ``window``: 1 where it holds binary spikes (a fused block's output), k² where it holds the
+    means of k x k spikes (a pooled block's), None where neither; ``recipe``: a function that
+    recomputes it (same values and strides); ``packing``: the packing a kernel wrote of it
+    (the spikes behind each mean), whose unpacking restores it."""
+
+    version: int
+    window: int | None = None
+    recipe: Recipe | None = None
+    packing: PackedSpikes | None = None
+
+
+def tags_of(t: Tensor) -> SavedTags | None:
+    """``t``'s own valid tags (not those of a tensor it is a view of), or None. Inference
+    tensors have no version counter and are never tagged: nothing is saved for a backward."""
+    if t.is_inference():
+        return None
+    tags = getattr(t, _TAGS, None)
+    return tags if tags is not None and tags.version == t._version else None
+
+
+def _tagged(
+    t: Tensor,
+    window: int | None = None,
+    recipe: Recipe | None = None,
+    packing: PackedSpikes | None = None,
+) -> Tensor:
+    """``t`` with the given fields set in its tags (the others kept while valid)."""
+    if t.is_inference():
+        return t
+    old = tags_of(t)
+    if old is not None:
+        window = old.window if window is None else window
+        recipe = old.recipe if recipe is None else recipe
+        packing = old.packing if packing is None else packing
+    setattr(t, _TAGS, SavedTags(t._version, window, recipe, packing))
+    return t
+
+
+def mark_spikes(t: Tensor) -> Tensor:
+    """Tag ``t`` as binary spikes (until it is modified in place); returns t."""
+    return _tagged(t, window=1)
+
+
+def mark_means(t: Tensor, window: int) -> Tensor:
+    """Tag ``t`` as the means of ``window`` = k² spikes each (a k x k average pooling of
+    spikes; a window of 1: spikes, what :func:`means_window` gives back, so a layer that keeps
+    its input's kind of values passes ``means_window(x)`` on as it is); returns t."""
+    return _tagged(t, window=window)
 
 
 def mark_recomputable(t: Tensor, recipe: Recipe) -> Tensor:
-    """Tag ``t`` with a function that recomputes it (same values and strides); returns t.
-    Inference tensors (no version counter, nothing saved for backward) stay untagged."""
-    if not t.is_inference():
-        setattr(t, _TAG, _Tag(t._version, recipe))
-    return t
+    """Tag ``t`` with a function that recomputes it (same values and strides); returns t."""
+    return _tagged(t, recipe=recipe)
+
+
+def mark_packed(t: Tensor, packing: PackedSpikes) -> Tensor:
+    """Tag ``t`` with the packing a kernel wrote of it (a pooled block's output: the spikes
+    behind each mean): :func:`compact` then keeps the packing instead of t, and unpacking it
+    is t's recipe; returns t."""
+    return _tagged(t, packing=packing)
+
+
+def _windows(t: Tensor) -> tuple[int | None, int | None]:
+    """The windows tagged on ``t`` and on the tensor it is a view of."""
+    base = t._base
+    own, of_base = tags_of(t), None if base is None else tags_of(base)
+    return (None if own is None else own.window), (None if of_base is None else of_base.window)
+
+
+def is_spikes(t: Tensor) -> bool:
+    """Whether ``t`` (or the tensor it is a view of) is tagged as unmodified spikes."""
+    return 1 in _windows(t)
+
+
+def means_window(t: Tensor) -> int | None:
+    """k² of a tensor tagged as means of k x k spikes (or of the tensor it is a view of), 1 of
+    tagged spikes, else None."""
+    own, of_base = _windows(t)
+    if 1 in (own, of_base):
+        return 1
+    return own if own is not None else of_base
+
+
+def packing_of(t: Tensor) -> PackedSpikes | None:
+    """The packing a kernel wrote of ``t`` itself (not of a view of it), while t is
+    unmodified, else None."""
+    tags = tags_of(t)
+    return None if tags is None else tags.packing
 
 
 def _valid_recipe(t: Tensor) -> Recipe | None:
     """t's own recipe: its tag, or unpacking the packing a kernel wrote of it."""
-    if t.is_inference():
+    tags = tags_of(t)
+    if tags is None:
         return None
-    tag = getattr(t, _TAG, None)
-    if tag is not None and tag.version == t._version:
-        return tag.recipe
-    packing = packing_of(t)
-    return None if packing is None else packing.unpack
+    if tags.recipe is not None:
+        return tags.recipe
+    return None if tags.packing is None else tags.packing.unpack
 
 
 def recipe_of(t: Tensor) -> Recipe | None:
@@ -112,7 +190,7 @@ def saving_recomputed(
     """A context in which autograd saves ``x`` (or a same-memory view of it) as ``recipe``.
 
     ``recipe`` defaults to x's own (see :func:`recipe_of`); without one, x is saved packed at
-    1 bit per element if it is tagged spikes (:func:`~.spike_bits.is_spikes`), else the context
+    1 bit per element if it is tagged spikes (:func:`is_spikes`), else the context
     does nothing; so it does for an x under :data:`RECOMPUTE_MIN_BYTES`. Other saved tensors
     (weights) and copies made by an op (e.g. an autocast cast) are saved as they are. PyTorch
     applies only the innermost saved-tensor hooks, so while this context is active a caller's
@@ -202,3 +280,36 @@ def flatten_keeps_tags(module: torch.nn.Module, args: tuple, out: object) -> Non
     recipe = recipe_of(x)
     if recipe is not None:
         mark_recomputable(out, lambda: module.forward(recipe()))
+
+
+#: A tensor kept for backward: itself, or its packing when it is spikes (:func:`compact`).
+Compact = Tensor | PackedSpikes
+
+
+def compact(t: Tensor) -> Compact:
+    """``t`` as kept for backward: the packing a kernel wrote of it (:func:`packing_of`), its
+    packing at 1 bit per element when it is tagged spikes (:func:`is_spikes`), else ``t``
+    itself; :func:`expand` gives it back."""
+    packing = packing_of(t)
+    if packing is not None:
+        return packing
+    return PackedSpikes.of(t) if is_spikes(t) else t
+
+
+def expand(kept: Compact) -> Tensor:
+    """The tensor :func:`compact` kept."""
+    return kept.unpack() if isinstance(kept, PackedSpikes) else kept
+
+
+def split(kept: Compact) -> tuple[Tensor, Packing | None]:
+    """``kept`` as the tensor an autograd Function saves (``ctx.save_for_backward``: checked
+    against in-place edits, seen by saved-tensor hooks) and its packing (None: a plain tensor);
+    :func:`join` puts them back together."""
+    if isinstance(kept, PackedSpikes):
+        return kept.bits, (kept.shape, kept.dtype, kept.order, kept.window)
+    return kept, None
+
+
+def join(saved: Tensor, packing: Packing | None) -> Compact:
+    """The :data:`Compact` that :func:`split` took apart."""
+    return saved if packing is None else PackedSpikes(saved, *packing)

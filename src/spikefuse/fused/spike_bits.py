@@ -1,4 +1,4 @@
-"""Binary spikes: the tag fused blocks put on their output, and 1-bit packing of tagged spikes.
+"""1-bit packing of binary spikes (the tags that say a tensor holds spikes: :mod:`.recompute`).
 
 A fused block's output holds only 0 and 1 (or NaN where the neuron's input was NaN); what keeps
 such a tensor for backward (the minimal-memory mode's block input, a residual block's shortcut,
@@ -14,65 +14,20 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from ..backends import dense_in_order
-from ..cuda import spike_bits as cuda_bits
-from ..cuda import unavailable_reason
+from ..backends import (
+    SpikePacking,
+    capability,
+    dense_in_order,
+    flags_at,
+    packed_bytes,
+    packed_words,
+)
 from .device_constants import device_constant
-
-_SPIKES = "_spikefuse_spikes"  # tag: the tensor holds only 0 and 1 (a fused block's output)
-_PACKING = "_spikefuse_packing"  # tag: the packing a kernel wrote of the tensor (mark_packed)
-_MEANS = "_spikefuse_means"  # tag: the tensor holds means of k² spikes (mark_means)
-
-
-def mark_spikes(t: Tensor) -> Tensor:
-    """Tag ``t`` as binary spikes (until it is modified in place); returns t. Inference tensors
-    (``torch.inference_mode``) have no version counter and stay untagged: nothing is kept for a
-    backward there."""
-    if not t.is_inference():
-        setattr(t, _SPIKES, t._version)
-    return t
-
-
-def is_spikes(t: Tensor) -> bool:
-    """Whether ``t`` (or the tensor it is a view of) is tagged as unmodified spikes."""
-    for candidate in (t, t._base):
-        if (
-            candidate is not None
-            and not candidate.is_inference()
-            and getattr(candidate, _SPIKES, None) == candidate._version
-        ):
-            return True
-    return False
-
-
-def mark_means(t: Tensor, window: int) -> Tensor:
-    """Tag ``t`` as the means of ``window`` = k² spikes each (a k x k average pooling of
-    spikes), until it is modified in place; returns t. A window of 1 tags spikes
-    (:func:`mark_spikes`): what :func:`means_window` gives back, so a layer that keeps its
-    input's kind of values passes ``means_window(x)`` on as it is."""
-    if window == 1:
-        return mark_spikes(t)
-    if not t.is_inference():
-        setattr(t, _MEANS, (t._version, window))
-    return t
-
-
-def means_window(t: Tensor) -> int | None:
-    """k² of a tensor tagged by :func:`mark_means` (or of the tensor it is a view of), 1 of
-    tagged spikes, else None."""
-    if is_spikes(t):
-        return 1
-    for candidate in (t, t._base):
-        if candidate is None or candidate.is_inference():
-            continue
-        tag = getattr(candidate, _MEANS, None)
-        if tag is not None and tag[0] == candidate._version:
-            return tag[1]
-    return None
 
 
 def _bit_weights(device: torch.device) -> Tensor:
@@ -127,9 +82,11 @@ def pack_bits(spikes: Tensor, order: tuple[int, ...]) -> Tensor:
     copy): W little-endian 32-bit words (bit k of byte i: element 8 i + k), then W bytes, byte w
     1 when a value of word w was NaN (a neuron's input was NaN): 1 bit cannot hold it, so
     :func:`unpack_bits` then gives NaN in that word's elements rather than a valid-looking 1.
-    One kernel on CUDA (:mod:`spikefuse.cuda.spike_bits`), torch ops elsewhere: the same bytes."""
+    One kernel where a backend offers the ``spike_bits`` capability (CUDA), torch ops
+    elsewhere: the same bytes."""
     flat = spikes.permute(order).reshape(-1)
-    return cuda_bits.pack(flat) if unavailable_reason(flat) is None else _pack_torch(flat)
+    kernels = cast(SpikePacking | None, capability("spike_bits", flat))
+    return _pack_torch(flat) if kernels is None else kernels.pack(flat)
 
 
 def unpack_bits(
@@ -144,8 +101,9 @@ def unpack_bits(
     ``window`` = k² > 1: the packing the pooled neuron kernels write of k x k window means
     (k² bits per value, on CUDA)."""
     flat = torch.empty(shape.numel(), dtype=dtype, device=packed.device)
-    if unavailable_reason(flat) is None:
-        cuda_bits.unpack(packed, flat, window)
+    kernels = cast(SpikePacking | None, capability("spike_bits", flat))
+    if kernels is not None:
+        kernels.unpack(packed, flat, window)
     elif window == 1:
         _unpack_torch(packed, flat)
     else:  # only the CUDA neuron kernels write such a packing
@@ -158,8 +116,8 @@ def unpack_bits(
 def _pack_torch(flat: Tensor) -> Tensor:
     """:func:`pack_bits` of a 1-D tensor with torch ops, in steps of :data:`_PACK_STEP`."""
     n = flat.numel()
-    packed = torch.empty(cuda_bits.packed_bytes(n), dtype=torch.uint8, device=flat.device)
-    flags = packed[cuda_bits.flags_at(n) :]
+    packed = torch.empty(packed_bytes(n), dtype=torch.uint8, device=flat.device)
+    flags = packed[flags_at(n) :]
     weights = _bit_weights(flat.device)
     for start in range(0, n, _PACK_STEP):
         values = flat[start : start + _PACK_STEP]
@@ -181,7 +139,7 @@ def _unpack_torch(packed: Tensor, flat: Tensor) -> Tensor:
     :data:`_PACK_STEP`; returns flat."""
     n, dtype = flat.numel(), flat.dtype
     weights = _bit_weights(packed.device)
-    flags = packed[cuda_bits.flags_at(n) :]
+    flags = packed[flags_at(n) :]
     for start in range(0, n, _PACK_STEP):
         part = flat[start : start + _PACK_STEP]
         size = part.numel()
@@ -245,7 +203,7 @@ def packing_part(packing: PackedSpikes, index: int, chunks: int) -> PackedSpikes
     step_bits = shape.numel() // max(steps, 1) * window
     if packing.order[:2] != (0, 1) or batch % chunks or step_bits % (32 * chunks):
         return None
-    words = cuda_bits.packed_words(shape.numel(), window)
+    words = packed_words(shape.numel(), window)
 
     def part(lo: int, hi: int) -> Tensor:  # chunk index's bytes of every step, in step order
         return packing.bits[lo:hi].view(steps, chunks, -1)[:, index].flatten()
@@ -255,55 +213,6 @@ def packing_part(packing: PackedSpikes, index: int, chunks: int) -> PackedSpikes
     return PackedSpikes(bits, chunk_shape, packing.dtype, packing.order, window)
 
 
-#: A tensor kept for backward: itself, or its packing when it is spikes (:func:`compact`).
-Compact = Tensor | PackedSpikes
-
-
-def mark_packed(t: Tensor, packing: PackedSpikes) -> Tensor:
-    """Tag ``t`` with the packing a kernel wrote of it (a pooled block's output: the spikes
-    behind each mean), until t is modified in place: :func:`compact` then keeps the packing
-    instead of t, and unpacking it is t's recipe (:mod:`.recompute`); returns t."""
-    if not t.is_inference():
-        setattr(t, _PACKING, (t._version, packing))
-    return t
-
-
-def packing_of(t: Tensor) -> PackedSpikes | None:
-    """The packing a kernel wrote of ``t`` itself (:func:`mark_packed`; not of a view of it),
-    while t is unmodified, else None."""
-    tag = None if t.is_inference() else getattr(t, _PACKING, None)
-    return tag[1] if tag is not None and tag[0] == t._version else None
-
-
-def compact(t: Tensor) -> Compact:
-    """``t`` as kept for backward: the packing a kernel wrote of it (:func:`packing_of`), its
-    packing at 1 bit per element when it is tagged spikes (:func:`is_spikes`), else ``t``
-    itself; :func:`expand` gives it back."""
-    packing = packing_of(t)
-    if packing is not None:
-        return packing
-    return PackedSpikes.of(t) if is_spikes(t) else t
-
-
-def expand(kept: Compact) -> Tensor:
-    """The tensor :func:`compact` kept."""
-    return kept.unpack() if isinstance(kept, PackedSpikes) else kept
-
-
 #: How a packing lays its bits out: (shape, dtype, memory order, bits per element) of the
 #: packed tensor.
 Packing = tuple[torch.Size, torch.dtype, tuple[int, ...], int]
-
-
-def split(kept: Compact) -> tuple[Tensor, Packing | None]:
-    """``kept`` as the tensor an autograd Function saves (``ctx.save_for_backward``: checked
-    against in-place edits, seen by saved-tensor hooks) and its packing (None: a plain tensor);
-    :func:`join` puts them back together."""
-    if isinstance(kept, PackedSpikes):
-        return kept.bits, (kept.shape, kept.dtype, kept.order, kept.window)
-    return kept, None
-
-
-def join(saved: Tensor, packing: Packing | None) -> Compact:
-    """The :data:`Compact` that :func:`split` took apart."""
-    return saved if packing is None else PackedSpikes(saved, *packing)

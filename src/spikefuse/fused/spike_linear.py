@@ -1,21 +1,18 @@
 """A float32 Linear on spikes at float32 accuracy on bf16 tensor cores.
 
-Full float32 matmuls (PyTorch's default precision) run on CUDA cores, about 7 times slower
-than bf16 tensor cores on an H100. When one operand is spikes (0 and 1, or the 2 x 2 means of
+Full float32 matmuls (PyTorch's default precision) run on CUDA cores, several times slower
+than bf16 tensor cores. When one operand is spikes (0 and 1, or the 2 x 2 means of
 spikes a pooled block writes: multiples of 1/4), bf16 holds it exactly, so only the other needs
-splitting: W = hi + mid + lo, three bf16 terms (:mod:`spikefuse.cuda.bf16_split`, about 2^-26
-relative), and
+splitting: W = hi + mid + lo, three bf16 terms (the backends' ``bf16_split`` capability,
+about 2^-26 relative), and
 
     y = x Wᵀ = x hiᵀ + x midᵀ + x loᵀ,
 
 each term a bf16 matmul whose products are exact in float32 and which accumulates in float32:
-the result is as accurate as the float32 matmul's (measured: a relative error of 8e-8 against
-float64 where the float32 matmul's is 3e-7). The three terms run as one matmul against the
+the result is as accurate as the float32 matmul's. The three terms run as one matmul against the
 stacked [3 N, K] terms, their three outputs summed after. The weight gradient dL/dW = gᵀ x
 splits g the same way (one batched matmul, a product per term, summed after). The input
 gradient g W has no exact operand (it would need six products) and stays one float32 matmul.
-On an H200 the medium DATE'22 net's 8192 → 1024 layer (640 rows) takes about 0.28 ms less per
-graphed training step this way.
 
 A fused Linear block takes this path (:func:`takes_split_path`) on CUDA, in float32 without
 autocast, when PyTorch's float32 matmul precision is full ("highest"/"ieee": with TF32 allowed
@@ -24,29 +21,27 @@ spikes (a pooled block's output, also through a Flatten), where the matmul is la
 to pay for the split (:data:`MIN_ROWS`, :data:`MIN_MACS`), and while a CUDA graph is being
 captured: a replayed step is paced by the GPU alone. An eager step runs the plain matmul. Its
 Linear blocks run where the host paces the step (the forward and the head of backward), so
-the split's GPU saving is hidden there while its extra launches are not: on an H100 the
-medium network's eager fp32 step took 0.6 ms longer synchronised with the split, and the
-graphed step 0.25 ms less. Not under torch.compile (the compiled graph runs torch's matmul).
+the split's GPU saving is hidden there while its extra launches are not. Not under
+torch.compile (the compiled graph runs torch's matmul).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.cuda import is_current_stream_capturing
 
-from ..cuda import bf16_split as cuda_split
-from ..cuda import unavailable_reason
+from ..backends import SplitKernels, capability
 from ..ops import forbid_double_backward
-from .spike_bits import means_window
+from .recompute import means_window
 
-# The split costs a pass over W (4 bytes read, 6 written per weight) and saves about 85% of a
-# float32 matmul's time; on an H100 it pays from about 125 rows (x's batch) and a few hundred
+# The split costs a pass over W (4 bytes read, 6 written per weight) and saves most of a
+# float32 matmul's time: it pays from a few hundred rows (x's batch) and a few hundred
 # microseconds of float32 work. Below these, the plain matmul runs.
 MIN_ROWS = 256
-MIN_MACS = 1 << 31  # multiply-adds of x Wᵀ (about 50 us of float32 matmul on an H100)
+MIN_MACS = 1 << 31  # multiply-adds of x Wᵀ
 
 
 def holds_bf16_exact_spikes(x: Tensor) -> bool:
@@ -79,17 +74,21 @@ def _has_mm_out_dtype() -> bool:
 _MM_OUT_DTYPE = _has_mm_out_dtype()
 
 
+def _split_kernels(x: Tensor) -> SplitKernels | None:
+    """The split kernel of a backend that runs x (the ``bf16_split`` capability), or None."""
+    return cast("SplitKernels | None", capability("bf16_split", x))
+
+
 def takes_split_path(x: Tensor, weight: Tensor) -> bool:
     """Whether ``F.linear(x, weight)`` of a fused block (x: [..., K], as tagged: a view of it
     does not see a tag put on another view) runs as :class:`SpikeLinearFunction` on x's rows:
     under CUDA graph capture (see the module docstring). An eager call that would split if
     captured loads the split kernel, so that capturing the step later can launch it."""
     rows, (outputs, inputs) = x.shape[:-1].numel(), weight.shape
+    float32 = _MM_OUT_DTYPE and x.dtype == torch.float32 and weight.dtype == torch.float32
+    kernels = _split_kernels(x) if float32 else None
     splits = (
-        _MM_OUT_DTYPE
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and unavailable_reason(x) is None
+        kernels is not None
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled(x.device.type)
         and rows >= MIN_ROWS
@@ -97,8 +96,8 @@ def takes_split_path(x: Tensor, weight: Tensor) -> bool:
         and full_float32_matmul()
         and holds_bf16_exact_spikes(x)
     )
-    if splits and not is_current_stream_capturing():
-        cuda_split.load(x.device)  # (a lookup once loaded)
+    if splits and kernels is not None and not is_current_stream_capturing():
+        kernels.load(x.device)  # (a lookup once loaded)
         return False
     return splits
 
@@ -107,8 +106,9 @@ def split_bf16(t: Tensor) -> Tensor:
     """bfloat16 [3, *t.shape]: hi, mid, lo with hi + mid + lo = t (float32) to about 2^-26
     relative; one kernel on CUDA, torch ops elsewhere: the same bits."""
     t = t.contiguous()
-    if unavailable_reason(t) is None:
-        return cuda_split.split(t)
+    kernels = _split_kernels(t)
+    if kernels is not None:
+        return kernels.split(t)
     hi = t.to(torch.bfloat16)
     rest = t - hi.float()  # exact (Sterbenz), as in the kernel
     mid = rest.to(torch.bfloat16)

@@ -8,16 +8,21 @@ of backward's per-channel sums.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends import channels_innermost, compute_dtype, repeats_one_step, unavailable_reason
+from ..backends import (
+    ChannelStatsKernels,
+    capability,
+    channels_innermost,
+    compute_dtype,
+    repeats_one_step,
+)
 from ..errors import SpikefuseError
 from .device_constants import device_constant
 
@@ -97,16 +102,13 @@ def rows_by_channel(y: Tensor) -> Tensor | None:
     return y.as_strided((rows, channels), (channels, 1))  # one op (movedim + view: two)
 
 
-@functools.cache
-def _channel_stats() -> Callable[[Tensor, float, RunningStats | None], tuple[Tensor, Tensor]]:
-    """The cuda backend's per-channel statistics kernel (imported on first use)."""
-    from ..cuda.channel_stats import channel_stats
-
-    return channel_stats
+def _channel_stats(y: Tensor) -> ChannelStatsKernels | None:
+    """The statistics kernel of a backend that runs y (the ``channel_stats`` capability: the
+    cuda backend's, imported on first use), or None."""
+    return cast("ChannelStatsKernels | None", capability("channel_stats", y))
 
 
-# Below this many elements the kernel's two launches cost more than torch's one (H100: a
-# [640, 1024] Linear output took 24 us against batch_norm_stats' 9-13 us; 2^21 took 42 vs 55).
+# Below this many elements the kernel's two launches cost more than torch's one.
 _KERNEL_MIN_ELEMENTS = 1 << 21
 
 
@@ -119,18 +121,19 @@ def batch_mean_invstd(
     nothing is computed where that is not possible (the caller then updates them itself).
 
     Where channels are innermost (:func:`rows_by_channel`), y is large (``_KERNEL_MIN_ELEMENTS``)
-    and the cuda backend can run y, the backend's kernel (:mod:`spikefuse.cuda.channel_stats`)
-    streams y at memory bandwidth, where torch's Welford kernel reaches a fraction of it (0.56
-    TB/s in bfloat16 on an H100). Every other layout, dtype, or a missing CuPy keeps
+    and a backend with the ``channel_stats`` capability runs y, that kernel (the cuda backend's)
+    streams y at memory bandwidth, where torch's Welford kernel reaches a fraction of it. Every
+    other layout, dtype, or a missing CuPy keeps
     ``torch.batch_norm_stats`` (Welford in float32, any layout) on the [T*B, C, *] view. Eager
     only: under ``torch.compile`` neither op traces (CuPy launches are opaque, and
     ``batch_norm_stats`` has no fake-tensor kernel), so the callers use ``torch.var_mean`` there.
     """
     rows = rows_by_channel(y)
     large = y.numel() >= _KERNEL_MIN_ELEMENTS
-    if large and rows is not None and unavailable_reason("cuda", y) is None:
+    kernels = _channel_stats(y) if large and rows is not None else None
+    if kernels is not None and rows is not None:
         if running is None or running[0].dtype == running[1].dtype == torch.float32:
-            return _channel_stats()(rows, eps, running)
+            return kernels.channel_stats(rows, eps, running)
     if running is not None:
         return None
     return torch.batch_norm_stats(y.flatten(0, 1), eps)

@@ -98,7 +98,7 @@ from .. import definitions as defs
 from .. import layer
 from ..errors import NIRConversionError
 from ..fused import FusedBlock, SpikePool
-from ..fused.blocks import SYNAPSES
+from ..fused.spec import SYNAPSES
 from ..neuron import BaseNode, IFNode, LIFNode
 from ..surrogate import Rect, Surrogate, is_finite_real
 from .nir_input import check_sample_shape, infer_shapes, module_keys, read_nir

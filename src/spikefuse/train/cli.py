@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused.blocks import MEMORY_MODES
+from spikefuse.fused import memory_modes
 from spikefuse.train.config import (
     AMP_MODES,
     BACKENDS,
@@ -89,7 +89,7 @@ def _add_data_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     )
     p.add_argument(
         "--memory",
-        choices=MEMORY_MODES,
+        choices=memory_modes(),
         default=d.memory,
         help="with --fuse: 'min' keeps only each block's (1-bit packed) input and recomputes "
         "its Conv/Linear in backward; 'auto' does so in the blocks where it pays",

@@ -15,7 +15,7 @@ from torch import nn
 
 from spikefuse import layer, models, neuron
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused.blocks import MEMORY_MODES
+from spikefuse.fused import memory_modes
 
 CHECKPOINT_FORMAT = "spikefuse.train.digits"
 # Version 2 added the "sha256" checksum of the payload; version 3 the model and data set to
@@ -235,7 +235,7 @@ class TrainConfig:
             ("device", DEVICES),
             ("data", list(DATA_SETS)),
             ("amp", AMP_MODES),
-            ("memory", MEMORY_MODES),
+            ("memory", memory_modes()),
             ("cuda_graph", CUDA_GRAPH_MODES),
         ):
             if getattr(self, name) not in allowed:

@@ -1,4 +1,4 @@
-"""BatchNorm → spiking neuron as one autograd function that keeps only its input for backward.
+"""The math of BatchNorm → neuron (→ pool) (+ residual): forward and the two backward passes.
 
 For the synapse output ``y`` of shape ``[T, B, C, *spatial]`` (Conv: ``[T, B, C, H, W]``,
 Linear: ``[T, B, C]``) with per-channel statistics over every dimension except C (tdBN)::
@@ -38,16 +38,12 @@ each neuron of a window dL/dS = dL/d(pooled) / k² (the average pooling's backwa
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from ..backends import AffineKernels, compute_dtype, repeats_one_step
-from ..ops import forbid_double_backward
-from .neuron_call import Kept, NeuronCall
-from .spike_bits import Compact, expand, join, split
-from .statistics import BNSpec, BNStats, all_reduce_sums, is_distributed, reduce_dims
+from ....backends import AffineKernels, compute_dtype, repeats_one_step
+from ...neuron_call import Kept, NeuronCall
+from ...statistics import BNSpec, BNStats, all_reduce_sums, is_distributed, reduce_dims
 
 
 def _per_channel(v: Tensor, ndim: int) -> Tensor:
@@ -359,149 +355,6 @@ def _summed_if_repeated(grad_y: Tensor, y: Tensor) -> Tensor:
     summed [1, B, C, *] (the BN-folded kernels sum them themselves; torch ops give them per
     step), else dL/dy as it is."""
     return grad_y.sum(0, keepdim=True) if repeats_one_step(y) and grad_y.shape[0] != 1 else grad_y
-
-
-def _as_dtype(grad: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
-    if grad is None or dtype is None:
-        return None
-    return grad if grad.dtype == dtype else grad.to(dtype)
-
-
-def param_dtypes(*params: Tensor | None) -> tuple[torch.dtype | None, ...]:
-    """The parameters' dtypes (None for absent ones): what their gradients are cast to."""
-    return tuple(None if p is None else p.dtype for p in params)
-
-
-def save_bn_context(
-    ctx: Any,
-    first: Compact,
-    learnable: Tensor | None,
-    *,
-    stats: BNStats | None,
-    saved: Kept,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    neuron: NeuronCall,
-    bn: BNSpec | None,
-    residual: Compact | None = None,
-) -> None:
-    """Keep for backward ``first`` (y, or what the synapse output is recomputed from, perhaps
-    1-bit packed), the learnable values, the per-channel vectors, what the neuron's forward
-    kept and a residual block's kept shortcut; see :func:`load_bn_context`. Every tensor goes
-    through ``ctx.save_for_backward``, so an in-place edit of one before backward raises."""
-    first_saved, ctx.first_packing = split(first)
-    residual_saved, ctx.residual_packing = (None, None) if residual is None else split(residual)
-    vectors = () if stats is None else stats.vectors
-    ctx.save_for_backward(first_saved, learnable, residual_saved, *vectors, *(saved or ()))
-    ctx.kept = saved is not None
-    ctx.count = None if stats is None else stats.count
-    ctx.neuron, ctx.bn = neuron, bn
-    ctx.param_dtypes = param_dtypes(weight, bias)
-
-
-def load_bn_context(
-    ctx: Any,
-) -> tuple[Compact, Tensor | None, BNStats | None, Kept, Compact | None]:
-    """(first, learnable, stats, saved, residual) as :func:`save_bn_context` kept them."""
-    first, learnable, residual, *rest = ctx.saved_tensors
-    stats = None
-    if ctx.count is not None:
-        stats = BNStats(rest[0], rest[1], rest[2], rest[3], ctx.count)
-        rest = rest[4:]
-    kept_residual = None if residual is None else join(residual, ctx.residual_packing)
-    saved = (rest[0],) if ctx.kept else None
-    return join(first, ctx.first_packing), learnable, stats, saved, kept_residual
-
-
-def bn_param_grads(
-    ctx: Any, grad_weight: Tensor | None, grad_bias: Tensor | None
-) -> tuple[Tensor | None, Tensor | None]:
-    """BatchNorm's gamma/beta gradients in the parameters' dtypes."""
-    weight_dtype, bias_dtype = ctx.param_dtypes
-    return _as_dtype(grad_weight, weight_dtype), _as_dtype(grad_bias, bias_dtype)
-
-
-class BNNeuronFunction(torch.autograd.Function):
-    """spikes = neuron(BN(y) [+ residual]); saves y and per-channel vectors only (see the module
-    docstring), and a residual as ``kept_residual``.
-
-    ``apply(y, weight, bias, learnable, stats, bn, neuron, save, pool, residual, kept_residual,
-    repeat)`` returns ``(spikes, packed)``, packed being the spikes' packing where a backward
-    will follow (``save``) and the BN-folded kernels write it (else None; see
-    :func:`bn_neuron_forward`). ``stats`` from :func:`~spikefuse.fused.statistics.bn_statistics`
-    (None: no BN); ``weight``/``bias`` are BN's gamma/beta (or None), inputs so that autograd tracks
-    them (``stats`` already holds their values); ``save`` whether a backward will follow (keep the
-    neuron's checkpoints); ``pool`` = k > 1 (where :func:`kernel_pool` says): return the spikes
-    averaged over k x k windows; ``residual``: a tensor like y added to the BN output (None: none), kept for
-    backward as ``kept_residual`` (itself, or its 1-bit packing when it is spikes:
-    :func:`~spikefuse.fused.spike_bits.compact`); ``repeat`` = T > 1: y is one step [1, B, C, *]
-    that each of T steps repeats (an input image's synapse output): the block runs on the view
-    y.expand(T, ...), keeps only the one step, and y's gradient is the sum of the steps' (the
-    BN-folded kernels sum it themselves).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        y: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        learnable: Tensor | None,
-        stats: BNStats | None,
-        bn: BNSpec | None,
-        neuron: NeuronCall,
-        save: bool = True,
-        pool: int = 1,
-        residual: Tensor | None = None,
-        kept_residual: Compact | None = None,
-        repeat: int = 1,
-    ) -> tuple[Tensor, Tensor | None]:
-        steps = repeated(y, repeat)
-        spikes, saved, packed = bn_neuron_forward(
-            steps, stats, neuron, learnable, save, pool, residual, pack_spikes=save
-        )
-        save_bn_context(
-            ctx,
-            y,
-            learnable,
-            stats=stats,
-            saved=saved,
-            weight=weight,
-            bias=bias,
-            neuron=neuron,
-            bn=bn,
-            residual=kept_residual,
-        )
-        ctx.pool, ctx.repeat = pool, repeat
-        # no zeros made in backward for the packing's gradient (it has none): autograd would
-        # allocate them like the packing, at the peak of memory
-        ctx.set_materialize_grads(False)
-        return spikes, packed
-
-    @staticmethod
-    def backward(ctx: Any, grad_spikes: Tensor | None, _: None) -> tuple[Tensor | None, ...]:
-        forbid_double_backward("a fused block (BNNeuronFunction)")
-        if grad_spikes is None:  # the spikes did not reach what backward started from
-            return (None,) * len(ctx.needs_input_grad)
-        kept_y, learnable, stats, saved, kept_residual = load_bn_context(ctx)
-        y = expand(kept_y)  # y itself: it is never packed
-        needs = ctx.needs_input_grad[1:4]
-        residual = None if kept_residual is None else expand(kept_residual)
-        grad_y, grad_weight, grad_bias, grad_learnable, grad_residual = bn_neuron_grads(
-            repeated(y, ctx.repeat),
-            stats,
-            ctx.bn,
-            ctx.neuron,
-            learnable,
-            grad_spikes,
-            saved,
-            needs,
-            ctx.pool,
-            residual,
-        )
-        grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
-        grads = (grad_y, grad_weight, grad_bias, grad_learnable, None, None, None, None, None)
-        return *grads, grad_residual, None, None
 
 
 def repeated(y: Tensor, repeat: int) -> Tensor:

@@ -1,6 +1,6 @@
 """BatchNorm → neuron of a fused block as two ``torch.library`` ops, for ``torch.compile``.
 
-Eager fused blocks run :class:`~spikefuse.fused.bn_neuron.BNNeuronFunction`; the compiler cannot
+Eager fused blocks run :class:`~.autograd.BNNeuronFunction`; the compiler cannot
 trace an ``autograd.Function`` that takes Python objects (the statistics, the neuron call), so a
 compiled block calls these ops instead: the same functions behind them (BN-folded kernels with
 the cuda backend, torch composites with the torch backend), opaque to the compiler and with
@@ -16,7 +16,7 @@ chunk-end potentials; empty when nothing is kept). ``bn_neuron_bptt`` returns
 
 ``pool`` = k > 1 (a block that pools its spikes over k x k windows): ``bn_neuron_fptt`` returns
 the spikes averaged over those windows [T, B, C, H/k, W/k], and ``bn_neuron_bptt`` takes their
-gradient. The BN-folded kernels pool where they can (:func:`~.bn_neuron.kernel_pool`), as in
+gradient. The BN-folded kernels pool where they can (:func:`~.passes.kernel_pool`), as in
 eager: the full spike map and its gradient are never written. Elsewhere (the torch backend, H or
 W not a multiple of k) the op pools the full spikes itself, with the same result.
 """
@@ -29,13 +29,13 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from ..backends import affine_kernels, compute_dtype
-from ..ops import forbid_double_backward, register_op_pair
-from ..program import lookup
-from .bn_neuron import bn_neuron_forward, bn_neuron_grads, kernel_pool
-from .neuron_call import Kept, NeuronCall
-from .spike_bits import empty_in_order, strides_in_order
-from .statistics import BNSpec, BNStats
+from ....backends import affine_kernels, compute_dtype
+from ....ops import forbid_double_backward, register_op_pair
+from ....program import lookup
+from ...neuron_call import Kept, NeuronCall
+from ...spike_bits import empty_in_order, strides_in_order
+from ...statistics import BNSpec, BNStats
+from .passes import bn_neuron_forward, bn_neuron_grads, kernel_pool
 
 _LIB = torch.library.Library("spikefuse", "FRAGMENT")
 _ARGS = (
@@ -240,7 +240,7 @@ def traced_bn_neuron(
     pool: int = 1,
 ) -> Tensor:
     """Spikes of a compiled fused block: :func:`bn_neuron_fptt` through its op (the
-    arguments as :class:`~spikefuse.fused.bn_neuron.BNNeuronFunction` takes them), averaged
+    arguments as :class:`~.autograd.BNNeuronArgs` holds them), averaged
     over ``pool`` x ``pool`` windows where ``pool`` > 1."""
     assert isinstance(stats.count, int)  # compiled blocks refuse torch.distributed
     spikes, _ = torch.ops.spikefuse.bn_neuron_fptt.default(

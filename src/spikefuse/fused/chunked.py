@@ -1,0 +1,318 @@
+"""The minimal-memory mode in equal batch chunks, for blocks whose synapse output is large.
+
+A block whose y is large (:data:`CHUNKED_FROM`) runs :class:`ChunkedSynapseFunction` instead of
+:class:`~.low_memory.SynapseRecomputeFunction` (BatchNorm and the neuron as there): forward
+computes each chunk's y twice, once for the batch statistics and once for the neuron, and
+backward twice, once per BN-folded pass (pass 2 needs pass 1's sums over the whole batch), then
+the chunk's weight and input gradients. Input spikes are packed per chunk (a pooling kernel's
+packing of the input is kept whole and cut into the chunks' parts,
+:func:`~.spike_bits.packing_part`); backward unpacks one chunk at a time. Only chunk-sized
+temporaries are alive besides the block's output (forward) or its input gradient (backward), for
+two more synapse forwards per call. Each chunk's y is computed by the same call on the same
+input in all four places, so backward sees forward's y to the bit; against the unchunked modes it
+may differ by rounding (another batch size may get another convolution algorithm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from ..ops import forbid_double_backward
+from .low_memory import forward_autocast, keep_autocast
+from .neuron_call import Kept
+from .ops.bn_neuron.autograd import (
+    BNNeuronArgs,
+    bn_param_grads,
+    load_bn_context,
+    save_bn_context,
+)
+from .ops.bn_neuron.passes import (
+    batch_totals,
+    bn_affine_grads,
+    bn_input_grad,
+    bn_neuron_backward,
+    bn_neuron_forward,
+)
+from .recompute import Compact, compact, expand, is_spikes, packing_of
+from .spike_bits import (
+    PackedSpikes,
+    empty_in_order,
+    joined_batch_chunks,
+    memory_order,
+    packed_bytes,
+    packing_part,
+)
+from .statistics import BNStats
+from .synapse import Synapse
+
+#: memory="min" runs a block whose synapse output y takes at least CHUNKED_FROM bytes in equal
+#: batch chunks of at most CHUNK_BYTES each (see :func:`batch_chunks`). A network's peak is at
+#: its largest maps, and each chunked block pays two more synapse forwards per step (and host
+#: time per chunk), so only the large maps are chunked. Chunks of 48 MiB keep the temporaries
+#: of such a block's backward (a chunk's input and y, then its input gradient) a fraction of
+#: its whole input gradient, at a host time per step that smaller chunks would raise.
+CHUNKED_FROM = 256 << 20
+CHUNK_BYTES = 48 << 20
+
+
+def batch_chunks(batch: int, y_bytes: int) -> int:
+    """How many equal chunks a batch of ``batch`` samples whose synapse output takes
+    ``y_bytes`` runs in: 1 below :data:`CHUNKED_FROM`, else the fewest that divide the batch
+    and bring a chunk's output within :data:`CHUNK_BYTES` (one sample each where none does)."""
+    if y_bytes < CHUNKED_FROM:
+        return 1
+    fitting = (k for k in range(2, batch + 1) if batch % k == 0 and y_bytes <= k * CHUNK_BYTES)
+    return next(fitting, batch)
+
+
+def batch_parts(batch: int, chunks: int) -> list[slice]:
+    """The ``chunks`` equal slices of a batch dimension of ``batch`` samples."""
+    size = batch // chunks
+    return [slice(i * size, (i + 1) * size) for i in range(chunks)]
+
+
+def empty_batch(like: Tensor, batch: int, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialised [T, batch, ...] tensor with the layout of the chunk ``like``
+    [T, b, ...] (its dimension order in memory), for the chunks to be copied into."""
+    return empty_in_order(like, (like.shape[0], batch, *like.shape[2:]), dtype)
+
+
+def dense_part(t: Tensor, part: slice) -> Tensor:
+    """t[:, part] as a dense tensor with t's dimension order in memory (one copy)."""
+    src = t[:, part]
+    return empty_batch(src, src.shape[1]).copy_(src)
+
+
+class _ChunkedForward:
+    """Forward's chunks, gathered: the spikes, the neuron's checkpoints, the kernels' packings
+    and, where x is tagged spikes, each chunk's input packed in a row of its own."""
+
+    def __init__(self, x: Tensor, chunks: int) -> None:
+        self.x, self.chunks = x, chunks
+        self.spikes: Tensor | None = None
+        self.checkpoints: Tensor | None = None
+        self.rows: Tensor | None = None
+        self.kept_any = False
+        self.packings: list[Tensor | None] = []
+        # tagged spikes (not a kernel's packing): each chunk's input packed as backward
+        # unpacks it, into one row each of a [K, bytes] tensor
+        self.per_chunk = packing_of(x) is None and is_spikes(x)
+        self.packed_as: tuple[torch.Size, tuple[int, ...]] | None = None
+
+    def input(self, c: int, merged: Tensor) -> None:
+        if self.per_chunk:
+            self.rows = _packed_row(self.rows, merged, c, self.chunks)
+            self.packed_as = (merged.shape, memory_order(merged))
+
+    def output(self, c: int, part: slice, chunk: Tensor, saved: Kept, packed) -> None:
+        if self.spikes is None:
+            self.spikes = empty_batch(chunk, self.x.shape[1])
+        self.spikes[:, part] = chunk
+        self.kept_any = saved is not None  # the same for every chunk
+        if saved is not None and saved[0] is not None:
+            if self.checkpoints is None:
+                self.checkpoints = saved[0].new_empty((self.chunks, *saved[0].shape))
+            self.checkpoints[c] = saved[0]
+        self.packings.append(packed)
+
+    def kept(self) -> Compact:
+        """What backward restores the input from."""
+        if self.rows is not None and self.packed_as is not None:
+            return PackedSpikes(self.rows, self.packed_as[0], self.x.dtype, self.packed_as[1])
+        return compact(self.x)
+
+    def packed(self) -> Tensor | None:
+        if self.packings[0] is None:
+            return None
+        return joined_batch_chunks(cast(list[Tensor], self.packings), self.x.shape[0])
+
+
+class ChunkedSynapseFunction(torch.autograd.Function):
+    """:class:`~.low_memory.SynapseRecomputeFunction` in equal batch chunks.
+
+    ``apply(args, synapse, parts, x, weight, bias, learnable, *synapse_params)`` returns
+    ``(spikes, packed)`` as :class:`~.ops.bn_neuron.BNNeuronFunction` does; ``parts`` are the
+    batch slices (:func:`batch_parts`), ``args.stats`` the batch statistics of the whole
+    synapse output (the caller's first pass over the chunks). Kept for backward: where x is
+    tagged spikes, each chunk's merged input packed at 1 bit per element (a row each), else x
+    as :func:`compact` keeps it (a kernel's packing is cut into the chunks' parts in backward,
+    :func:`~.spike_bits.packing_part`); and the neuron's checkpoints of every chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, args: BNNeuronArgs, synapse: Synapse, parts, x, weight, bias, learnable, *synapse_params):  # fmt: skip
+        gathered = _ChunkedForward(x, len(parts))
+        for c, part in enumerate(parts):
+            merged = synapse.merged_part(x, part)
+            y = synapse.on_merged(merged, x.shape[0])
+            gathered.input(c, merged)
+            del merged
+            chunk, saved, packed = bn_neuron_forward(
+                y, args.stats, args.neuron, learnable, True, args.pool, pack_spikes=True
+            )
+            del y
+            gathered.output(c, part, chunk, saved, packed)
+            del chunk
+        assert gathered.spikes is not None  # at least one part
+        saved_all = (gathered.checkpoints,) if gathered.kept_any else None
+        save_bn_context(ctx, gathered.kept(), learnable, args, saved_all, (weight, bias))
+        keep_autocast(ctx, x)
+        ctx.synapse, ctx.pool, ctx.parts = synapse, args.pool, parts
+        ctx.per_chunk = gathered.rows is not None
+        ctx.geometry = (x.shape, x.dtype)
+        ctx.set_materialize_grads(False)  # as BNNeuronFunction: no zeros for the packing
+        return gathered.spikes, gathered.packed()
+
+    @staticmethod
+    def backward(ctx, grad_spikes, _):
+        forbid_double_backward("a fused block (memory='min')")
+        if grad_spikes is None:  # the spikes did not reach what backward started from
+            return (None,) * len(ctx.needs_input_grad)
+        kept, learnable, stats, saved, _ = load_bn_context(ctx)
+        assert stats is not None  # chunked blocks have BatchNorm
+        needs_x, params_need = ctx.needs_input_grad[3], ctx.needs_input_grad[7:]
+        chunks = _ChunkedBackward(ctx, kept, saved)
+        sums, grad_learnable = chunks.sums(stats, learnable, grad_spikes)
+        grad_weight, grad_bias = bn_affine_grads(sums, stats, ctx.needs_input_grad[4:6])
+        grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
+        grad_x: Tensor | None = None
+        grad_params: list[Tensor | None] = [None] * len(params_need)
+        if needs_x or any(params_need):
+            # once: all-reduced when distributed
+            totals, inv_count = batch_totals(sums, stats, ctx.bn)
+
+            def grad_y_of(c: int) -> Tensor:
+                y, part = chunks.recomputed(c), dense_part(grad_spikes, ctx.parts[c])
+                return bn_input_grad(
+                    None, y, stats, totals, inv_count, ctx.neuron, learnable, part, chunks.saved(c),
+                    ctx.pool, overwrite_y=True,  # y is ours: dL/dy may take its memory
+                )[0]  # fmt: skip
+
+            grad_x, grad_params = _chunked_synapse_grads(chunks, grad_y_of, needs_x, params_need)
+        grads = (grad_x, grad_weight, grad_bias, grad_learnable)
+        return None, None, None, *grads, *grad_params
+
+
+class _ChunkedBackward:
+    """Backward's view of the chunks: each chunk's input and y, recomputed as forward made
+    them, and what forward kept of its neuron."""
+
+    def __init__(self, ctx: Any, kept: Compact, saved: Kept) -> None:
+        self.ctx, self.kept, self.kept_neuron = ctx, kept, saved
+        self.synapse: Synapse = ctx.synapse
+        self.parts: list[slice] = ctx.parts
+        self.shape, self.x_dtype = ctx.geometry
+        self.autocast, self.autocast_dtype = forward_autocast(ctx)
+        self.whole: list[Tensor] = []  # x unpacked, where its packing cannot be cut
+
+    def input(self, c: int) -> Tensor:
+        """Chunk c's merged input, as forward made it: from its row of packed chunks, or its
+        part of x's packing (a copy of 1/K of it), else x itself (unpacked once)."""
+        kept = self.kept
+        if isinstance(kept, PackedSpikes) and self.ctx.per_chunk:
+            row = kept.bits[c, : packed_bytes(kept.shape.numel())]
+            return PackedSpikes(row, kept.shape, kept.dtype, kept.order).unpack()
+        if isinstance(kept, PackedSpikes):
+            part = packing_part(kept, c, len(self.parts))
+            if part is not None:
+                return self.synapse.merged_part(part.unpack(), slice(None))
+            if not self.whole:
+                self.whole.append(kept.unpack())
+        source = self.whole[0] if self.whole else expand(kept)
+        return self.synapse.merged_part(source, self.parts[c])
+
+    def recomputed(self, c: int) -> Tensor:
+        """Chunk c's y, as forward made it (its input freed before anything else is
+        allocated: taken again where needed, it is cheaper than the memory)."""
+        with torch.no_grad(), self.autocast:
+            return self.synapse.on_merged(self.input(c), self.shape[0])
+
+    def saved(self, c: int) -> Kept:
+        """What forward kept of chunk c's neuron (see :meth:`NeuronCall.forward`)."""
+        saved = self.kept_neuron
+        if saved is None or saved[0] is None:
+            return saved
+        return (saved[0][c],)
+
+    def sums(
+        self, stats: BNStats, learnable: Tensor | None, grad_spikes: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """Pass 1 over the chunks: the per-channel sums over the batch, and dL/dlearnable."""
+        sums, grad_learnable = None, None
+        need_learnable = self.ctx.needs_input_grad[6]
+        for c, part in enumerate(self.parts):
+            y = self.recomputed(c)
+            _, chunk_sums, chunk_learnable = bn_neuron_backward(
+                y, stats, self.ctx.neuron, learnable, dense_part(grad_spikes, part),
+                self.saved(c), self.ctx.pool,
+            )  # fmt: skip
+            del y
+            assert chunk_sums is not None  # BatchNorm
+            sums = chunk_sums if sums is None else sums.add_(chunk_sums)
+            if chunk_learnable is not None and need_learnable:
+                grad_learnable = (
+                    chunk_learnable if grad_learnable is None else grad_learnable + chunk_learnable
+                )
+        assert sums is not None
+        return sums, grad_learnable
+
+
+def _packed_row(rows: Tensor | None, merged: Tensor, index: int, chunks: int) -> Tensor:
+    """``rows`` [chunks, bytes] (made on the first call) with row ``index`` holding the packing
+    of the spikes ``merged``. Rows are padded to 16 bytes: the unpack kernel reads a row's
+    words as aligned 32-bit (and vector) loads."""
+    bits = PackedSpikes.of(merged).bits
+    if rows is None:
+        rows = bits.new_empty((chunks, -(-bits.numel() // 16) * 16))
+    rows[index, : bits.numel()] = bits
+    return rows
+
+
+def _at_least_float32(t: Tensor) -> Tensor:
+    """t in float32 where its dtype is narrower (float64 stays): a sum's accumulator."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _chunked_synapse_grads(
+    chunks: _ChunkedBackward,
+    grad_y_of: Callable[[int], Tensor],
+    needs_x: bool,
+    params_need: tuple[bool, ...],
+) -> tuple[Tensor | None, list[Tensor | None]]:
+    """Pass 2 of a chunked block: per chunk, dL/dy (``grad_y_of``), the synapse parameters'
+    gradients (summed over chunks in at least float32) and the chunk's dL/dx, written into
+    dL/dx of the whole batch [T, B, ...] (x's dtype)."""
+    synapse, shape = chunks.synapse, chunks.shape
+    compute = chunks.autocast_dtype or synapse.module.weight.dtype
+    need_b = len(params_need) > 1 and params_need[1]
+    grad_x: Tensor | None = None
+    param_sums: list[Tensor | None] = [None] * len(params_need)
+    for c, part in enumerate(chunks.parts):
+        grad_y = grad_y_of(c).flatten(0, 1)
+        if any(params_need):
+            merged = chunks.input(c)
+            chunk_grads = synapse.param_grads(merged, grad_y, compute, need_b)
+            del merged
+            param_sums = [
+                g if g is None else (_at_least_float32(g) if total is None else total.add_(g))
+                for total, g in zip(param_sums, chunk_grads, strict=False)
+            ]
+        if needs_x:
+            merged_shape = grad_y.shape[:1] + shape[2:]
+            grad_chunk = synapse.input_grad(merged_shape, grad_y, compute)
+            del grad_y  # before the chunk's input gradient is copied out
+            grad_chunk = grad_chunk.unflatten(0, (shape[0], -1))
+            if grad_x is None:
+                grad_x = empty_batch(grad_chunk, shape[1], chunks.x_dtype)
+            grad_x[:, part] = grad_chunk
+            del grad_chunk
+    params = list(synapse.module.parameters())  # the Function's synapse_params: weight, bias
+    grads = [
+        None if total is None or not need else total.to(param.dtype)
+        for total, need, param in zip(param_sums, params_need, params, strict=False)
+    ]
+    return grad_x, grads

@@ -1,0 +1,371 @@
+"""Finding chains: which modules are synapses, BatchNorms, neurons and poolings a block
+takes, and the ``synapse → [BatchNorm] → neuron`` chains in one traced graph."""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TypeGuard
+
+import torch
+from torch import fx, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
+
+from ... import layer
+from ...neuron import BaseNode
+from ..spec import BN_FOR, EXACT, POOLS, SYNAPSES, hook_kinds, pool_fold_problem, synapse_kind
+from .report import SkippedCandidate, _join
+
+
+# ---- recognising modules --------------------------------------------------------------------
+def _multi_step(module: nn.Module) -> bool:
+    # Plain torch layers have no step_mode; only Linear accepts [T, B, F] as it is.
+    mode = getattr(module, "step_mode", None)
+    return mode == "m" or (mode is None and type(module) is nn.Linear)
+
+
+def _as_synapse_bn(module: nn.Module) -> tuple[nn.Module, _BatchNorm | None] | None:
+    """(synapse, bn or None) if ``module`` applies a synapse (then BN) to [T, B, ...] input."""
+    if type(module) is layer.SeqToANNContainer and len(module) in (1, 2):
+        synapse, *rest = module
+        if synapse_kind(synapse) is None or getattr(synapse, "step_mode", "s") != "s":
+            return None
+        if not rest:
+            return synapse, None
+        bn = rest[0]
+        return (synapse, bn) if _is_bn_for(bn, synapse, step_mode="s") else None
+    if synapse_kind(module) is not None and _multi_step(module):
+        return module, None
+    return None
+
+
+def _is_bn_for(bn: nn.Module, synapse: nn.Module, step_mode: str) -> TypeGuard[_BatchNorm]:
+    kind = synapse_kind(synapse)
+    # Inside SeqToANNContainer a layer must run single-step ('s' or a plain torch layer).
+    mode = getattr(bn, "step_mode", "s")
+    return kind is not None and type(bn) in EXACT[BN_FOR[kind]] and mode == step_mode
+
+
+def _as_bn(module: nn.Module, synapse: nn.Module) -> _BatchNorm | None:
+    if type(module) is layer.SeqToANNContainer and len(module) == 1:
+        inner = module[0]
+        return inner if _is_bn_for(inner, synapse, step_mode="s") else None
+    return module if _is_bn_for(module, synapse, step_mode="m") else None
+
+
+def _as_pool(module: nn.Module) -> nn.Module | None:
+    """The pooling layer if ``module`` pools [T, B, C, H, W] input with a supported pool."""
+    if type(module) is layer.SeqToANNContainer and len(module) == 1:
+        module = module[0]  # the container merges T and B; the pool inside runs single-step
+        multi_step = getattr(module, "step_mode", "s") == "s"
+    else:
+        multi_step = getattr(module, "step_mode", None) == "m"
+    supported = any(type(module) in EXACT[k] for k in POOLS)
+    if supported and multi_step and not getattr(module, "return_indices", False):
+        return module
+    return None
+
+
+def _is_synapse_like(module: nn.Module) -> bool:
+    """A Conv/Linear call, fusable or not (a candidate the report accounts for)."""
+    if type(module) is layer.SeqToANNContainer:
+        return len(module) > 0 and isinstance(module[0], SYNAPSES)
+    return isinstance(module, SYNAPSES)
+
+
+def _is_bn_like(module: nn.Module) -> bool:
+    if type(module) is layer.SeqToANNContainer:
+        return len(module) == 1 and isinstance(module[0], _BatchNorm)
+    return isinstance(module, _BatchNorm)
+
+
+def _subclass_problem(module: nn.Module) -> str:
+    """Why a Conv/Linear/BatchNorm of another class than torch's and spikefuse's is unfused."""
+    name = type(module).__name__
+    if parametrize.is_parametrized(module):  # torch makes it a class of its own
+        return f"{name}'s parameters are parametrized (torch.nn.utils.parametrize)"
+    return f"{name} is a subclass with its own forward; only torch's and spikefuse's fuse"
+
+
+def _synapse_problem(module: nn.Module) -> str:
+    contained = type(module) is layer.SeqToANNContainer
+    inner = module[0] if type(module) is layer.SeqToANNContainer else module
+    name = type(inner).__name__
+    if synapse_kind(inner) is None:
+        return _subclass_problem(inner)
+    if contained:
+        if getattr(inner, "step_mode", "s") != "s":
+            return f"the {name} inside SeqToANNContainer must be single-step"
+        return "the SeqToANNContainer holds more than the synapse and its matching BatchNorm"
+    if not hasattr(inner, "step_mode"):
+        return f"a plain torch {name} is single-step; use layer.{name}(step_mode='m')"
+    return "step_mode='s'; fused blocks take multi-step [T, B, ...] input (use step_mode='m')"
+
+
+def _bn_problem(module: nn.Module, synapse: nn.Module) -> str:
+    inner = module[0] if type(module) is layer.SeqToANNContainer else module
+    kind = synapse_kind(synapse)
+    assert kind is not None  # called for the synapse of a chain
+    expected = BN_FOR[kind]
+    if not isinstance(inner, expected):
+        return f"a {type(synapse).__name__} needs {expected.__name__}, got {type(inner).__name__}"
+    if type(inner) not in EXACT[expected]:
+        return _subclass_problem(inner)
+    return f"the {type(inner).__name__} has step_mode={getattr(inner, 'step_mode', None)!r}"
+
+
+def _node_problem(node: BaseNode) -> str | None:
+    if node.step_mode != "m":
+        return f"the neuron has step_mode={node.step_mode!r}; fused blocks are multi-step"
+    if node.torch_code is not None:
+        return f"{type(node).__name__} runs torch code ({node.torch_code}); fused blocks run NeuronDefs"
+    if node._overridden_forward:
+        return f"{type(node).__name__} overrides {'/'.join(node._overridden_forward)}"
+    if node.definition is not None and node.definition.adaptive:  # None: torch code, above
+        return f"{type(node).__name__} has two states; only one-state neurons fuse"
+    if node.store_v_seq:
+        return "the neuron has store_v_seq=True; fused blocks never keep V"
+    return None
+
+
+def _sole_user(node: fx.Node) -> fx.Node | None:
+    """The one call_module that takes ``node``'s output as its only argument, if that is the
+    output's only use."""
+    users = list(node.users)
+    if len(users) != 1:
+        return None
+    user = users[0]
+    plain = user.op == "call_module" and user.args == (node,) and not user.kwargs
+    return user if plain else None
+
+
+_ADDITIONS = {operator.add, operator.iadd, torch.add}
+
+
+def _residual_addition(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(the addition, the shortcut) if ``node``'s output is used only by an addition of two
+    tensors, ``node + shortcut`` (or ``shortcut + node``, ``torch.add``, ``+=``, ``.add``)."""
+    users = list(node.users)
+    if len(users) != 1:
+        return None
+    add = users[0]
+    is_add = (add.op == "call_function" and add.target in _ADDITIONS) or (
+        add.op == "call_method" and add.target in ("add", "add_")
+    )
+    if not is_add or add.kwargs or len(add.args) != 2:
+        return None
+    first, second = add.args  # node is one of them: it has no kwargs
+    shortcut = second if first is node else first
+    if shortcut is node or not isinstance(shortcut, fx.Node):  # x + x, or x + a constant
+        return None
+    return add, shortcut
+
+
+# ---- examining one traced graph -------------------------------------------------------------
+@dataclass(frozen=True)
+class _Chain:
+    synapse: str  # call targets, relative to the traced module
+    bn: str | None  # a separate BatchNorm call (None: none, or inside the synapse's container)
+    node: str
+    pool: str | None = None  # an average pooling folded in
+    addition: str | None = None  # the graph node adding a shortcut before the neuron
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.synapse, self.bn, self.node) if n is not None)
+
+
+@dataclass
+class _Findings:
+    chains: dict[str, _Chain] = field(default_factory=dict)  # by synapse name
+    skipped: dict[str, SkippedCandidate] = field(default_factory=dict)
+    pools: dict[str, None] = field(default_factory=dict)  # an ordered set, in call order
+    unfolded_pools: dict[str, str] = field(default_factory=dict)  # after a chain: name -> why
+
+
+def _examine(graph: fx.Graph, root: nn.Module, path: str) -> _Findings:
+    """Chains (names relative to ``root``) and skipped candidates (names from the model, the
+    root being at ``path``) of one graph of ``root``'s forward."""
+    examiner = _Examiner(graph, root, path)
+    for call in graph.nodes:
+        if call.op == "call_module":
+            examiner.examine(call)
+    return examiner.found
+
+
+class _Examiner:
+    """What :func:`_examine` knows of one graph while it walks its module calls."""
+
+    def __init__(self, graph: fx.Graph, root: nn.Module, path: str) -> None:
+        self.path = path
+        self.modules = dict(root.named_modules())
+        self.calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+        self.attribute_reads = [n.target for n in graph.nodes if n.op == "get_attr"]
+        self.names_of: defaultdict[int, list[str]] = defaultdict(list)
+        for name, module in root.named_modules(remove_duplicate=False):
+            self.names_of[id(module)].append(name)
+        self.found = _Findings()
+
+    def full(self, name: str) -> str:
+        return _join(self.path, name)
+
+    def shared(self, name: str) -> str | None:
+        """Why the module called ``name`` cannot be fused away, or None."""
+        module, full = self.modules[name], self.full
+        if self.calls[name] > 1:
+            return f"'{full(name)}' is called {self.calls[name]} times in the forward"
+        if len(self.names_of[id(module)]) > 1:
+            aliases = [full(n) for n in self.names_of[id(module)]]
+            return f"'{full(name)}' is registered under several names {aliases}"
+        read = next((a for a in self.attribute_reads if a.startswith(name + ".")), None)
+        if read is not None:
+            return f"the forward reads '{full(read)}' directly"
+        hooks = hook_kinds(module)
+        if hooks is not None:
+            return f"'{full(name)}' has {hooks}, which fusing would bypass"
+        return None
+
+    def describe(self, user: fx.Node) -> str:
+        if user.op == "call_module":
+            return f"'{self.full(str(user.target))}'"
+        if user.op == "output":
+            path = self.path
+            return "the forward's return value" if not path else f"the return value of '{path}'"
+        name = getattr(user.target, "__name__", str(user.target))
+        return f"{name}()" if user.op == "call_function" else f".{name}()"
+
+    def examine(self, call: fx.Node) -> None:
+        """Record the chain starting at the module call ``call``, or why there is none."""
+        modules, found, target = self.modules, self.found, str(call.target)
+        module = modules[target]
+        if _as_pool(module) is not None:
+            found.pools[target] = None
+        if not _is_synapse_like(module) or target in found.chains | found.skipped:
+            return  # a module called again is reported once (as called several times)
+        chain_nodes, last, bn_call = [call], call, None
+        inside = type(module) is layer.SeqToANNContainer and len(module) == 2
+        nxt = _sole_user(last)
+        if not inside and nxt is not None and _is_bn_like(modules[str(nxt.target)]):
+            bn_call, last = nxt, nxt
+            chain_nodes.append(nxt)
+            nxt = _sole_user(last)
+        residual = _residual_addition(last) if nxt is None else None
+        if residual is not None:
+            nxt = _sole_user(residual[0])
+        if nxt is None or not isinstance(modules[str(nxt.target)], BaseNode):
+            self._no_neuron(call, chain_nodes, last)
+            return
+        chain_nodes.append(nxt)
+        names = tuple(self.full(str(n.target)) for n in chain_nodes)
+        joined = next((c for c in found.chains.values() if c.node == nxt.target), None)
+        if joined is not None:  # the addition's other operand is fused with the neuron
+            shortcut = f"the shortcut of the residual chain at '{self.full(joined.synapse)}'"
+            found.skipped[target] = SkippedCandidate(names[:-1], shortcut, False)
+            return
+        synapse_bn = _as_synapse_bn(module)
+        reason = self._problem(call, chain_nodes, bn_call, nxt, synapse_bn)
+        if reason is not None:
+            found.skipped[target] = SkippedCandidate(names, reason, True)
+            return
+        bn_name = None if bn_call is None else str(bn_call.target)
+        pool = _folded_pool(nxt, synapse_bn, modules, self.shared, found, self.full)
+        addition = None if residual is None else residual[0].name
+        found.chains[target] = _Chain(target, bn_name, str(nxt.target), pool, addition)
+
+    def _no_neuron(self, call: fx.Node, chain_nodes: list[fx.Node], last: fx.Node) -> None:
+        """Record a synapse call whose data flow reaches no neuron as a chain would."""
+        users = list(last.users)
+        where = ", ".join(self.describe(u) for u in users) or "nothing"
+        goes_to = f"the output of '{self.full(str(last.target))}' goes to {where}"
+        reaches = any(
+            u.op == "call_module" and isinstance(self.modules[str(u.target)], BaseNode)
+            for u in users
+        )
+        names = tuple(self.full(str(n.target)) for n in chain_nodes)
+        self.found.skipped[str(call.target)] = SkippedCandidate(names, goes_to, reaches)
+
+    def _problem(
+        self,
+        call: fx.Node,
+        chain_nodes: list[fx.Node],
+        bn_call: fx.Node | None,
+        node_call: fx.Node,
+        synapse_bn: tuple[nn.Module, _BatchNorm | None] | None,
+    ) -> str | None:
+        """Why a chain in the data flow cannot be fused, or None."""
+        modules = self.modules
+        reason: str | None
+        if synapse_bn is None:
+            reason = _synapse_problem(modules[str(call.target)])
+        elif bn_call is not None and _as_bn(modules[str(bn_call.target)], synapse_bn[0]) is None:
+            reason = _bn_problem(modules[str(bn_call.target)], synapse_bn[0])
+        else:
+            reason = _node_problem(modules[str(node_call.target)])
+        targets = [str(n.target) for n in chain_nodes]
+        reason = reason or next(filter(None, map(self.shared, targets)), None)
+        if reason is None and (len(call.args) != 1 or call.kwargs):
+            reason = f"'{self.full(str(call.target))}' is called with more than one input"
+        return reason
+
+
+def _folded_pool(
+    node_call: fx.Node,
+    synapse_bn: tuple[nn.Module, _BatchNorm | None] | None,
+    modules: dict[str, nn.Module],
+    shared: Callable[[str], str | None],
+    found: _Findings,
+    full: Callable[[str], str],
+) -> str | None:
+    """The pooling call to fold into a chain whose neuron call is ``node_call``: the sole user
+    of its output, if it can be folded (else its reason is recorded in ``found``)."""
+    user = _sole_user(node_call)
+    pool = None if user is None else _as_pool(modules[str(user.target)])
+    if user is None or pool is None:
+        return None
+    assert synapse_bn is not None  # a chain's synapse
+    kind = synapse_kind(synapse_bn[0])
+    assert kind is not None
+    target = str(user.target)
+    problem = pool_fold_problem(pool, kind) or shared(target)
+    if problem is not None:
+        found.unfolded_pools[full(target)] = problem
+        return None
+    return target
+
+
+def _merge(findings: list[tuple[str, _Findings]], path: str) -> _Findings:
+    """Fuse only what every traced variant agrees on (training and eval mode, and the root's
+    optional arguments given or left at their defaults): the patch must hold for each."""
+    merged = _Findings(pools=dict.fromkeys(p for _, f in findings for p in f.pools))
+    for _, f in findings:
+        merged.unfolded_pools = f.unfolded_pools | merged.unfolded_pools
+    names = dict.fromkeys(n for _, f in findings for n in (*f.chains, *f.skipped))
+    for name in names:
+        chains = [(label, f.chains.get(name)) for label, f in findings]
+        first = chains[0][1]
+        if first is not None and all(chain == first for _, chain in chains):
+            merged.chains[name] = first
+            continue
+        unpooled = {None if c is None else replace(c, pool=None) for _, c in chains}
+        if first is not None and len(unpooled) == 1:  # they disagree about the pooling only
+            merged.chains[name] = replace(first, pool=None)
+            for label, chain in chains:
+                if chain is not None and chain.pool is not None:
+                    merged.unfolded_pools[_join(path, chain.pool)] = (
+                        f"the forward uses it differently in {label} and in other variants"
+                    )
+            continue
+        if all(chain is None for _, chain in chains):
+            merged.skipped[name] = next(f.skipped[name] for _, f in findings if name in f.skipped)
+            continue
+        label, chain = next((label, chain) for label, chain in chains if chain is not None)
+        odd_label, odd = next((lb, f) for lb, f in findings if f.chains.get(name) != chain)
+        reason = f"the forward calls these modules differently in {label} and in {odd_label}"
+        if name in odd.skipped:
+            reason += f" ({odd.skipped[name].reason})"
+        names_in_chain = tuple(_join(path, n) for n in chain.names)
+        merged.skipped[name] = SkippedCandidate(names_in_chain, reason, True)
+    return merged

@@ -1,0 +1,171 @@
+"""Memory modes of the fused blocks: one policy class each, in a registry.
+
+A block holds one policy (its ``memory`` setting, :func:`memory_policy`); on every training call
+:meth:`MemoryPolicy.plan` picks the call path (:mod:`.paths`). ``fuse(memory=...)``, the
+training command line, the benchmark and NIR read the modes from :func:`memory_modes`, so a new
+mode is one class here, registered with :func:`register_memory`.
+
+- ``"default"``: keep the synapse output y (the DATE'22 blocks);
+- ``"min"``: keep only the block's input and recompute y in backward, in batch chunks where y
+  is large (:mod:`.chunked`);
+- ``"auto"``: "min" where recomputing costs at most :data:`AUTO_MAX_MACS_PER_SAVED_ELEMENT`
+  multiply-adds per element of memory it saves, else "default".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ..errors import SpikefuseError
+from ..functional import repeated_over_time
+from .chunked import batch_chunks, batch_parts
+from .paths import DEFAULT_PLAN, MIN_MEMORY_PLAN, Block, Plan, chunked_path
+from .recompute import is_spikes, recipe_of
+
+# memory="auto": a block recomputes its synapse in backward (as memory="min") where that costs
+# at most this many multiply-adds per element of memory it saves. Recomputing adds one synapse
+# forward, a third of the synapse's training work whatever its size, so the rule drops the
+# outputs that save the most memory per recomputed multiply-add: roughly, a 3 x 3 convolution
+# qualifies up to 227 input channels, a Linear up to 2048 inputs (the narrow early layers go,
+# the wide deep ones whose recomputation costs the most stay).
+AUTO_MAX_MACS_PER_SAVED_ELEMENT = 2048
+log = logging.getLogger("spikefuse.fuse")
+
+_POLICIES: dict[str, type[MemoryPolicy]] = {}
+
+
+def register_memory(cls: type[MemoryPolicy]) -> type[MemoryPolicy]:
+    """Class decorator: make ``cls`` the policy of memory mode ``cls.name``."""
+    _POLICIES[cls.name] = cls
+    return cls
+
+
+def memory_modes() -> tuple[str, ...]:
+    """The registered memory modes ("default" first)."""
+    return tuple(_POLICIES)
+
+
+def memory_policy(name: object) -> MemoryPolicy:
+    """A new policy of memory mode ``name`` (one per block: it may remember its choices)."""
+    policy = _POLICIES.get(name) if isinstance(name, str) else None
+    if policy is None:
+        raise SpikefuseError(f"FusedBlock: memory must be one of {memory_modes()}, got {name!r}")
+    return policy()
+
+
+class MemoryPolicy:
+    """A memory mode: which path a training call of a block takes (:mod:`.paths`)."""
+
+    name: ClassVar[str]
+
+    @property
+    def choice(self) -> str:
+        """The mode of the last training call (itself, or what a choosing mode chose)."""
+        return self.name
+
+    def plan(self, block: Block, x: Tensor, residual: Tensor | None) -> Plan:
+        """The plan of a training call (autograd on) of ``block`` on ``x``."""
+        raise NotImplementedError
+
+
+@register_memory
+class DefaultMemory(MemoryPolicy):
+    """Keep the synapse output y and the per-channel vectors for backward."""
+
+    name = "default"
+
+    def plan(self, block: Block, x: Tensor, residual: Tensor | None) -> Plan:
+        return DEFAULT_PLAN
+
+
+@register_memory
+class MinMemory(MemoryPolicy):
+    """Keep only the input (1-bit packed where it is spikes) and recompute y in backward; in
+    equal batch chunks where y is large (blocks with BatchNorm whose synapse backward is
+    explicit, on an input not repeated over time, without a residual)."""
+
+    name = "min"
+
+    def plan(self, block: Block, x: Tensor, residual: Tensor | None) -> Plan:
+        chunks = self._chunks(block, x, residual)
+        if chunks > 1:
+            return Plan(chunked_path, tuple(batch_parts(x.shape[1], chunks)))
+        return MIN_MEMORY_PLAN
+
+    @staticmethod
+    def _chunks(block: Block, x: Tensor, residual: Tensor | None) -> int:
+        if not block.spec.has_bn or block.repeat_of(x) > 1 or residual is not None:
+            return 1
+        synapse = block.synapse_op()
+        if not synapse.explicit_backward():
+            return 1
+        device = x.device.type
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+        per_step, _ = synapse.geometry(x.shape[1:])
+        return batch_chunks(x.shape[1], per_step * x.shape[0] * dtype.itemsize)
+
+
+@register_memory
+class AutoMemory(MemoryPolicy):
+    """ "min" (never in chunks: the rule prices recomputing at one synapse forward, chunks take
+    three) where it pays, else "default"; logs (logger ``spikefuse.fuse``, INFO) when its
+    choice changes."""
+
+    name = "auto"
+
+    def __init__(self) -> None:
+        self._choice = "auto"
+        # (multiply-adds, elements saved) of recomputing, by what they depend on in the input,
+        # so that a training call does not redo the arithmetic
+        self._terms_of: dict[tuple[Any, ...], tuple[float, float]] = {}
+
+    @property
+    def choice(self) -> str:
+        return self._choice
+
+    def plan(self, block: Block, x: Tensor, residual: Tensor | None) -> Plan:
+        has_recipe = recipe_of(x.flatten(0, 1)) is not None
+        key = (x.shape, x.dtype, repeated_over_time(x), has_recipe, is_spikes(x))
+        terms = self._terms_of.get(key)
+        if terms is None:
+            terms = self._terms_of[key] = recompute_terms(block, x)
+        cost, saved = terms
+        pays = saved > 0 and cost <= AUTO_MAX_MACS_PER_SAVED_ELEMENT * saved
+        choice = "min" if pays else "default"
+        if choice != self._choice:
+            log.info("FusedBlock(memory='auto', %r): %s", block.synapse_op().module, choice)
+            self._choice = choice
+        return MIN_MEMORY_PLAN if pays else DEFAULT_PLAN
+
+
+def recompute_terms(block: Block, x: Tensor) -> tuple[float, float]:
+    """(multiply-adds, elements of memory saved) of recomputing the synapse on ``x``; it pays
+    at up to :data:`AUTO_MAX_MACS_PER_SAVED_ELEMENT` multiply-adds per element.
+
+    Saved: the synapse output the default mode keeps (one step of it for an input repeated
+    over time), less what the minimal mode makes the network keep and the default mode does
+    not: the block's input where the default mode recomputes it (fused-block spikes), and the
+    block's output, which then has no recipe, so the next layer keeps it (its spikes packed, a
+    pooled map whole). Packed spikes count 1 bit per element. Cost: one synapse forward on the
+    steps it runs on. Where the pooling kernels pack their means (CUDA), both modes keep those
+    bits instead, so the two pooled-map terms over-count what "min" adds: the rule then leans
+    to the default mode. Spikes under :data:`~.recompute.RECOMPUTE_MIN_BYTES` are saved whole
+    rather than recomputed or packed, which the terms do not model: a difference of at most a
+    few MiB a block."""
+    images = repeated_over_time(x)  # kept by the caller in either mode
+    T = x.shape[0]
+    steps = 1 if images else T
+    kept_steps = 1 if block.repeat_of(x) > 1 else T
+    per_step, fan_in = block.synapse_op().geometry(x.shape[1:])
+    packed = 1 / (8 * x.element_size())  # elements per packed spike
+    out = per_step * T
+    pool = block.spec.pool
+    saved = per_step * kept_steps - (out / pool.area if pool is not None else out * packed)
+    if not images and recipe_of(x.flatten(0, 1)) is not None:  # min keeps, default not
+        saved -= x.numel() * (packed if is_spikes(x) else 1)
+    return per_step * steps * fan_in, saved

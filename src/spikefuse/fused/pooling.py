@@ -1,0 +1,106 @@
+"""Pooling of fused-block spikes: :class:`WindowAvgPool` (the average pooling the blocks and
+:class:`SpikePool` run) and :class:`SpikePool` (a pooling layer that stores no spikes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import SpikefuseError
+from ..ops import forbid_double_backward
+from .recompute import mark_means, mark_recomputable, means_window, recipe_of, saving_recomputed
+from .spec import EXACT, POOLS, MultiStepOnly, window_size
+
+
+class WindowAvgPool(torch.autograd.Function):
+    """Average pooling over non-overlapping k_h × k_w windows of [N, C, H, W] (kernel = stride,
+    no padding; a remainder of rows/columns is dropped, as ``avg_pool2d`` does).
+
+    Forward is one mean reduction, backward one broadcast write, both in the input's memory
+    layout (NCHW or channels-last): torch's ``avg_pool2d`` kernels run well below memory
+    bandwidth on these maps, both directions, both layouts.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kh: int, kw: int) -> Tensor:
+        n, c, h, w = x.shape
+        ho, wo = h // kh, w // kw
+        layout = _memory_format(x)
+        out = torch.empty((n, c, ho, wo), dtype=x.dtype, device=x.device, memory_format=layout)
+        torch.mean(_windows(x, kh, kw), dim=(3, 5), out=out)
+        ctx.geometry = (x.shape, layout, kh, kw)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        forbid_double_backward("WindowAvgPool")
+        shape, layout, kh, kw = ctx.geometry
+        grad_x = torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=layout)
+        if shape[2] % kh or shape[3] % kw:  # the dropped rows/columns get no gradient
+            grad_x.zero_()
+        windows = _windows(grad_x, kh, kw)
+        torch.mul(grad[:, :, :, None, :, None].expand(windows.shape), 1.0 / (kh * kw), out=windows)
+        return grad_x, None, None
+
+
+def _memory_format(x: Tensor) -> torch.memory_format:
+    cl = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if cl else torch.contiguous_format
+
+
+def _windows(x: Tensor, kh: int, kw: int) -> Tensor:
+    """[N, C, H, W] → the view [N, C, H/kh, kh, W/kw, kw] of its whole windows."""
+    ho, wo = x.shape[2] // kh, x.shape[3] // kw
+    return x[:, :, : ho * kh, : wo * kw].unflatten(3, (wo, kw)).unflatten(2, (ho, kh))
+
+
+class SpikePool(MultiStepOnly, nn.Module):
+    """Average or max pooling of multi-step spikes ``[T, B, C, H, W]`` that stores no spikes.
+
+    On the spike output of a fused block, what the pooling saves (max pooling: its input) is
+    recomputed in backward, and its output is tagged so that the next fused block recomputes
+    it too (the pooling applied to the recomputed spikes) instead of saving it; spikes of a
+    block that keeps no synapse output (``memory="min"``) are saved at 1 bit per element, and
+    max pooling tags its output as spikes; spikes under :data:`~.recompute.RECOMPUTE_MIN_BYTES`
+    are saved as they are. Any other input is pooled plainly. ``pool``: an
+    ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse ``layer`` version); average pooling with
+    kernel = stride and no padding runs as :class:`WindowAvgPool`.
+    """
+
+    def __init__(self, pool: nn.Module) -> None:
+        super().__init__()
+        kind = next((k for k in POOLS if type(pool) in EXACT[k]), None)
+        if kind is None:
+            raise SpikefuseError(
+                f"SpikePool: pool must be AvgPool2d or MaxPool2d, got {type(pool).__name__}"
+            )
+        if getattr(pool, "return_indices", False):
+            raise SpikefuseError("SpikePool: return_indices=True is not supported")
+        self.pool = pool
+        self.training = pool.training  # the mode of the pooling it replaces
+        self._kind: type[nn.Module] = kind
+        self._window = window_size(pool)
+
+    def _pool(self, merged: Tensor) -> Tensor:
+        if self._window is not None and not torch.compiler.is_compiling():
+            return WindowAvgPool.apply(merged, *self._window)
+        return self._kind.forward(self.pool, merged)  # the compiler generates its own kernels
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor) or x.dim() != 5:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise SpikefuseError(f"SpikePool: expected input [T, B, C, H, W], got {shape}")
+        merged = x.flatten(0, 1)
+        if torch.compiler.is_compiling():
+            return self._pool(merged).unflatten(0, x.shape[:2])
+        recipe = recipe_of(merged)
+        with saving_recomputed(merged, recipe):  # without a recipe: spikes packed, if spikes
+            out = self._pool(merged)
+        if recipe is not None:
+            mark_recomputable(out, lambda: self._pool(recipe()))
+        window = means_window(merged)  # 1: spikes; k²: means of k² spikes
+        if window is not None and self._kind is nn.MaxPool2d:  # the largest: the same kind
+            mark_means(out, window)
+        elif window is not None and self._window is not None:  # means of k x k of them
+            mark_means(out, window * self._window[0] * self._window[1])
+        return out.unflatten(0, x.shape[:2])

@@ -1,0 +1,203 @@
+"""A fused block's synapse (Conv1d, Conv2d or Linear) as its call paths and Functions run it.
+
+:class:`Synapse` wraps the block's synapse module: it runs it on multi-step input [T, B, ...]
+merged into one [T*B, ...] batch in the layout it runs in (channels-last for a Conv2d on CUDA),
+once per sample for an input repeated over time, saving its input as a recipe or 1-bit packed
+where that input is fused-block spikes; and it differentiates it explicitly for the
+minimal-memory Functions (weight gradient, input gradient), which receive this object, not the
+block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.modules.conv import _ConvNd
+
+from ..functional import repeat_over_time, repeated_over_time
+from .recompute import Recipe, is_spikes, mark_spikes, recipe_of, saving_recomputed
+from .spike_linear import SpikeLinearFunction, takes_split_path
+
+
+def _channels_last(recipe: Recipe) -> Recipe:
+    return lambda: recipe().contiguous(memory_format=torch.channels_last)
+
+
+class Synapse:
+    """The synapse ``module`` of torch class ``kind`` (what :func:`~.spec.synapse_kind` says)."""
+
+    __slots__ = ("kind", "module")
+
+    def __init__(self, module: nn.Linear | _ConvNd, kind: type[nn.Module]) -> None:
+        self.module, self.kind = module, kind
+
+    def runs_channels_last(self, x: Tensor) -> bool:
+        """Whether it runs channels-last: a Conv2d on CUDA (cuDNN's native layout, no
+        transposes around the convolution; the kernels read that layout as it is)."""
+        return self.kind is nn.Conv2d and x.is_cuda
+
+    def merged(self, x: Tensor) -> Tensor:
+        """[T, B, ...] as the synapse's [T*B, ...] batch, in the layout it runs in."""
+        merged = x.flatten(0, 1)
+        if self.runs_channels_last(merged):
+            merged = merged.contiguous(memory_format=torch.channels_last)
+        return merged
+
+    def merged_part(self, x: Tensor, part: slice) -> Tensor:
+        """x[:, part] as the synapse's [T*b, ...] batch in the layout it runs in: a view of x
+        where it is that already (the whole batch, dense), else a copy."""
+        src = x[:, part]
+        layout = torch.channels_last if self.runs_channels_last(x) else torch.contiguous_format
+        if src.shape[1] == x.shape[1]:
+            view = src.flatten(0, 1)  # a copy (of the logical order) where not viewable
+            if view.is_contiguous(memory_format=layout):
+                return view
+        merged = torch.empty(
+            (src.shape[0] * src.shape[1], *src.shape[2:]),
+            dtype=x.dtype,
+            device=x.device,
+            memory_format=layout,
+        )
+        merged.unflatten(0, src.shape[:2]).copy_(src)
+        return merged
+
+    def on_merged(self, merged: Tensor, steps: int) -> Tensor:
+        """The output [T, b, ...] of a merged batch [T*b, ...] of ``steps`` steps. The torch
+        base class's forward: spikefuse layers would otherwise re-split T and B."""
+        return self.kind.forward(self.module, merged).unflatten(0, (steps, -1))
+
+    def step(self, x: Tensor) -> Tensor:
+        """The output [1, B, ...] of one step of an input repeated over time."""
+        return self.kind.forward(self.module, self.merged(x[:1])).unsqueeze(0)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """y = synapse(x) on [T, B, ...]. An input repeated over T as a view (stride 0 over T:
+        a static image fed at every step) runs the synapse once per sample, on x[0], and
+        repeats its output: T times less synapse work forward, and in backward autograd sums
+        dL/dy over T before the synapse's backward (y is the same up to rounding order)."""
+        if repeated_over_time(x):
+            return repeat_over_time(self.step(x)[0], x.shape[0])
+        return self.kind.forward(self.module, self.merged(x)).unflatten(0, x.shape[:2])
+
+    def kept(self, x: Tensor, repeat: int) -> Tensor:
+        """The output a block keeps: of one step [1, B, ...] (``repeat`` > 1), else all."""
+        return self.step(x) if repeat > 1 else self(x)
+
+    def saving_input(self, x: Tensor) -> Tensor:
+        """``self(x)``, saving an input that is fused-block spikes as its recipe, or packed at
+        1 bit per element where it has none (a min-memory block's output), where it takes at
+        least :data:`~.recompute.RECOMPUTE_MIN_BYTES` (:func:`saving_recomputed`); a Linear on
+        spikes takes the split bf16 path where it pays (:func:`takes_split_path`)."""
+        merged = x.flatten(0, 1)
+        # x's tags (a tag on x, a view, is not seen from merged, another view of its memory)
+        x_recipe = recipe_of(x)
+        recipe = None if x_recipe is None else lambda: x_recipe().flatten(0, 1)
+        spikes = recipe is None and is_spikes(x)
+        split = self.kind is nn.Linear and takes_split_path(x, self.module.weight)
+        if recipe is None and not spikes and not split:  # nothing to recompute or split
+            return self(x)
+        if self.runs_channels_last(merged):  # recompute in the conv's layout
+            recipe = None if recipe is None else _channels_last(recipe)
+            merged = merged.contiguous(memory_format=torch.channels_last)
+            if spikes:  # a copy, if one was made, holds the same spikes
+                mark_spikes(merged)
+        with saving_recomputed(merged, recipe):  # the very tensor the synapse saves
+            if split:
+                y = SpikeLinearFunction.apply(merged, self.module.weight, self.module.bias)
+            else:
+                y = self.kind.forward(self.module, merged)
+            return y.unflatten(0, x.shape[:2])
+
+    def geometry(self, step_shape: torch.Size) -> tuple[int, int]:
+        """(output elements of one step, multiply-adds per output element) on one step's
+        input [B, C_in, *] (Linear: [B, F_in])."""
+        module = self.module
+        if isinstance(module, nn.Linear):
+            return step_shape[0] * module.out_features, module.in_features
+        spatial = []
+        for d, size in enumerate(step_shape[2:]):
+            if isinstance(module.padding, str):  # "valid", or "same" (stride 1)
+                pad = 0 if module.padding == "valid" else None
+            else:
+                pad = module.padding[d]
+            reach = module.dilation[d] * (module.kernel_size[d] - 1)
+            spatial.append(
+                size if pad is None else (size + 2 * pad - reach - 1) // module.stride[d] + 1
+            )
+        fan_in = module.in_channels // module.groups * math.prod(module.kernel_size)
+        return step_shape[0] * module.out_channels * math.prod(spatial), fan_in
+
+    def explicit_backward(self) -> bool:
+        """Whether :meth:`param_grads` and :meth:`input_grad` differentiate it (a Linear, or
+        a Conv whose padding is numbers and zeros); else autograd differentiates a recomputed
+        synapse."""
+        module = self.module
+        if isinstance(module, nn.Linear):
+            return True
+        return module.padding_mode == "zeros" and not isinstance(module.padding, str)
+
+    def param_grads(
+        self, x: Tensor, grad_y: Tensor, dtype: torch.dtype, need_b: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """(dL/dweight, dL/dbias or None) of ``y = synapse(x)`` on merged [T*B, ...] tensors,
+        computed in ``dtype`` (the forward's autocast dtype, else the weight's) and returned in
+        the parameters' dtypes."""
+        module = self.module
+        grad_y, x = grad_y.to(dtype), x.to(dtype)
+        if isinstance(module, nn.Linear):
+            g = grad_y.flatten(0, -2)
+            grad_w, grad_b = g.t() @ x.flatten(0, -2), (g.sum(0) if need_b else None)
+        else:
+            weight = module.weight.to(dtype)
+            _, grad_w, grad_b = torch.ops.aten.convolution_backward(
+                grad_y,
+                x,
+                weight,
+                [weight.shape[0]] if need_b else None,
+                module.stride,
+                module.padding,
+                module.dilation,
+                False,
+                [0] * (grad_y.dim() - 2),
+                module.groups,
+                [False, True, need_b],
+            )
+        bias = module.bias
+        grad_b = None if grad_b is None or bias is None else grad_b.to(bias.dtype)
+        return grad_w.to(module.weight.dtype), grad_b
+
+    def input_grad(self, x_shape: torch.Size, grad_y: Tensor, dtype: torch.dtype) -> Tensor:
+        """dL/dx of ``y = synapse(x)`` on merged [T*B, ...] tensors, in ``dtype``. A Conv's is
+        the transposed convolution of dL/dy (cuDNN's data-gradient kernels, in dL/dy's memory
+        layout; x's values are not needed), with the output padding that restores x's size.
+        Not ``torch.nn.grad.conv2d_input``: its stand-in input (a broadcast scalar) has no
+        channels-last layout, so cuDNN would transpose dL/dy and its result."""
+        module = self.module
+        grad_y, weight = grad_y.to(dtype), module.weight.to(dtype)
+        if isinstance(module, nn.Linear):
+            return grad_y @ weight
+        assert not isinstance(module.padding, str)  # explicit_backward
+        output_padding = [
+            x_shape[2 + d]
+            - (
+                (grad_y.shape[2 + d] - 1) * module.stride[d]
+                - 2 * module.padding[d]
+                + module.dilation[d] * (module.kernel_size[d] - 1)
+                + 1
+            )
+            for d in range(grad_y.dim() - 2)
+        ]
+        transposed = F.conv_transpose1d if grad_y.dim() == 3 else F.conv_transpose2d
+        return transposed(
+            grad_y,
+            weight,
+            None,
+            module.stride,
+            module.padding,
+            output_padding,
+            module.groups,
+            module.dilation,
+        )

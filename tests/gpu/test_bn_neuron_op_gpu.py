@@ -1,0 +1,97 @@
+"""The fused BN → neuron (→ pool) (+ residual) op's CUDA kernels against its torch reference.
+
+:class:`BNNeuronFunction` and the ``torch.library`` op (:func:`traced_bn_neuron`) with the cuda
+backend (the BN-folded kernels, pooling in the kernels where the map is channels-last) against
+:func:`bn_neuron_naive` (torch ops and the reference neuron, autograd through BatchNorm's
+statistics) on the same float32 tensors: spikes (and their window means) equal, gradients
+within the float32 tolerances of ``tests/conftest.py``, as the other kernel tests compare. The
+CPU twin of this file is ``tests/test_bn_neuron_op.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close, differ
+from spikefuse import neuron
+from spikefuse.fused.neuron_call import NeuronCall
+from spikefuse.fused.ops.bn_neuron import (
+    BNNeuronArgs,
+    BNNeuronFunction,
+    bn_neuron_naive,
+    kernel_pool,
+    traced_bn_neuron,
+)
+from spikefuse.fused.statistics import BNSpec, bn_statistics
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-5
+DTYPE = torch.float32
+# [T, B, C, *]: a Linear's, a Conv2d's (odd channel count; T = 1; more steps than a chunk)
+SHAPES = [(4, 8, 33), (3, 2, 5, 6, 6), (1, 4, 16, 4, 2), (40, 2, 8, 4, 4)]
+
+
+def _leaves(shape, seed: int, residual: bool, channels_last: bool):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    y = torch.randn(shape, generator=g, device="cuda", dtype=DTYPE) * 2
+    if channels_last:
+        y = y.flatten(0, 1).contiguous(memory_format=torch.channels_last).unflatten(0, shape[:2])
+    c = shape[2]
+    weight = torch.rand(c, generator=g, device="cuda", dtype=DTYPE) + 0.5
+    bias = torch.rand(c, generator=g, device="cuda", dtype=DTYPE) - 0.3
+    res = torch.randn(y.shape, generator=g, device="cuda", dtype=DTYPE) if residual else None
+    if res is not None and channels_last:
+        res = torch.empty_like(y).copy_(res)
+    return [t if t is None else t.detach().requires_grad_() for t in (y, weight, bias, res)]
+
+
+def _run(fn, leaves):
+    out = fn()
+    weights = torch.linspace(-1, 1, out.numel(), device="cuda", dtype=out.dtype).view_as(out)
+    wanted = [t for t in leaves if t is not None]
+    return out.detach(), torch.autograd.grad((out * weights).sum(), wanted)
+
+
+def _compare(got, want, what: str) -> None:
+    (out, grads), (ref, ref_grads) = got, want
+    assert differ(out, ref).sum().item() == 0, f"{what}: spikes differ"
+    for g, w in zip(grads, ref_grads, strict=True):
+        assert_close(g, w, DTYPE, grad=True, what=f"{what} gradient")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("running", [False, True], ids=["batch-stats", "running-stats"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_kernels_match_the_reference(shape, running, residual):
+    conv = len(shape) == 5
+    node = neuron.ParametricLIFNode(init_tau=1.7, step_mode="m", backend="cuda").cuda()
+    y, weight, bias, res = _leaves(shape, len(shape) + 2 * running, residual, conv)
+    learnable = node.learnable_values(y.device).detach().requires_grad_()
+    call = NeuronCall.from_node(node, y)
+    assert call.affine is not None  # the BN-folded kernels run
+    c = shape[2]
+    stats_running = None
+    if running:
+        stats_running = (torch.randn(c, device="cuda") * 0.3, torch.rand(c, device="cuda") + 0.5)
+    spec = BNSpec(weight, bias, *(stats_running or (None, None)), not running, 0.1, EPS)
+    stats = bn_statistics(y.detach(), spec)
+    pool = 2 if conv and not residual and kernel_pool(y, stats, call, 2) == 2 else 1
+    leaves = [y, weight, bias, learnable, res]
+
+    def fused():
+        args = BNNeuronArgs(call, stats, spec, pool, 1, True, res)
+        return BNNeuronFunction.apply(args, y, weight, bias, learnable, res)[0]
+
+    def naive():
+        return bn_neuron_naive(y, call, learnable, weight, bias, EPS, stats_running, pool, res)
+
+    want = _run(naive, leaves)
+    _compare(_run(fused, leaves), want, f"BNNeuronFunction (pool {pool})")
+    if not residual:  # compiled residual blocks run torch's BatchNorm, not this op
+
+        def traced():
+            return traced_bn_neuron(y, stats, spec, call, learnable, pool)
+
+        _compare(_run(traced, leaves), want, f"library op (pool {pool})")
