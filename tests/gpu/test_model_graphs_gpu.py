@@ -3,10 +3,11 @@ switch, trains like the same loop run eagerly (losses, parameters, BatchNorm sta
 fused and unfused, fp32 and bf16 autocast, with dropout, GradScaler and gradient clipping; and
 evaluation under ``torch.no_grad`` replays a forward-only graph.
 
-Tolerances: eight-plus steps can carry a spike that rounding flips (cuDNN's summation order
-differs between runs, and a captured fused Linear block on spikes takes the bf16-split path),
-so losses and parameters are compared norm-wise; a stale input, a wrong signature's graph or a
-missing BatchNorm update misses by far more."""
+Tolerances: ten steps can carry a spike that rounding flips (cuDNN's summation order differs
+between runs, and a captured fused Linear block on spikes takes the bf16-split path), which
+moves the mean loss of a batch of four by about 1e-3, so losses and parameters are compared
+norm-wise at 5e-3 (bf16: 2e-2); a stale input, a wrong signature's graph or a missing
+BatchNorm update misses by far more."""
 
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ def test_model_graphs_train_like_eager_steps(fused, amp, extras, no_tf32):
     torch.manual_seed(1)
     got = train(graphed_net, batches, amp, extras)
     assert model_graphs(graphed_net).captured == 2  # one signature per batch size
-    tolerance = 1e-2 if amp else 1e-3
+    # a spike that rounding flips moves a 4-sample batch's mean loss by about 1e-3
+    tolerance = 2e-2 if amp else 5e-3
+    print(f"worst loss error {max(reldiff(g, w) for g, w in zip(got, want, strict=True)):.1e}")
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert reldiff(g, w) <= tolerance, f"step {i}: loss {g.item()} against {w.item()}"
     for (name, g), w in zip(
