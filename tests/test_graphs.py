@@ -65,6 +65,7 @@ def fake_cuda(monkeypatch) -> FakeCUDA:
     and whether the garbage collector was on then; the generators and the current stream by
     :class:`FakeCUDA`'s."""
     cuda = FakeCUDA()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "graph", cuda.capture)
     monkeypatch.setattr(torch.cuda, "default_generators", cuda.generators)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: cuda.stream)
@@ -283,3 +284,12 @@ def test_graphed_step_stays_on_the_gpu_of_its_first_inputs(fake_graphing):
 def test_graphed_step_needs_a_function():
     with pytest.raises(SpikefuseError, match="step must be a function of the batch's tensors"):
         graphs.GraphedStep(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no GPU")
+def test_gpu_only_helpers_say_they_need_a_gpu():
+    with pytest.raises(SpikefuseError, match="capture_step needs a CUDA GPU"):
+        graphs.capture_step(lambda: None)
+    with pytest.raises(SpikefuseError, match="needs a CUDA GPU"):
+        with graphs.capturing(None, None):
+            pass

@@ -16,6 +16,16 @@ R = TypeVar("R")
 INVALIDATED = "operation failed due to a previous error during capture"
 
 
+def require_cuda(what: str) -> None:
+    """Raise a clear error where PyTorch sees no CUDA GPU (a CPU-only build, or no device),
+    before torch's own failure deep inside a CUDA call."""
+    if not torch.cuda.is_available():
+        raise SpikefuseError(
+            f"{what} needs a CUDA GPU, and PyTorch sees none (a CPU-only PyTorch build or no "
+            "visible device); run the step eagerly instead"
+        )
+
+
 def run_on(stream: torch.cuda.Stream, fn: Callable[[], R]) -> R:
     """``fn()`` on ``stream``, after the current stream's queued work and before its later
     work: how a warm-up before a capture runs on the side stream."""
@@ -55,6 +65,7 @@ def capturing(
     the generators get back their state from before the capture (randomness drawn inside the
     failed capture is not consumed) and the current stream is restored.
     """
+    require_cuda("capturing a CUDA graph")
     torch._C._cuda_clearCublasWorkspaces()
     gc.collect()
     collecting = gc.isenabled()
@@ -100,6 +111,8 @@ def capture_step(step: Callable[[], object], warmup: int = 3) -> Callable[[], No
     float32 products, and its results differ from the eager step's by float32 rounding (and
     the rare spike that rounding flips).
     """
+
+    require_cuda("capture_step")
 
     def warm_up() -> None:
         for _ in range(warmup):
