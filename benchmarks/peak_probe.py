@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from spikefuse.bench import e2e
+from spikefuse.bench import e2e, networks
 from spikefuse.bench.common import MIB
 from spikefuse.fused import fuse
 from spikefuse.graphs import capture_step
@@ -27,7 +27,7 @@ def peak(fn: Callable[[], object]) -> float:
 
 def medium_step(fold: bool, amp: torch.dtype | None) -> Callable[[], None]:
     torch.manual_seed(0)
-    net = fuse(e2e.spikefuse_model("medium", "cuda"), inplace=True, fold_pools=fold)
+    net = fuse(networks.spikefuse_model("medium", "cuda"), inplace=True, fold_pools=fold)
     return e2e.training_step(net, torch.device("cuda"), 10, 64, amp, e2e.input_geometry("medium"))
 
 

@@ -58,7 +58,14 @@ def test_each_result_set_has_what_its_benchmarks_write(gpu: str) -> None:
     folder = BENCHMARKS / gpu
     names = {f"e2e_{m}.{ext}" for m in ("small", "medium", "large") for ext in ("csv", "png")}
     names |= {"neuron.csv", "neuron.png", "neuron.txt", "README.md"}
-    assert {p.name for p in folder.iterdir()} == names
+    assert {p.name for p in folder.iterdir()} - {"user-loop"} == names
+    user_loop = folder / "user-loop"
+    for path in sorted(user_loop.glob("e2e_*.csv")) if user_loop.is_dir() else ():
+        rows = read_csv(path)
+        assert {r.dtype for r in rows} == {"fp32", "bf16"}
+        assert all(r.ok and r.ms > 0 and r.peak_mib > 0 for r in rows), path.name
+        assert {"fused", "fused+model-graphs", "fused+graph"} <= {r.variant for r in rows}
+        assert path.with_suffix(".png").exists()
     for model in ("small", "medium", "large"):
         rows = read_csv(folder / f"e2e_{model}.csv")
         assert {r.dtype for r in rows} == {"fp32", "bf16"}

@@ -15,7 +15,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from spikefuse import cli, functional, layer, neuron, surrogate
-from spikefuse.bench import e2e
+from spikefuse.bench import e2e, networks
 from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.fused import (
     FusedBlock,
@@ -689,9 +689,11 @@ def test_digits_training_follows_unfused_loss_curve():
 def test_vanilla_baseline_computes_the_same_network():
     """The benchmark's plain-PyTorch LIF network equals the spikefuse one with equal weights."""
     torch.manual_seed(0)
-    vanilla = e2e.vanilla_model("small").double()
+    vanilla = networks.vanilla_model("small").double()
     # with the vanilla network's surrogate: the paper's rectangle
-    ours = e2e.spikefuse_model("small", backend="torch", make_surrogate=surrogate.Rect).double()
+    ours = networks.spikefuse_model(
+        "small", backend="torch", make_surrogate=surrogate.Rect
+    ).double()
     randomize_bn(vanilla)
     with torch.no_grad():
         for p_ours, p_vanilla in zip(ours.parameters(), vanilla.parameters(), strict=True):
@@ -708,15 +710,15 @@ def test_ann_floor_is_the_vanilla_network_with_relu_for_its_neurons(model):
     ann, vanilla = (e2e.build(v, model, cpu) for v in ("ann", "vanilla"))
     assert [p.shape for p in ann.parameters()] == [p.shape for p in vanilla.parameters()]
     relus = sum(isinstance(m, nn.ReLU) for m in ann.modules())
-    assert relus == sum(isinstance(m, e2e.VanillaLIF) for m in vanilla.modules()) > 0
-    assert not any(isinstance(m, e2e.VanillaLIF) for m in ann.modules())
+    assert relus == sum(isinstance(m, networks.VanillaLIF) for m in vanilla.modules()) > 0
+    assert not any(isinstance(m, networks.VanillaLIF) for m in ann.modules())
     if model == "small":
         e2e.training_step(ann, cpu, T=2, batch=2, amp=None)()
 
 
 @pytest.mark.parametrize("variant", e2e.VARIANTS)
 def test_every_e2e_bench_variant_builds(variant):
-    """Review: 'vanilla-compile' was listed but rejected by build()."""
+    """Every listed variant builds a model (a listed one that build() rejects fails here)."""
     assert isinstance(e2e.build(variant, "small", torch.device("cpu")), nn.Module)
 
 

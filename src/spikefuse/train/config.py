@@ -243,11 +243,11 @@ class TrainConfig:
                     f"unknown --{name} {getattr(self, name)!r}; choose from {list(allowed)}"
                 )
         check_limit(self.limit, self.data)
-        if self.memory != "default" and not self.fuse:
-            raise SpikefuseError("--memory applies to fused blocks: add --fuse")
-        for name in ("fuse", "resume", "overwrite", "quiet"):
-            if not isinstance(getattr(self, name), bool):
-                raise SpikefuseError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self._check_data_and_model()
+        self._check_run_options()
+
+    def _check_data_and_model(self) -> None:
+        """The data set, its folder and the model it feeds fit together."""
         if self.data == "cifar10" and not (isinstance(self.data_dir, str) and self.data_dir):
             raise SpikefuseError(
                 "--data cifar10 needs --data-dir: the folder holding CIFAR-10's binary version "
@@ -275,6 +275,14 @@ class TrainConfig:
                 "to 1x1: with --batch-size 1 and --T 1 BatchNorm would see one value per "
                 "channel, which training cannot normalise; use --batch-size 2 or more"
             )
+
+    def _check_run_options(self) -> None:
+        """Fusing, the flags, the checkpoint path and the CUDA-graph mode."""
+        if self.memory != "default" and not self.fuse:
+            raise SpikefuseError("--memory applies to fused blocks: add --fuse")
+        for name in ("fuse", "resume", "overwrite", "quiet"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpikefuseError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.checkpoint, str) or not self.checkpoint:
             raise SpikefuseError(f"--checkpoint must be a file path, got {self.checkpoint!r}")
         if self.cuda_graph in ("model", "step") and self.device == "cpu":
