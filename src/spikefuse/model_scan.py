@@ -34,13 +34,17 @@ def _count_registration(*_: object) -> None:
     _registrations += 1
 
 
+_watching = False  # whether the hooks below are installed (once per process)
+
+
 def watch_registrations() -> None:
-    """Count registrations from now on (once per process; a counter bump each, nothing else)."""
-    if not getattr(watch_registrations, "done", False):
+    """Count registrations from now on (a counter bump each, nothing else)."""
+    global _watching
+    if not _watching:
         torch_module.register_module_module_registration_hook(_count_registration)
         torch_module.register_module_parameter_registration_hook(_count_registration)
         torch_module.register_module_buffer_registration_hook(_count_registration)
-        watch_registrations.done = True  # type: ignore[attr-defined]
+        _watching = True
 
 
 _training, _requires_grad = attrgetter("training"), attrgetter("requires_grad")
