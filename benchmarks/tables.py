@@ -21,6 +21,7 @@ MODELS = ("small", "medium", "large")
 E2E_VARIANTS = {
     "vanilla": "vanilla PyTorch",
     "ann": "ann (ReLU, no time loop)",
+    "spikingjelly": "SpikingJelly 2.0",
     "spikefuse": "spikefuse modules",
     "fused": "fused",
     "fused+graph": "fused + CUDA graph",
@@ -97,14 +98,17 @@ def user_loop_table(folder: Path) -> str:
     :func:`spikefuse.graph_model`, with the whole step captured, and the model graphs' ratio
     to the whole-step graph; peak MiB eager and with model graphs; reduce-overhead's ms and MiB
     where measured."""
+    runs = {
+        model: read_csv(path)
+        for model in USER_LOOP_MODELS
+        if (path := folder / "user-loop" / f"e2e_{model}.csv").exists()
+    }
+    peer = any(r.variant == "spikingjelly" and r.ok for results in runs.values() for r in results)
     header = ["network", "dtype", "memory", "eager", "model graphs", "whole step", "ratio"]
     header += ["peak MiB eager / graphs", "reduce-overhead"]
+    header += ["SpikingJelly 2.0 eager"] if peer else []
     rows = []
-    for model in USER_LOOP_MODELS:
-        path = folder / "user-loop" / f"e2e_{model}.csv"
-        if not path.exists():
-            continue
-        results = read_csv(path)
+    for model, results in runs.items():
         for dtype in ("fp32", "bf16"):
             by_variant = {r.variant: r for r in results if r.dtype == dtype and r.ok}
             for base in ("fused", "fused-min"):
@@ -121,6 +125,8 @@ def user_loop_table(folder: Path) -> str:
                     if compiled is None
                     else f"{compiled.ms:.2f} ms, {compiled.peak_mib:.0f} MiB"
                 ]
+                sj = by_variant.get("spikingjelly") if base == "fused" else None
+                cells += ([f"{sj.ms:.2f} ms, {sj.peak_mib:.0f} MiB" if sj else "-"]) if peer else []
                 memory = "min" if base == "fused-min" else "default"
                 rows.append([model, dtype, memory, *cells])
     return _markdown(header, rows)

@@ -78,6 +78,7 @@ from .networks import (
     vanilla_model,
     zoo_model,
 )
+from .peers import spikingjelly_model
 
 VARIANTS = (
     "ann",
@@ -99,6 +100,7 @@ VARIANTS = (
     "fused-auto",
     "fused-auto+graph",
     "fused-auto+model-graphs",
+    "spikingjelly",
 )
 # How a step is written: "user" is a SpikingJelly-style loop left as its author wrote it (the
 # batch ``repeat``ed over T, autocast with its weight cache, ``loss.item()`` each step; a
@@ -127,6 +129,8 @@ def build(variant: str, model: str, device: torch.device) -> nn.Module:
     if base in ("vanilla", "vanilla-compile"):
         net = zoo_model(model, None) if model in ZOO else vanilla_model(model)
         return compiled(net) if variant == "vanilla-compile" else net
+    if variant == "spikingjelly":  # SpikingJelly 2.0's own modules, as its users run them
+        return spikingjelly_model(model)
     if base != "spikefuse" and base not in FUSED_MEMORY:
         raise ValueError(f"unknown variant {variant!r}")
     net = zoo_model(model, backend) if model in ZOO else spikefuse_model(model, backend)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TypedDict
 
 import torch
@@ -151,27 +152,36 @@ def sj_lif(backend: str, make_surrogate: Callable[[], surrogate.Surrogate]) -> n
     return neuron.LIFNode(**SJ_LIF, surrogate_function=make_surrogate(), backend=backend)
 
 
+def layered_model(
+    name: str, layers: ModuleType, make_neuron: Callable[[], nn.Module]
+) -> nn.Sequential:
+    """The network written the SpikingJelly way from ``layers`` (a module with SpikingJelly's
+    multi-step ``Conv2d``, ``BatchNorm2d``, ``Linear``, ``BatchNorm1d``, ``AvgPool2d`` and
+    ``Flatten``: :mod:`spikefuse.layer` or SpikingJelly's own) and ``make_neuron()``."""
+    make: dict[str, Callable[..., list[nn.Module]]] = {
+        "conv": lambda i, o: [
+            layers.Conv2d(i, o, 3, padding=1, bias=False, step_mode="m"),
+            layers.BatchNorm2d(o, step_mode="m"),
+            make_neuron(),
+        ],
+        "fc": lambda i, o: [
+            layers.Linear(i, o, bias=False, step_mode="m"),
+            layers.BatchNorm1d(o, step_mode="m"),
+            make_neuron(),
+        ],
+        "pool": lambda: [layers.AvgPool2d(2, step_mode="m")],
+        "flatten": lambda: [layers.Flatten(step_mode="m")],
+        "classifier": lambda i, o: [layers.Linear(i, o, step_mode="m")],
+    }
+    return network(name, make)
+
+
 def spikefuse_model(
     name: str, backend: str, make_surrogate: Callable[[], surrogate.Surrogate] = surrogate.Sigmoid
 ) -> nn.Sequential:
     """The same network from spikefuse layers and :func:`sj_lif` neurons (by default with
     SpikingJelly's default surrogate, Sigmoid with alpha = 4)."""
-    make: dict[str, Callable[..., list[nn.Module]]] = {
-        "conv": lambda i, o: [
-            layer.Conv2d(i, o, 3, padding=1, bias=False, step_mode="m"),
-            layer.BatchNorm2d(o, step_mode="m"),
-            sj_lif(backend, make_surrogate),
-        ],
-        "fc": lambda i, o: [
-            layer.Linear(i, o, bias=False, step_mode="m"),
-            layer.BatchNorm1d(o, step_mode="m"),
-            sj_lif(backend, make_surrogate),
-        ],
-        "pool": lambda: [layer.AvgPool2d(2, step_mode="m")],
-        "flatten": lambda: [layer.Flatten(step_mode="m")],
-        "classifier": lambda i, o: [layer.Linear(i, o, step_mode="m")],
-    }
-    return network(name, make)
+    return layered_model(name, layer, lambda: sj_lif(backend, make_surrogate))
 
 
 def zoo_model(
