@@ -2,7 +2,8 @@
 # Regenerate a result set on a machine with a CUDA GPU, e.g.
 #   benchmarks/run.sh benchmarks/h200
 # writes e2e_{small,medium,large}.{csv,png} and neuron.{csv,png,txt} into that folder (its
-# README.md stays), and the user-loop set into FOLDER/user-loop. The spikingjelly rows need
+# README.md stays), the user-loop set into FOLDER/user-loop, the residual networks into
+# FOLDER/zoo and their kernel and memory profiles into FOLDER/profile. The spikingjelly rows need
 # SpikingJelly 2.0 (pip install spikingjelly==2.0.0); without it they are error rows.
 set -euo pipefail
 out="${1:?usage: benchmarks/run.sh FOLDER (e.g. benchmarks/h200)}"
@@ -22,5 +23,17 @@ python3 -m spikefuse bench e2e --model medium --iters 15 --out "$out/user-loop" 
 for model in sew-resnet18 spiking-resnet18; do
     python3 -m spikefuse bench e2e --model "$model" --iters 12 --out "$out/user-loop" \
         --loop user --variants "${user[@]}"
+done
+# The residual networks at 224² (ResNet-19 at 32²), and where the 224² step's time and memory go.
+for model in sew-resnet18 spiking-resnet18 sew-resnet34 spiking-resnet34 resnet19; do
+    python3 -m spikefuse bench e2e --model "$model" --iters 12 --out "$out/zoo" --loop bench \
+        --variants vanilla spikingjelly spikefuse fused fused-min fused+graph fused-min+graph
+done
+mkdir -p "$out/profile"
+for model in sew-resnet18 spiking-resnet18; do
+    python3 benchmarks/profile_e2e.py --model "$model" --variants fused --rows 40 \
+        >"$out/profile/$model-kernels.txt"
+    python3 benchmarks/profile_e2e.py --model "$model" --variants fused --dtypes fp32 --memory \
+        >"$out/profile/$model-memory.txt"
 done
 python3 -m spikefuse bench neuron --T 8 32 --iters 100 --out "$out"

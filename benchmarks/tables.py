@@ -17,6 +17,8 @@ from pathlib import Path
 from spikefuse.bench.common import BenchResult, read_csv
 
 MODELS = ("small", "medium", "large")
+#: The residual networks at their own input sizes (``e2e_<name>.csv`` in ``<set>/zoo``).
+ZOO_MODELS = ("sew-resnet18", "sew-resnet34", "spiking-resnet18", "spiking-resnet34", "resnet19")
 #: The variants of the end-to-end tables, in order, with their names on the page.
 E2E_VARIANTS = {
     "vanilla": "vanilla PyTorch",
@@ -24,7 +26,9 @@ E2E_VARIANTS = {
     "spikingjelly": "SpikingJelly 2.0",
     "spikefuse": "spikefuse modules",
     "fused": "fused",
+    "fused-min": 'fused, memory="min"',
     "fused+graph": "fused + CUDA graph",
+    "fused-min+graph": 'fused, memory="min" + CUDA graph',
     "fused+compile": "fused + torch.compile",
 }
 #: The LIF layer's variants, in order.
@@ -45,14 +49,15 @@ def _markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def _e2e(folder: Path) -> dict[str, list[BenchResult]]:
-    return {m: read_csv(path) for m in MODELS if (path := folder / f"e2e_{m}.csv").exists()}
+def _e2e(folder: Path, models: Sequence[str]) -> dict[str, list[BenchResult]]:
+    return {m: read_csv(path) for m in models if (path := folder / f"e2e_{m}.csv").exists()}
 
 
-def e2e_table(folder: Path, dtype: str) -> str:
+def e2e_table(folder: Path, dtype: str, models: Sequence[str] = MODELS) -> str:
     """Per variant and network: ms per step (synchronised), its speed-up over vanilla PyTorch,
-    and the peak allocated MiB."""
-    runs = _e2e(folder)
+    and the peak allocated MiB (the DATE'22 networks; ``models=ZOO_MODELS`` with the ``zoo``
+    subfolder for the residual networks)."""
+    runs = _e2e(folder, models)
     header = ["variant", *(f"{m} {dtype}" for m in runs)]
     rows = []
     for variant, label in E2E_VARIANTS.items():
@@ -147,6 +152,11 @@ def neuron_table(folder: Path) -> str:
 
 def all_tables(folder: Path) -> str:
     parts = [f"{dtype}:\n\n{e2e_table(folder, dtype)}" for dtype in ("fp32", "bf16")]
+    if (folder / "zoo").is_dir():
+        parts += [
+            f"Residual networks, {dtype}:\n\n{e2e_table(folder / 'zoo', dtype, ZOO_MODELS)}"
+            for dtype in ("fp32", "bf16")
+        ]
     parts.append(f"LIF layer:\n\n{neuron_table(folder)}")
     if (folder / "user-loop").is_dir():
         parts.append(f"User loop:\n\n{user_loop_table(folder)}")

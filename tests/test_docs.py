@@ -82,6 +82,11 @@ def test_benchmark_tables_quote_the_committed_result_sets() -> None:
             tables.e2e_table(folder, "fp32"),
             tables.e2e_table(folder, "bf16"),
             tables.neuron_table(folder),
+            *(
+                tables.e2e_table(folder / "zoo", dtype, tables.ZOO_MODELS)
+                for dtype in ("fp32", "bf16")
+                if (folder / "zoo").is_dir()
+            ),
         ):
             assert table in page, f"docs/benchmarks.md lacks this table of {gpu}:\n{table}"
     user_loop = tables.user_loop_table(ROOT / "benchmarks" / "h200")
