@@ -105,18 +105,25 @@ def test_sums_of_overlapping_windows_are_added_in_atens_order():
     assert_same(run(lambda t: spike_max_pool2d(t, 3, 1, 0), x, upstream), want)
 
 
-def test_keeps_one_byte_per_output_value_and_nothing_without_a_gradient():
+def test_keeps_one_byte_per_output_value_and_nothing_without_a_gradient(monkeypatch):
+    """Codes are written and kept only where a backward may follow: not under no_grad (a
+    recipe recomputing the pooled map in backward) nor for an x needing no gradient."""
+    keeps: list[bool] = []
+    forward = op.autograd.max_pool_forward
+    monkeypatch.setattr(
+        op.autograd,
+        "max_pool_forward",
+        lambda x, g, keep: keeps.append(keep) or forward(x, g, keep),
+    )
     x = spikes((4, 3, 12, 12), 0.3).requires_grad_()
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = spike_max_pool2d(x, 3, 2, 1)
-    assert len(saved) == 1 and saved[0].dtype == torch.uint8 and saved[0].shape == out.shape
-    with torch.no_grad():
-        assert torch.equal(spike_max_pool2d(x, 3, 2, 1), out)
-    saved.clear()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        spike_max_pool2d(x.detach(), 3, 2, 1)
-    assert saved == []
+        assert len(saved) == 1 and saved[0].dtype == torch.uint8 and saved[0].shape == out.shape
+        with torch.no_grad():
+            assert torch.equal(spike_max_pool2d(x, 3, 2, 1), out)
+        assert torch.equal(spike_max_pool2d(x.detach(), 3, 2, 1), out)
+    assert len(saved) == 1 and keeps == [True, False, False]
 
 
 @pytest.mark.parametrize(

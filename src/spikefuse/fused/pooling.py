@@ -10,7 +10,7 @@ from torch.nn.modules.utils import _pair
 
 from ..errors import SpikefuseError
 from ..ops import forbid_double_backward
-from .ops.spike_max_pool import MAX_WINDOW, MaxPoolGeometry, SpikeMaxPool2dFunction
+from .ops.spike_max_pool import MAX_WINDOW, MaxPoolGeometry, pool_spikes
 from .recompute import mark_means, mark_recomputable, means_window, recipe_of, saving_recomputed
 from .spec import EXACT, POOLS, MultiStepOnly, window_size
 
@@ -102,7 +102,7 @@ class SpikePool(MultiStepOnly, nn.Module):
         if self._window is not None:
             return WindowAvgPool.apply(merged, *self._window)
         if self.spike_max is not None:
-            return SpikeMaxPool2dFunction.apply(merged, self.spike_max)
+            return pool_spikes(merged, self.spike_max)
         return self._kind.forward(self.pool, merged)
 
     def forward(self, x: Tensor) -> Tensor:

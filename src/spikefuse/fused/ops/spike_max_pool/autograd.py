@@ -86,6 +86,16 @@ class SpikeMaxPool2dFunction(torch.autograd.Function):
         return max_pool_backward(grad, codes, ctx.geometry, ctx.shape, ctx.layout), None
 
 
+def pool_spikes(x: Tensor, geometry: MaxPoolGeometry) -> Tensor:
+    """``max_pool2d`` of x [N, C, H, W] with ``geometry``: through
+    :class:`SpikeMaxPool2dFunction` where a backward may follow (grad mode on, x needing a
+    gradient), else the forward alone, which keeps nothing (a recipe recomputing the pooled
+    map in backward, inference)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return cast(Tensor, SpikeMaxPool2dFunction.apply(x, geometry))
+    return max_pool_forward(geometry.check_input(x), geometry, False)[0]
+
+
 def spike_max_pool2d(
     x: Tensor,
     kernel_size: int | tuple[int, ...],
@@ -102,6 +112,5 @@ def spike_max_pool2d(
     ``out[n, c, oh, ow] = max over i < k_h, j < k_w of x[n, c, oh s_h - p_h + i d_h,
     ow s_w - p_w + j d_w]`` (positions outside the map left out); of binary spikes, the OR of
     the window. The gradient of each window goes to its first maximal element in scan order
-    (rows, then columns), a NaN where there is one, as in ATen."""
-    geometry = MaxPoolGeometry.of(kernel_size, stride, padding, dilation, ceil_mode)
-    return cast(Tensor, SpikeMaxPool2dFunction.apply(x, geometry))
+    (rows, then columns; where the window holds NaN, its last NaN), as in ATen."""
+    return pool_spikes(x, MaxPoolGeometry.of(kernel_size, stride, padding, dilation, ceil_mode))
