@@ -220,19 +220,41 @@ def test_fuse_runs_the_resnet_stem_max_pool_as_spike_max_pool(name):
 
 
 # ---- the cuda kernels' source ------------------------------------------------------------------
+WINDOWS = [MaxPoolGeometry.of(*g).window for g in GEOMETRIES]
+
+
 @needs_nvcc
 def test_every_max_pool_kernel_compiles_with_nvcc(tmp_path):
-    """Every storage dtype compiles for sm_80 and sm_90, as NVRTC compiles it, without spills."""
-    sources = [
-        kernels.kernels_for(d).source for d in (torch.float32, torch.float16, torch.bfloat16)
-    ]
+    """Every storage dtype, with the stem's window and a dilated rectangular one, compiles for
+    sm_80 and sm_90, as NVRTC compiles it, without spills."""
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    sources = [kernels.kernels_for(d, w).source for d in dtypes for w in WINDOWS[::5]]
     assert_compiles_without_spills(tmp_path, sources, ("FORWARD_KERNEL", "BACKWARD_KERNEL"))
 
 
-def test_kernel_names_and_source_name_the_dtype():
-    pair = kernels.kernels_for(torch.bfloat16)
-    assert pair.forward_name == "spikefuse_max_pool_forward_nv_bfloat16"
+def test_kernel_names_say_the_dtype_and_window():
+    pair = kernels.kernels_for(torch.bfloat16, WINDOWS[0])
+    assert pair.forward_name == "spikefuse_max_pool_forward_nv_bfloat16_k3x3_s2x2_p1x1_d1x1"
     assert pair.backward_name in pair.source and "atomicAdd" not in pair.source
+    assert "constexpr int SH = 2;" in pair.source
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 7, 64, 112, 3136, 12544, 2**31 - 1])
+def test_dividers_divide_every_index_below_two_to_the_31(d):
+    d, magic, shift = kernels.divider(d)
+    assert 0 < magic < 2**32
+    gen = torch.Generator().manual_seed(d)
+    values = [
+        0,
+        1,
+        d - 1,
+        d,
+        d + 1,
+        2**31 - 1,
+        *torch.randint(0, 2**31, (200,), generator=gen).tolist(),
+    ]
+    for n in values:
+        assert (((n * magic) >> 32) + n) >> shift == n // d, n
 
 
 # The kernels' source as C++ on the CPU: one thread after another (they share nothing).
@@ -246,12 +268,10 @@ static Dim3 threadIdx, blockIdx;
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 inline float __int_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-typedef float scalar_t;
-inline float to_float(const scalar_t x) { return x; }
-inline scalar_t from_float(const float x) { return x; }
-constexpr int BLOCK_THREADS = 256;
-#define FORWARD_KERNEL forward_kernel
-#define BACKWARD_KERNEL backward_kernel
+inline unsigned int __umulhi(unsigned int a, unsigned int b)
+{
+    return (unsigned int)(((unsigned long long)a * b) >> 32);
+}
 #include KERNEL_SOURCE
 
 extern "C" int args_size() { return sizeof(Args); }
@@ -264,7 +284,10 @@ extern "C" void launch(int backward, const void* packed, int blocks)
         for (int t = 0; t < BLOCK_THREADS; ++t) {
             blockIdx = {b, 0, 0};
             threadIdx = {t, 0, 0};
-            (backward ? backward_kernel : forward_kernel)(a);
+            if (backward)
+                BACKWARD_KERNEL(a);
+            else
+                FORWARD_KERNEL(a);
         }
 }
 """
@@ -273,23 +296,32 @@ GXX = shutil.which("g++")
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """The kernels' source compiled for the CPU: a ``launch_named`` stand-in."""
+    """A ``launch_named`` stand-in running the float32 kernels' source (each window's compiled
+    for the CPU on first use)."""
     if GXX is None:
         pytest.skip("g++ not found on PATH: the kernel source is not run on the CPU")
     folder = tmp_path_factory.mktemp("max_pool_emulation")
     (folder / "emulation.cpp").write_text(EMULATION)
-    library = folder / "emulation.so"
-    cmd = [GXX, "-std=c++17", "-O1", "-shared", "-fPIC", f'-DKERNEL_SOURCE="{kernels.SOURCE_PATH}"']
-    r = subprocess.run(
-        [*cmd, "-o", str(library), str(folder / "emulation.cpp")], capture_output=True, text=True
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    lib = ctypes.CDLL(str(library))
-    assert lib.args_size() == kernels.ARGS.size  # the packed struct is the C++ (and CUDA) one
+    libraries: dict[str, ctypes.CDLL] = {}
+
+    def library(source: str) -> ctypes.CDLL:
+        if source not in libraries:
+            i = len(libraries)
+            (folder / f"source{i}.h").write_text(source)
+            out = folder / f"emulation{i}.so"
+            define = f'-DKERNEL_SOURCE="{folder / f"source{i}.h"}"'
+            cmd = [GXX, "-std=c++17", "-O1", "-shared", "-fPIC", define, "-o", str(out)]
+            r = subprocess.run(
+                [*cmd, str(folder / "emulation.cpp")], capture_output=True, text=True
+            )
+            assert r.returncode == 0, r.stderr[-3000:]
+            libraries[source] = ctypes.CDLL(str(out))
+            assert libraries[source].args_size() == kernels.ARGS.size  # the packed struct is it
+        return libraries[source]
 
     def launch_named(source, name, device, grid, block, args):
         assert block == (256, 1, 1) and grid[1:] == (1, 1) and len(args) == kernels.ARGS.size
-        lib.launch(int("backward" in name), args, grid[0])
+        library(source).launch(int("backward" in name), args, grid[0])
 
     return launch_named
 

@@ -7,8 +7,9 @@ which holds the kernels, and :mod:`spikefuse.fused.ops.spike_max_pool`, whose to
 the same). Per element of a 3 x 3 / stride 2 pooling's input: forward reads it (about once:
 windows overlap in cache) and writes a quarter of an output value and a byte; backward reads a
 quarter of a gradient value and a byte and writes the input's gradient once. Compiled once per
-storage dtype and device with NVRTC through :mod:`.runtime`, launched on PyTorch's current
-stream, no host sync: CUDA-graph capturable once loaded.
+storage dtype, window and device with NVRTC through :mod:`.runtime` (the window's sizes are
+constants: dividing by a stride costs a shift), launched on PyTorch's current stream, no host
+sync: CUDA-graph capturable once loaded.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ SOURCE_PATH = Path(__file__).with_name("spike_max_pool.cuh")
 SOURCE_NAME = "spikefuse/cuda/spike_max_pool.cuh"
 
 #: The kernels' one argument, ``Args`` in spike_max_pool.cuh: five pointers, n, three sets of
-#: four strides, then 15 ints (size, pooled, kernel, stride, pad, dilation, channels_last),
-#: padded to 8 bytes.
-ARGS = struct.Struct("=5Qq12q15i4x")
+#: four strides, three dividers (divisor, magic, shift), then five ints (H, W, OH, OW,
+#: channels_last).
+ARGS = struct.Struct("=5Qq12q9I5i")
+_WINDOW_NAMES = ("KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW")
 
 
 @dataclass(frozen=True)
 class MaxPoolKernelPair:
-    """The two kernels of one storage dtype: their source (the prelude, then
+    """The two kernels of one storage dtype and window: their source (the prelude, then
     ``spike_max_pool.cuh``) and names."""
 
     source: str
@@ -43,10 +45,12 @@ class MaxPoolKernelPair:
 
 
 @functools.cache
-def kernels_for(dtype: torch.dtype) -> MaxPoolKernelPair:
-    """The kernels of a storage dtype (float32, float16, bfloat16)."""
+def kernels_for(dtype: torch.dtype, window: tuple[int, ...]) -> MaxPoolKernelPair:
+    """The kernels of a storage dtype (float32, float16, bfloat16) and a window (k_h, k_w,
+    stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w), compiled in as constants."""
     storage = _STORAGE[dtype]
-    tag = storage.ctype.strip("_")
+    kh, kw, sh, sw, ph, pw, dh, dw = window
+    tag = f"{storage.ctype.strip('_')}_k{kh}x{kw}_s{sh}x{sw}_p{ph}x{pw}_d{dh}x{dw}"
     forward_name = f"spikefuse_max_pool_forward_{tag}"
     backward_name = f"spikefuse_max_pool_backward_{tag}"
     prelude = "\n".join(
@@ -54,6 +58,7 @@ def kernels_for(dtype: torch.dtype) -> MaxPoolKernelPair:
             f"// spikefuse max pooling with byte codes: {storage.ctype} storage",
             *storage.declarations(),
             f"constexpr int BLOCK_THREADS = {BLOCK_THREADS};",
+            *(f"constexpr int {n} = {v};" for n, v in zip(_WINDOW_NAMES, window, strict=True)),
             f"#define FORWARD_KERNEL {forward_name}",
             f"#define BACKWARD_KERNEL {backward_name}",
         ]
@@ -61,6 +66,14 @@ def kernels_for(dtype: torch.dtype) -> MaxPoolKernelPair:
     template = SOURCE_PATH.read_text(encoding="utf-8")
     source = f'{prelude}\n#line 1 "{SOURCE_NAME}"\n{template}'
     return MaxPoolKernelPair(source, forward_name, backward_name)
+
+
+def divider(d: int) -> tuple[int, int, int]:
+    """(d, magic, shift) with ``(umulhi(n, magic) + n) >> shift == n // d`` for 0 <= n < 2^31
+    (PyTorch's IntDivider); d < 1 (an empty dimension, nothing launched) counts as 1."""
+    d = max(d, 1)
+    shift = (d - 1).bit_length()  # the least s with 2^s >= d
+    return d, ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
 
 
 def _channels_last(t: torch.Tensor) -> bool:
@@ -77,12 +90,14 @@ def _args(
     walked: torch.Tensor,
     strides: tuple[tuple[int, ...], ...],
     sizes: tuple[int, ...],
-    window: tuple[int, ...],
 ) -> bytes:
     """``Args``: the pointers, the threads' count (``walked``'s elements), the strides of x,
-    codes and dL/dout, then sizes (N, C, H, W, OH, OW), the window and the threads' order."""
+    codes and dL/dout, dividers by ``walked``'s C, H and W, then the input's H, W and the
+    output's OH, OW, and the threads' order."""
     flat = [s for stride in strides for s in stride]
-    return ARGS.pack(*pointers, walked.numel(), *flat, *sizes, *window, _channels_last(walked))
+    dividers = [v for d in walked.shape[1:] for v in divider(d)]
+    cl = _channels_last(walked)
+    return ARGS.pack(*pointers, walked.numel(), *flat, *dividers, *sizes, cl)
 
 
 def _launch(name: str, source: str, walked: torch.Tensor, args: bytes) -> None:
@@ -104,11 +119,10 @@ def max_pool_forward(
     ``codes`` (uint8, out's strides)."""
     if codes is not None and codes.stride() != out.stride():
         raise ValueError("spikefuse max_pool: codes must have the output's strides")
-    kernels = kernels_for(x.dtype)
+    kernels = kernels_for(x.dtype, window)
     pointers = (x.data_ptr(), out.data_ptr(), 0 if codes is None else codes.data_ptr(), 0, 0)
     strides = (x.stride(), _NO_STRIDES, _NO_STRIDES)
-    sizes = (*x.shape, *out.shape[2:])
-    args = _args(pointers, out, strides, sizes, window)
+    args = _args(pointers, out, strides, (*x.shape[2:], *out.shape[2:]))
     _launch(kernels.forward_name, kernels.source, out, args)
 
 
@@ -121,9 +135,8 @@ def max_pool_backward(
         raise ValueError(
             f"spikefuse max_pool: gradient {tuple(grad.shape)} and codes {tuple(codes.shape)}"
         )
-    kernels = kernels_for(grad.dtype)
+    kernels = kernels_for(grad.dtype, window)
     pointers = (0, 0, codes.data_ptr(), grad.data_ptr(), grad_x.data_ptr())
     strides = (_NO_STRIDES, codes.stride(), grad.stride())
-    sizes = (*grad_x.shape, *grad.shape[2:])
-    args = _args(pointers, grad_x, strides, sizes, window)
+    args = _args(pointers, grad_x, strides, (*grad_x.shape[2:], *grad.shape[2:]))
     _launch(kernels.backward_name, kernels.source, grad_x, args)
