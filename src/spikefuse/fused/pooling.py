@@ -4,6 +4,8 @@ pooling is :func:`~.ops.spike_max_pool.spike_max_pool2d`)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
@@ -113,7 +115,11 @@ class SpikePool(MultiStepOnly, nn.Module):
         if torch.compiler.is_compiling():
             return self._pool(merged).unflatten(0, x.shape[:2])
         recipe = recipe_of(merged)
-        with saving_recomputed(merged, recipe):  # without a recipe: spikes packed, if spikes
+        # The spike max pooling keeps none of its input: nothing to intercept (and its codes
+        # stay visible to the caller's saved-tensor hooks). Else, without a recipe: spikes
+        # packed, if spikes.
+        saving = nullcontext() if self.spike_max is not None else saving_recomputed(merged, recipe)
+        with saving:
             out = self._pool(merged)
         if recipe is not None:
             mark_recomputable(out, lambda: self._pool(recipe()))
