@@ -356,7 +356,8 @@ def test_auto_memory_equals_the_default_mode(monkeypatch):
 
 def test_spikes_of_a_min_block_are_saved_packed_by_the_next_layers(packed):
     """A min block's output spikes have no recipe (it keeps no synapse output): the default
-    block after it and a max pooling save them at 1 bit per element, not as float32."""
+    block after it saves them at 1 bit per element, not as float32; a max pooling keeps none
+    of them, only a byte per output value (spike_max_pool2d)."""
     t, b, c, h, w = 4, 8, 16, 8, 8
     spikes = t * b * c * h * w
     vectors = 2 * c * 4  # mean, invstd
@@ -367,8 +368,9 @@ def test_spikes_of_a_min_block_are_saved_packed_by_the_next_layers(packed):
         saved_bytes(nn.Sequential(first, FusedBlock(*_parts(c, c))), x) == 2 * vectors + 4 * spikes
     )
     assert packed == [(t * b, c, h, w)]
-    out = nn.Sequential(first, SpikePool(nn.MaxPool2d(2)))(x)
-    assert packed[1:] == [(t * b, c, h, w)] and out.shape == (t, b, c, h // 2, w // 2)
+    pooled = nn.Sequential(first, SpikePool(nn.MaxPool2d(2)))
+    assert saved_bytes(pooled, x) == vectors + spikes // 4
+    assert packed[1:] == [] and pooled(x).shape == (t, b, c, h // 2, w // 2)
 
 
 def _parts(c_in: int, c_out: int) -> tuple[nn.Module, nn.Module, nn.Module]:

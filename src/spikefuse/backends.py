@@ -251,6 +251,7 @@ _REGISTRY: dict[str, _Registered] = {
             ("spike_bits", "spikefuse.cuda.spike_bits"),
             ("channel_stats", "spikefuse.cuda.channel_stats"),
             ("bf16_split", "spikefuse.cuda.bf16_split"),
+            ("max_pool", "spikefuse.cuda.spike_max_pool"),
         ),
     ),
 }
@@ -290,8 +291,9 @@ def affine_kernels(name: str) -> AffineKernels | None:
 #: The kernels a backend may offer the fused blocks besides its neuron kernels, by name, and the
 #: Protocol the implementing module satisfies: ``spike_bits`` (:class:`SpikePacking`: 1-bit
 #: packing of spikes), ``channel_stats`` (:class:`ChannelStatsKernels`: BatchNorm's
-#: per-channel statistics), ``bf16_split`` (:class:`SplitKernels`: the split matmul's terms).
-CAPABILITIES = ("spike_bits", "channel_stats", "bf16_split")
+#: per-channel statistics), ``bf16_split`` (:class:`SplitKernels`: the split matmul's terms),
+#: ``max_pool`` (:class:`MaxPoolKernels`: max pooling keeping a byte per window).
+CAPABILITIES = ("spike_bits", "channel_stats", "bf16_split", "max_pool")
 
 
 class SpikePacking(Protocol):
@@ -316,6 +318,30 @@ class SplitKernels(Protocol):
     def split(self, values: torch.Tensor) -> torch.Tensor: ...
 
     def load(self, device: torch.device) -> None: ...
+
+
+class MaxPoolKernels(Protocol):
+    """2-D max pooling of [N, C, H, W] (any strides) into a dense ``out`` [N, C, OH, OW]
+    (NCHW or channels-last), writing each window's argmax code (uint8, out's layout; None:
+    not kept), and its backward from those codes into a dense ``grad_x`` (see
+    :mod:`spikefuse.fused.ops.spike_max_pool`). ``window``: (k_h, k_w, stride_h, stride_w,
+    pad_h, pad_w, dilation_h, dilation_w)."""
+
+    def max_pool_forward(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        codes: torch.Tensor | None,
+        window: tuple[int, ...],
+    ) -> None: ...
+
+    def max_pool_backward(
+        self,
+        grad: torch.Tensor,
+        codes: torch.Tensor,
+        grad_x: torch.Tensor,
+        window: tuple[int, ...],
+    ) -> None: ...
 
 
 @functools.cache

@@ -29,6 +29,7 @@ from .ops.bn_neuron import (
     bn_neuron_forward,
     bn_neuron_naive,
 )
+from .ops.spike_max_pool import spike_max_pool2d
 from .pooling import SpikePool, WindowAvgPool
 
 __all__ = [
@@ -52,4 +53,5 @@ __all__ = [
     "memory_modes",
     "paper_lif",
     "register_memory",
+    "spike_max_pool2d",
 ]

@@ -1,13 +1,18 @@
 """Pooling of fused-block spikes: :class:`WindowAvgPool` (the average pooling the blocks and
-:class:`SpikePool` run) and :class:`SpikePool` (a pooling layer that stores no spikes)."""
+:class:`SpikePool` run) and :class:`SpikePool` (a pooling layer that stores no spikes; its max
+pooling is :func:`~.ops.spike_max_pool.spike_max_pool2d`)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.utils import _pair
 
 from ..errors import SpikefuseError
 from ..ops import forbid_double_backward
+from .ops.spike_max_pool import MAX_WINDOW, MaxPoolGeometry, pool_spikes
 from .recompute import mark_means, mark_recomputable, means_window, recipe_of, saving_recomputed
 from .spec import EXACT, POOLS, MultiStepOnly, window_size
 
@@ -64,7 +69,10 @@ class SpikePool(MultiStepOnly, nn.Module):
     max pooling tags its output as spikes; spikes under :data:`~.recompute.RECOMPUTE_MIN_BYTES`
     are saved as they are. Any other input is pooled plainly. ``pool``: an
     ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse ``layer`` version); average pooling with
-    kernel = stride and no padding runs as :class:`WindowAvgPool`.
+    kernel = stride and no padding runs as :class:`WindowAvgPool`; max pooling (windows of at
+    most :data:`~.ops.spike_max_pool.MAX_WINDOW` elements) as
+    :func:`~.ops.spike_max_pool.spike_max_pool2d`, which keeps a byte per output value for
+    backward instead of max_pool2d's int64 indices and needs no input in backward.
     """
 
     def __init__(self, pool: nn.Module) -> None:
@@ -80,11 +88,24 @@ class SpikePool(MultiStepOnly, nn.Module):
         self.training = pool.training  # the mode of the pooling it replaces
         self._kind: type[nn.Module] = kind
         self._window = window_size(pool)
+        self.spike_max: MaxPoolGeometry | None = _spike_max_geometry(pool)
+        """The geometry :func:`~.ops.spike_max_pool.spike_max_pool2d` pools with (None: not a
+        max pooling, or its windows are too large for a byte code)."""
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickles SpikePools pickled before max pooling ran as spike_max_pool2d too."""
+        super().__setstate__(state)
+        if "spike_max" not in self.__dict__:
+            self.spike_max = _spike_max_geometry(self.pool)
 
     def _pool(self, merged: Tensor) -> Tensor:
-        if self._window is not None and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # the compiler generates its own kernels
+            return self._kind.forward(self.pool, merged)
+        if self._window is not None:
             return WindowAvgPool.apply(merged, *self._window)
-        return self._kind.forward(self.pool, merged)  # the compiler generates its own kernels
+        if self.spike_max is not None:
+            return pool_spikes(merged, self.spike_max)
+        return self._kind.forward(self.pool, merged)
 
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, Tensor) or x.dim() != 5:
@@ -94,7 +115,11 @@ class SpikePool(MultiStepOnly, nn.Module):
         if torch.compiler.is_compiling():
             return self._pool(merged).unflatten(0, x.shape[:2])
         recipe = recipe_of(merged)
-        with saving_recomputed(merged, recipe):  # without a recipe: spikes packed, if spikes
+        # The spike max pooling keeps none of its input: nothing to intercept (and its codes
+        # stay visible to the caller's saved-tensor hooks). Else, without a recipe: spikes
+        # packed, if spikes.
+        saving = nullcontext() if self.spike_max is not None else saving_recomputed(merged, recipe)
+        with saving:
             out = self._pool(merged)
         if recipe is not None:
             mark_recomputable(out, lambda: self._pool(recipe()))
@@ -104,3 +129,19 @@ class SpikePool(MultiStepOnly, nn.Module):
         elif window is not None and self._window is not None:  # means of k x k of them
             mark_means(out, window * self._window[0] * self._window[1])
         return out.unflatten(0, x.shape[:2])
+
+
+def _spike_max_geometry(pool: nn.Module) -> MaxPoolGeometry | None:
+    """The geometry of a max pooling whose windows fit a byte code (else None; arguments
+    max_pool2d refuses: None too, and max_pool2d raises when called)."""
+    if not isinstance(pool, nn.MaxPool2d):
+        return None
+    kernel = _pair(pool.kernel_size)
+    if kernel[0] * kernel[1] > MAX_WINDOW:
+        return None
+    try:
+        return MaxPoolGeometry.of(
+            pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode
+        )
+    except SpikefuseError:
+        return None

@@ -56,8 +56,9 @@ block (``fold_pools``; the block's output is then the pooled map, which the cuda
 compute without writing the full spikes); the report names the folded pools and says why a
 pooling after a chain was not folded. Other multi-step ``AvgPool2d``/``MaxPool2d`` layers
 become :class:`SpikePool` (same result; on fused-block spikes they save their input at 1
-bit per spike). Where a forward cannot be traced, its children are converted one by one
-and ``nn.Sequential`` children are searched in order; the report names those modules.
+bit per spike or recompute it; max pooling keeps a byte per output value, not indices).
+Where a forward cannot be traced, its children are converted one by one and
+``nn.Sequential`` children are searched in order; the report names those modules.
 
 The model is patched in place of the copy (its classes stay): the synapse's attribute
 becomes the FusedBlock, holding the original modules (parameters and buffers are shared,
@@ -146,8 +147,11 @@ class _Fuser:
                 continue
             pool = _as_pool(root.get_submodule(name))
             assert pool is not None  # _examine found it
-            _set_submodule(root, name, SpikePool(pool))
+            spike_pool = SpikePool(pool)
+            _set_submodule(root, name, spike_pool)
             self.report.pools.append(_join(path, name))
+            if spike_pool.spike_max is not None:
+                self.report.spike_max_pools.append(_join(path, name))
         owners: dict[str, list[_Chain]] = defaultdict(list)
         for chain in findings.chains.values():
             if chain.addition is not None:  # fused by rewriting the forward that adds

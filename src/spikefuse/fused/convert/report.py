@@ -46,18 +46,20 @@ class FuseReport:
     """What :func:`fuse` did. ``str(report)`` is a readable summary.
 
     ``fused``: the chains now fused; ``skipped``: every other Conv/Linear call, with the reason;
-    ``pools``: pooling layers now :class:`SpikePool`; ``unfolded_pools``: pooling layers right
-    after a fused chain that were not folded into its block (name → why); ``traced``: modules
-    whose forward was traced with torch.fx; ``untraced``: modules whose forward could not be
-    traced (name → error), searched as a module tree instead; ``rewritten``: modules whose
-    forward now runs a rewritten graph (they hold residual chains); ``recomputed_inputs``:
-    unfused Conv/Linear layers that save a fused block's spikes as their recipe (see
-    :class:`~spikefuse.fused.recompute.RecomputedInput`). The folded pools:
-    :attr:`folded_pools`."""
+    ``pools``: pooling layers now :class:`SpikePool`; ``spike_max_pools``: those of them that
+    max-pool with :func:`~spikefuse.fused.ops.spike_max_pool.spike_max_pool2d`;
+    ``unfolded_pools``: pooling layers right after a fused chain that were not folded into its
+    block (name → why); ``traced``: modules whose forward was traced with torch.fx;
+    ``untraced``: modules whose forward could not be traced (name → error), searched as a
+    module tree instead; ``rewritten``: modules whose forward now runs a rewritten graph (they
+    hold residual chains); ``recomputed_inputs``: unfused Conv/Linear layers that save a fused
+    block's spikes as their recipe (see :class:`~spikefuse.fused.recompute.RecomputedInput`).
+    The folded pools: :attr:`folded_pools`."""
 
     fused: list[FusedChain] = field(default_factory=list)
     skipped: list[SkippedCandidate] = field(default_factory=list)
     pools: list[str] = field(default_factory=list)
+    spike_max_pools: list[str] = field(default_factory=list)
     unfolded_pools: dict[str, str] = field(default_factory=dict)
     traced: list[str] = field(default_factory=list)
     untraced: dict[str, str] = field(default_factory=dict)
@@ -94,6 +96,8 @@ class FuseReport:
         lines += [f"  not fused: {' -> '.join(s.modules)}: {s.reason}" for s in self.skipped]
         if self.pools:
             lines.append(f"  pooling as SpikePool: {', '.join(self.pools)}")
+        if self.spike_max_pools:
+            lines.append(f"  max pooling as spike_max_pool2d: {', '.join(self.spike_max_pools)}")
         lines += [f"  pooling not folded: {n}: {why}" for n, why in self.unfolded_pools.items()]
         if self.traced:
             lines.append(f"  traced with torch.fx: {', '.join(self.traced)}")

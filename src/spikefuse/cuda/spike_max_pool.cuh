@@ -1,0 +1,211 @@
+// spikefuse max pooling of [N, C, H, W] maps that keeps, for backward, one byte per output value:
+// the position of the window's maximum in the window (its code, i * KW + j for the element at row
+// offset i and column offset j), where ATen keeps an int64 index into the map.
+//
+// spikefuse/cuda/spike_max_pool.py compiles this file once per storage dtype and window, after a
+// prelude that defines:
+//   scalar_t, to_float, from_float   storage type (float, __half, __nv_bfloat16) and conversions
+//   BLOCK_THREADS                    threads per block
+//   KH, KW, SH, SW, PH, PW, DH, DW   the window: kernel, stride, padding, dilation (rows, columns);
+//                                    constants, so that dividing by them costs a multiply or shift
+//   FORWARD_KERNEL, BACKWARD_KERNEL  the names of the two entry points (at the end of this file)
+//
+// FORWARD_KERNEL: one thread per output value, threads in the output's memory order (channels
+// innermost for a channels-last map: a warp reads 32 channels of one position, coalesced). It
+// scans the window in ATen's order (rows, then columns), taking an element where it is greater
+// than the maximum so far or NaN, from -inf and the window's first element inside the map: the
+// first of equal maxima wins (of binary spikes: the first spike, else the first element), padded
+// positions never do, as in ATen's max_pool2d on CPU and CUDA.
+//
+// BACKWARD_KERNEL: one thread per input element, in the input gradient's memory order: a gather.
+// The element sums the gradients of the windows that contain it and whose code points at it, in
+// float, windows in ascending (row, column) order, and writes the sum once: ATen's CUDA backward
+// (p_start / p_end bound the windows whose span covers the element), without its int64 reads.
+// Deterministic, no atomics.
+
+// Division by a divisor fixed at launch: a multiply-high and a shift (the host computes the magic
+// number m and the shift s, as PyTorch's IntDivider does), exact for dividends below 2^31.
+struct Divider {
+    unsigned int d, m, s;
+};
+
+__device__ __forceinline__ unsigned int divide(unsigned int n, const Divider& q)
+{
+    return (__umulhi(n, q.m) + n) >> q.s;
+}
+
+// The one argument of both kernels (packed by spike_max_pool.py's ARGS; same field order).
+struct Args {
+    const scalar_t* x;          // forward: the input, any strides (x_stride)
+    scalar_t* out;              // forward: the output, dense in the threads' order
+    unsigned char* codes;       // forward: written like out (null: not kept); backward: read
+    const scalar_t* grad_out;   // backward: dL/dout, any strides (grad_stride)
+    scalar_t* grad_x;           // backward: dL/dx, dense in the threads' order
+    long long n;                // threads: out's elements (forward), grad_x's (backward)
+    long long x_stride[4];      // N, C, H, W strides in elements
+    long long code_stride[4];
+    long long grad_stride[4];
+    Divider walked[3];          // C, H, W of the tensor the threads walk (out, or grad_x)
+    int size[2];                // H, W of the input
+    int pooled[2];              // OH, OW
+    int channels_last;          // the threads' order: N, H, W, C (1) or N, C, H, W (0)
+};
+
+struct Position {
+    int n, c, h, w;
+};
+
+// The coordinates of element i of a dense [N, C, height, width] tensor in the threads' order
+// (dividers: C, height, width); index_t: unsigned int (fast division) below 2^31 elements.
+template <typename index_t>
+__device__ __forceinline__ Position position_of(index_t i, const Divider* d, int channels_last);
+
+template <>
+__device__ __forceinline__ Position position_of<unsigned int>(unsigned int i, const Divider* d,
+                                                              int channels_last)
+{
+    Position p;
+    const int inner = channels_last ? 0 : 2;  // the divider of the innermost dimension
+    const int middle = channels_last ? 2 : 1;
+    const int outer = channels_last ? 1 : 0;  // of the outermost but N
+    unsigned int q = divide(i, d[inner]);
+    const int first = (int)(i - q * d[inner].d);
+    unsigned int r = divide(q, d[middle]);
+    const int second = (int)(q - r * d[middle].d);
+    q = divide(r, d[outer]);
+    const int third = (int)(r - q * d[outer].d);
+    p.n = (int)q;
+    if (channels_last) {
+        p.c = first, p.w = second, p.h = third;
+    } else {
+        p.w = first, p.h = second, p.c = third;
+    }
+    return p;
+}
+
+template <>
+__device__ __forceinline__ Position position_of<long long>(long long i, const Divider* d,
+                                                           int channels_last)
+{
+    Position p;
+    const long long channels = d[0].d, height = d[1].d, width = d[2].d;
+    if (channels_last) {
+        p.c = (int)(i % channels);
+        i /= channels;
+        p.w = (int)(i % width);
+        i /= width;
+        p.h = (int)(i % height);
+        p.n = (int)(i / height);
+    } else {
+        p.w = (int)(i % width);
+        i /= width;
+        p.h = (int)(i % height);
+        i /= height;
+        p.c = (int)(i % channels);
+        p.n = (int)(i / channels);
+    }
+    return p;
+}
+
+__device__ __forceinline__ Position position(long long i, const Args& a)
+{
+    return a.n < 0x80000000LL ? position_of<unsigned int>((unsigned int)i, a.walked, a.channels_last)
+                              : position_of<long long>(i, a.walked, a.channels_last);
+}
+
+// The address offset of map (n, c) in a tensor of these strides.
+__device__ __forceinline__ long long map_offset(const long long* stride, int n, int c)
+{
+    return n * stride[0] + c * stride[1];
+}
+
+// The first offset i of a window starting at `start` whose element start + i * dilation lies
+// inside the map (start >= -pad > -kernel * dilation, so one does).
+__device__ __forceinline__ int first_inside(int start, int dilation)
+{
+    return start < 0 ? (-start + dilation - 1) / dilation : 0;
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) FORWARD_KERNEL(const Args a)
+{
+    const long long i = (long long)blockIdx.x * BLOCK_THREADS + threadIdx.x;
+    if (i >= a.n) return;
+    const Position p = position(i, a);
+    const int h0 = p.h * SH - PH;
+    const int w0 = p.w * SW - PW;
+    const int i0 = first_inside(h0, DH);
+    const int j0 = first_inside(w0, DW);
+    const scalar_t* x = a.x + map_offset(a.x_stride, p.n, p.c);
+    const float lowest = __int_as_float(0xff800000);  // -inf
+    float best = lowest;
+    scalar_t value = from_float(lowest);
+    int code = i0 * KW + j0;
+#pragma unroll
+    for (int ki = 0; ki < KH; ++ki) {
+        const int h = h0 + ki * DH;
+        if (ki < i0 || h >= a.size[0]) continue;
+#pragma unroll
+        for (int kj = 0; kj < KW; ++kj) {
+            const int w = w0 + kj * DW;
+            if (kj < j0 || w >= a.size[1]) continue;
+            const scalar_t v = x[h * a.x_stride[2] + w * a.x_stride[3]];
+            const float f = to_float(v);
+            if (f > best || f != f) {  // greater, or NaN: ATen's rule
+                best = f;
+                value = v;
+                code = ki * KW + kj;
+            }
+        }
+    }
+    a.out[i] = value;
+    if (a.codes != nullptr) a.codes[i] = (unsigned char)code;
+}
+
+// ATen's range of windows (along one axis) whose span covers input coordinate `at`: [start, end).
+template <int K, int S, int P, int D>
+__device__ __forceinline__ int window_start(int at)
+{
+    constexpr int span = (K - 1) * D + 1;
+    return at + P < span ? 0 : (at + P - span) / S + 1;
+}
+
+template <int S, int P>
+__device__ __forceinline__ int window_end(int at, int pooled)
+{
+    const int end = (at + P) / S + 1;
+    return end < pooled ? end : pooled;
+}
+
+// The offset of coordinate `at` in window `o` along one axis, or -1 where the window skips it
+// (dilation) or ends before it.
+template <int K, int S, int P, int D>
+__device__ __forceinline__ int offset_in(int at, int o)
+{
+    const int d = at - (o * S - P);
+    if (d < 0 || d % D != 0 || d / D >= K) return -1;
+    return d / D;
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) BACKWARD_KERNEL(const Args a)
+{
+    const long long i = (long long)blockIdx.x * BLOCK_THREADS + threadIdx.x;
+    if (i >= a.n) return;
+    const Position p = position(i, a);
+    const int oh_end = window_end<SH, PH>(p.h, a.pooled[0]);
+    const int ow_start = window_start<KW, SW, PW, DW>(p.w);
+    const int ow_end = window_end<SW, PW>(p.w, a.pooled[1]);
+    const unsigned char* codes = a.codes + map_offset(a.code_stride, p.n, p.c);
+    const scalar_t* grad = a.grad_out + map_offset(a.grad_stride, p.n, p.c);
+    float sum = 0.0f;
+    for (int oh = window_start<KH, SH, PH, DH>(p.h); oh < oh_end; ++oh) {
+        const int ki = offset_in<KH, SH, PH, DH>(p.h, oh);
+        if (ki < 0) continue;
+        for (int ow = ow_start; ow < ow_end; ++ow) {
+            const int kj = offset_in<KW, SW, PW, DW>(p.w, ow);
+            if (kj < 0) continue;
+            if (codes[oh * a.code_stride[2] + ow * a.code_stride[3]] == ki * KW + kj)
+                sum += to_float(grad[oh * a.grad_stride[2] + ow * a.grad_stride[3]]);
+        }
+    }
+    a.grad_x[i] = from_float(sum);
+}
