@@ -13,6 +13,7 @@ from torch import nn
 from spikefuse import functional, layer, neuron
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock, fuse
+from spikefuse.fused.recompute import is_spikes, mark_spikes
 from spikefuse.spike_matmul import spike_matmul_chain
 
 T, B, N, D = 3, 2, 6, 8
@@ -266,3 +267,15 @@ def test_a_tokens_block_takes_tokens_only():
         FusedBlock(nn.Conv1d(D, D, 1), nn.BatchNorm1d(D), lif(), tokens=True)
     with pytest.raises(SpikefuseError, match="tokens must be a bool"):
         FusedBlock(fc, bn, lif(), tokens=1)
+
+
+def test_a_tokens_block_sees_its_input_as_spikes_and_tags_its_output():
+    """The joined view [T, B·N, F] keeps the input's tag (spikes: 1-bit packable, bf16-exact
+    for the Linear), and the output split back is tagged as spikes too."""
+    seen = []
+    block = FusedBlock(nn.Linear(D, D), nn.BatchNorm1d(D), lif(), tokens=True)
+    x = mark_spikes((torch.rand(T, B, N, D) < 0.5).float())
+    original = block._run
+    block._run = lambda joined, residual=None: seen.append(is_spikes(joined)) or original(joined)
+    out = block(x)
+    assert seen == [True] and is_spikes(out)
