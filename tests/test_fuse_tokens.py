@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from spikefuse import functional, layer, neuron
+from spikefuse import spike_matmul as sm
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock, fuse
 from spikefuse.fused.recompute import is_spikes, mark_spikes
-from spikefuse.spike_matmul import spike_matmul_chain
 
 T, B, N, D = 3, 2, 6, 8
 FP64_TOL = dict(rtol=1e-9, atol=1e-11)
@@ -45,7 +45,7 @@ class SelfAttention(nn.Module):
         t, b, c, n = x.shape
         qkv = self.qkv_lif(self.qkv_conv_bn(x)).reshape(t, b, 3, self.heads, c // self.heads, n)
         q, k, v = qkv.unbind(2)
-        x = spike_matmul_chain(v, k.transpose(-2, -1), q, 0.125)
+        x = sm.spike_matmul_chain(v, k.transpose(-2, -1), q, 0.125)  # one fx node, however called
         x = self.attn_lif(x).reshape(t, b, c, n)
         return self.proj_lif(self.proj_conv_bn(x))
 

@@ -17,16 +17,19 @@ inputs' dtype runs, which is what the unfused model computes. :func:`spike_matmu
 dtype, also under autocast (where a plain matmul would round counts above 256 to bfloat16).
 
 The inputs must hold only 0 and 1 (a neuron's spikes); that is the caller's promise, not
-checked (checking would read the data). Backward keeps the operands as ``torch.bool``, one
+checked (checking would read the data). Under torch.fx symbolic tracing (what
+:func:`~spikefuse.fused.fuse` does to find chains) a call is one graph node. Backward keeps the operands as ``torch.bool``, one
 byte per spike, and the chain recomputes its counts instead of keeping them.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from numbers import Real
+from typing import Any
 
-import torch
-from torch import Tensor
+from torch import Tensor, fx
 
 from ..errors import SpikefuseError
 from .autograd import SpikeMatmulChainFunction, SpikeMatmulFunction
@@ -71,10 +74,20 @@ def _check(name: str, *operands: Tensor) -> None:
             )
 
 
+def _traced(function: Callable[..., Any], *args: Any) -> Any:
+    """One call node where ``args`` are torch.fx proxies (``fuse`` reading a forward that calls
+    a spike product; its autograd Function cannot run on proxies), else None."""
+    proxy = next((a for a in args if isinstance(a, fx.Proxy)), None)
+    return None if proxy is None else proxy.tracer.create_proxy("call_function", function, args, {})
+
+
 def spike_matmul(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` of spike tensors: [..., M, K] @ [..., K, N] → [..., M, N] (equal batch dims),
     each output the count of k with a[m, k] = b[k, n] = 1; exact on CUDA tensor cores while
     K ≤ 2^24 (module docstring). Gradients flow to both inputs, as through ``a @ b``."""
+    traced = _traced(spike_matmul, a, b)
+    if traced is not None:
+        return traced
     _check("spike_matmul", a, b)
     return SpikeMatmulFunction.apply(a, b)
 
@@ -86,12 +99,11 @@ def spike_matmul_chain(a: Tensor, b: Tensor, c: Tensor, scale: float = 1.0) -> T
     otherwise as the plain matmul. Spikformer's self-attention is
     ``spike_matmul_chain(v, k.transpose(-2, -1), q, scale)`` on [T, B, heads, C/heads, L]
     spikes."""
+    traced = _traced(spike_matmul_chain, a, b, c, scale)
+    if traced is not None:
+        return traced
     _check("spike_matmul_chain", a, b, c)
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, Real)
-        or not torch.isfinite(torch.tensor(float(scale)))
-    ):
+    if isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
         raise SpikefuseError(f"spike_matmul_chain: scale must be a finite number, got {scale!r}")
     return SpikeMatmulChainFunction.apply(a, b, c, float(scale))
 

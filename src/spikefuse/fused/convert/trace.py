@@ -12,7 +12,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ... import layer
 from ...neuron import MemoryModule
-from ...spike_matmul import spike_matmul, spike_matmul_chain
 from ..blocks import FusedBlock
 from ..pooling import SpikePool
 from ..spec import SYNAPSES
@@ -30,12 +29,7 @@ _LEAVES = (
 
 
 class _Tracer(fx.Tracer):
-    """Keeps spikefuse modules, synapses and BatchNorms (also subclasses) as single calls, and
-    the spike products (attention on spikes) where a forward calls them by name: their
-    autograd Functions cannot run on proxies."""
-
-    def __init__(self) -> None:
-        super().__init__(autowrap_functions=(spike_matmul, spike_matmul_chain))
+    """Keeps spikefuse modules, synapses and BatchNorms (also subclasses) as single calls."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return isinstance(m, _LEAVES) or super().is_leaf_module(m, module_qualified_name)
