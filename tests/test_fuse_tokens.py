@@ -254,7 +254,7 @@ def test_a_patch_stem_with_max_pooling_before_the_neuron_is_reported():
     )
     _, report = fuse(stem, return_report=True)
     assert report.fused_fraction == 0.0
-    assert "holds more than the synapse and its matching BatchNorm" in report.skipped[0].reason
+    assert "pools (MaxPool2d) before the neuron" in report.skipped[0].reason
 
 
 def test_a_tokens_block_takes_tokens_only():

@@ -107,6 +107,12 @@ def _synapse_problem(module: nn.Module) -> str:
     if contained:
         if getattr(inner, "step_mode", "s") != "s":
             return f"the {name} inside SeqToANNContainer must be single-step"
+        pools = [type(m).__name__ for m in list(module)[1:] if isinstance(m, POOLS)]
+        if pools:  # Spikformer's stem: Conv2d, BatchNorm2d, MaxPool2d, then the neuron
+            return (
+                f"the SeqToANNContainer pools ({pools[0]}) before the neuron: it pools the "
+                "neuron's input, not spikes, which a block cannot fold"
+            )
         return "the SeqToANNContainer holds more than the synapse and its matching BatchNorm"
     if not hasattr(inner, "step_mode"):
         return f"a plain torch {name} is single-step; use layer.{name}(step_mode='m')"
