@@ -107,7 +107,7 @@ def _synapse_problem(module: nn.Module) -> str:
     if contained:
         if getattr(inner, "step_mode", "s") != "s":
             return f"the {name} inside SeqToANNContainer must be single-step"
-        pools = [type(m).__name__ for m in list(module)[1:] if isinstance(m, POOLS)]
+        pools = [type(m).__name__ for m in list(module.children())[1:] if isinstance(m, POOLS)]
         if pools:  # Spikformer's stem: Conv2d, BatchNorm2d, MaxPool2d, then the neuron
             return (
                 f"the SeqToANNContainer pools ({pools[0]}) before the neuron: it pools the "
