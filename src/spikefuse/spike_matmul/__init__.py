@@ -13,8 +13,9 @@ Both are read from shapes (:mod:`.rules`), no data is inspected: no host sync, a
 capture works. On CUDA in float32, bfloat16 or float16 a product that meets them runs on
 tensor cores; otherwise (another device, float64, a bound exceeded) the plain matmul in the
 inputs' dtype runs, which is what the unfused model computes. :func:`spike_matmul_plan` and
-:func:`spike_matmul_chain_plan` say which path a call takes and why. The output has the inputs'
-dtype, also under autocast (where a plain matmul would round counts above 256 to bfloat16).
+:func:`spike_matmul_chain_plan` say which path a call takes and why. On tensor cores the output
+has the inputs' dtype, also under autocast (where a plain matmul would round counts above 256
+to bfloat16); the plain matmul follows autocast, as in the unfused model.
 
 The inputs must hold only 0 and 1 (a neuron's spikes); that is the caller's promise, not
 checked (checking would read the data). Under torch.fx symbolic tracing (what
