@@ -24,6 +24,7 @@ from .memory import MemoryPolicy, memory_modes, memory_policy
 from .neuron_call import NeuronCall
 from .paths import DEFAULT_PLAN, TRACED_PLAN
 from .pooling import SpikePool, WindowAvgPool
+from .recompute import same_kind
 from .spec import BlockSpec, MultiStepOnly, hook_kinds
 from .statistics import BNSpec, BNStats, bn_statistics, is_distributed, refuse_join
 from .synapse import Synapse
@@ -92,7 +93,8 @@ class FusedBlock(MultiStepOnly, nn.Module):
     """``synapse → [BatchNorm] → neuron`` on multi-step input, keeping only the synapse output.
 
     Input ``[T, B, C_in, *]`` (Conv2d: ``[T, B, C_in, H, W]``, Linear: ``[T, B, F_in]``, or
-    without BatchNorm tokens ``[T, B, *, F_in]``, whose token dims join B); output
+    tokens ``[T, B, *, F_in]`` without BatchNorm and ``[T, B, N, F_in]`` with ``tokens=True``,
+    whose token dims join B); output
     spikes ``[T, B, C_out, *]`` in the input's dtype (bf16 under bf16 autocast). The synapse runs
     once on the merged ``[T*B, ...]`` batch. BatchNorm normalises each channel over
     (T, B, spatial) — batch statistics in training (synchronised across processes when
@@ -144,6 +146,10 @@ class FusedBlock(MultiStepOnly, nn.Module):
         residual: the block adds a residual to the BatchNorm output before the neuron (Spiking
             ResNet's ``sn2(bn2(conv2(x)) + shortcut)``): it is called as ``block(x, shortcut)``,
             with ``shortcut`` shaped like the synapse output ``[T, B, C_out, *]``.
+        tokens: a Linear block on tokens ``[T, B, N, F_in]`` (a spiking transformer's
+            ``[T, B, N, C]`` layout) whose BatchNorm1d normalises each output feature over all
+            tokens, as the unfused ``sn(bn(linear(x).transpose(-1, -2)).transpose(-1, -2))``
+            does (``bn`` multi-step on ``[T, B, F_out, N]``); output ``[T, B, N, F_out]``.
 
     A residual block keeps the shortcut for backward at 1 bit per element when it is the spike
     output of a fused block, else as it is. With the cuda backend the BN-folded kernels add the
@@ -171,10 +177,11 @@ class FusedBlock(MultiStepOnly, nn.Module):
         memory: str = "default",
         pool: nn.Module | None = None,
         residual: bool = False,
+        tokens: bool = False,
     ) -> None:
         super().__init__()
         policy = memory_policy(memory)
-        spec = BlockSpec.of(synapse, bn, node, pool, residual)
+        spec = BlockSpec.of(synapse, bn, node, pool, residual, tokens)
         assert isinstance(synapse, (nn.Linear, _ConvNd))  # what BlockSpec.of accepts
         # registered even where None, so that the class's _Submodule reads find them
         self.register_module("synapse", synapse)
@@ -264,7 +271,9 @@ class FusedBlock(MultiStepOnly, nn.Module):
                 f"got shape {tuple(x.shape)}"
                 + (
                     "; a Linear block with BatchNorm1d takes [T, B, F] only (on [T, B, N, F] "
-                    "BatchNorm1d normalises dim N as its channels): use the unfused model"
+                    "BatchNorm1d normalises dim N as its channels), or tokens [T, B, N, F] when "
+                    "made with tokens=True (BatchNorm1d over F: the unfused "
+                    "bn(linear(x).transpose(-1, -2)).transpose(-1, -2))"
                     if tokens
                     else ""
                 )
@@ -366,10 +375,20 @@ class FusedBlock(MultiStepOnly, nn.Module):
         )
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        if self.spec.kind is nn.Linear and self.bn is None and residual is None:
-            if isinstance(x, Tensor) and x.dim() > 3:  # tokens [T, B, *, F]: the Linear and
-                # the neuron act on each token alike, so the token dims join the batch
-                return self.forward(x.flatten(1, -2)).unflatten(1, x.shape[1:-1])
+        spec = self.spec
+        if spec.kind is nn.Linear and isinstance(x, Tensor) and residual is None:
+            if spec.tokens and x.dim() != 4:
+                raise SpikefuseError(
+                    f"FusedBlock(Linear, tokens=True): expected tokens [T, B, N, F], got shape "
+                    f"{tuple(x.shape)}"
+                )
+            if x.dim() > 3 and (self.bn is None or spec.tokens):
+                # tokens [T, B, *, F]: the Linear and the neuron act on each token alike, and
+                # BatchNorm (tokens=True) normalises F over all of them: they join the batch
+                return _tokens_joined(self._run, x)
+        return self._run(x, residual)
+
+    def _run(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         self._check_input(x)
         self._check_no_hooks()
         if (residual is None) == self.residual:
@@ -386,6 +405,13 @@ class FusedBlock(MultiStepOnly, nn.Module):
         else:
             plan = DEFAULT_PLAN
         return plan.path(self, x, residual, plan)
+
+
+def _tokens_joined(run: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """``run`` on tokens [T, B, *N, F] as [T, B·N, F], its output split back to [T, B, *N, F']
+    (both views tagged as what their tensor holds: spikes stay packable and bf16-exact)."""
+    out = run(same_kind(x, x.flatten(1, -2)))
+    return same_kind(out, out.unflatten(1, x.shape[1:-1]))
 
 
 def _weight_layout_after_load(block: FusedBlock, incompatible_keys: Any) -> None:

@@ -112,6 +112,13 @@ def mark_packed(t: Tensor, packing: PackedSpikes) -> Tensor:
     return _tagged(t, packing=packing)
 
 
+def same_kind(source: Tensor, view: Tensor) -> Tensor:
+    """Tag ``view``, a reshaped view of ``source``, as holding what ``source`` holds (spikes or
+    means of spikes; a tag on one view is not seen from another); returns ``view``."""
+    window = means_window(source)
+    return view if window is None else mark_means(view, window)
+
+
 def _windows(t: Tensor) -> tuple[int | None, int | None]:
     """The windows tagged on ``t`` and on the tensor it is a view of."""
     base = t._base

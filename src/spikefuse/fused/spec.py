@@ -162,8 +162,11 @@ class BlockSpec:
     """A fused block's fixed shape: built once by :meth:`of`, which validates the parts.
 
     ``kind``: the synapse's torch class; ``input_rank``: the rank of its multi-step input
-    [T, B, C, *]; ``has_bn``: whether BatchNorm normalises the synapse output; ``pool``: the
-    folded pooling (None: none); ``residual``: the block adds a shortcut before the neuron.
+    [T, B, C, *] as the block's paths run it; ``has_bn``: whether BatchNorm normalises the
+    synapse output; ``pool``: the folded pooling (None: none); ``residual``: the block adds a
+    shortcut before the neuron; ``tokens``: a Linear block on tokens [T, B, N, F] whose
+    BatchNorm1d normalises each feature over all T·B·N tokens (the unfused
+    ``bn(linear(x).transpose(-1, -2)).transpose(-1, -2)``): the paths run it on [T, B·N, F].
     """
 
     kind: type[nn.Module]
@@ -171,6 +174,7 @@ class BlockSpec:
     has_bn: bool
     pool: PoolSpec | None
     residual: bool
+    tokens: bool = False
 
     @classmethod
     def of(
@@ -180,16 +184,23 @@ class BlockSpec:
         node: object,
         pool: nn.Module | None,
         residual: object,
+        tokens: object = False,
     ) -> BlockSpec:
         """The spec of a block of these parts; raises :class:`SpikefuseError` naming the first
         part a fused block cannot take."""
-        if not isinstance(residual, bool):
-            raise SpikefuseError(f"FusedBlock: residual must be a bool, got {residual!r}")
+        for name, flag in (("residual", residual), ("tokens", tokens)):
+            if not isinstance(flag, bool):
+                raise SpikefuseError(f"FusedBlock: {name} must be a bool, got {flag!r}")
         kind = synapse_kind(synapse)
         if kind is None:
             raise SpikefuseError(
                 "FusedBlock: synapse must be a Conv1d, Conv2d or Linear, got "
                 f"{type(synapse).__name__}"
+            )
+        if tokens and (kind is not nn.Linear or residual):
+            raise SpikefuseError(
+                "FusedBlock: tokens=True takes a Linear synapse and no residual, got a "
+                f"{kind.__name__}" + (" with a residual" if residual else "")
             )
         if bn is not None:
             _check_bn(bn, synapse, kind)
@@ -200,7 +211,7 @@ class BlockSpec:
             if problem is not None:
                 raise SpikefuseError(f"FusedBlock: the pooling cannot be folded in: {problem}")
             folded = PoolSpec("avg", _pair(pool.kernel_size)[0])
-        return cls(kind, INPUT_RANK[kind], bn is not None, folded, residual)
+        return cls(kind, INPUT_RANK[kind], bn is not None, folded, bool(residual), bool(tokens))
 
     @property
     def window(self) -> int:

@@ -38,6 +38,15 @@ The rules :func:`fuse` follows. Chains are found in the data flow of the model's
   ``SeqToANNContainer(batchnorm)``), whose output is used only by
 * a one-state spikefuse neuron with ``step_mode='m'`` and ``store_v_seq=False``
   (the BatchNorm may be absent);
+* on tokens ``[T, B, N, C]``, a Linear whose output goes only to ``bn(y.transpose(-1,
+  -2)).transpose(-1, -2)`` (``permute``, ``torch.transpose`` and ``.contiguous()`` too), the
+  BatchNorm1d normalising C, whose output goes only to such a neuron: a block with
+  ``tokens=True``;
+* or single-step layers on T and B merged by hand, ``neuron(bn(synapse(x.flatten(0,
+  1))).reshape(T, ...))`` (the BatchNorm as above for a Linear on tokens), where ``T`` is
+  ``x.shape[0]`` (or ``x.size(0)``) of that ``x``: the forward is rewritten to call
+  ``block(x).reshape(T, ...)``, which equals the chain because a reshape keeping dim 0 commutes
+  with the neuron;
 * or, a residual chain, whose output is used only by an addition of a shortcut (``out +
   identity``, ``+=``, ``torch.add``) whose result is used only by such a neuron (Spiking
   ResNet's second half-block). The forward that adds is rewritten: it calls the FusedBlock
@@ -92,7 +101,7 @@ from ..pooling import SpikePool
 from ..recompute import RecomputedInput, flatten_keeps_tags
 from .find import _as_pool, _Chain, _examine, _Findings, _is_synapse_like, _merge
 from .report import FusedChain, FuseReport, SkippedCandidate, _display, _join
-from .rewrite import _common_parent, _replace, _rewrite_forward, _set_submodule
+from .rewrite import _common_parent, _replace, _rewrite_forward, _rewritten, _set_submodule
 from .trace import _sequential_graph, _trace, _Tracer
 
 log = logging.getLogger("spikefuse.fuse")
@@ -154,7 +163,7 @@ class _Fuser:
                 self.report.spike_max_pools.append(_join(path, name))
         owners: dict[str, list[_Chain]] = defaultdict(list)
         for chain in findings.chains.values():
-            if chain.addition is not None:  # fused by rewriting the forward that adds
+            if _rewritten(chain):  # fused by rewriting the forward that holds it
                 owners[".".join(_common_parent(chain.names))].append(chain)
                 continue
             self._fuse(root, path, chain)

@@ -17,6 +17,14 @@ from torch.nn.utils import parametrize
 from ... import layer
 from ...neuron import BaseNode
 from ..spec import BN_FOR, EXACT, POOLS, SYNAPSES, hook_kinds, pool_fold_problem, synapse_kind
+from .layout import (
+    is_size,
+    layout_users,
+    merged_input,
+    reshape_args,
+    through_copies,
+    transposed_bn,
+)
 from .report import SkippedCandidate, _join
 
 
@@ -99,6 +107,12 @@ def _synapse_problem(module: nn.Module) -> str:
     if contained:
         if getattr(inner, "step_mode", "s") != "s":
             return f"the {name} inside SeqToANNContainer must be single-step"
+        pools = [type(m).__name__ for m in list(module.children())[1:] if isinstance(m, POOLS)]
+        if pools:  # Spikformer's stem: Conv2d, BatchNorm2d, MaxPool2d, then the neuron
+            return (
+                f"the SeqToANNContainer pools ({pools[0]}) before the neuron: it pools the "
+                "neuron's input, not spikes, which a block cannot fold"
+            )
         return "the SeqToANNContainer holds more than the synapse and its matching BatchNorm"
     if not hasattr(inner, "step_mode"):
         return f"a plain torch {name} is single-step; use layer.{name}(step_mode='m')"
@@ -172,6 +186,8 @@ class _Chain:
     node: str
     pool: str | None = None  # an average pooling folded in
     addition: str | None = None  # the graph node adding a shortcut before the neuron
+    tokens: bool = False  # a Linear on [T, B, N, C], its BatchNorm1d between two transposes
+    reshape: str | None = None  # T and B merged by hand: the graph node of .reshape(T, B, ...)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -245,14 +261,21 @@ class _Examiner:
             found.pools[target] = None
         if not _is_synapse_like(module) or target in found.chains | found.skipped:
             return  # a module called again is reported once (as called several times)
+        if self.examine_merged(call):
+            return
         chain_nodes, last, bn_call = [call], call, None
         inside = type(module) is layer.SeqToANNContainer and len(module) == 2
         nxt = _sole_user(last)
-        if not inside and nxt is not None and _is_bn_like(modules[str(nxt.target)]):
+        tokens = None if inside or nxt is not None else self.tokens_bn(call)
+        if tokens is not None:  # a Linear on [T, B, N, C], BatchNorm1d over C between transposes
+            bn_call, last = tokens
+            chain_nodes.append(bn_call)
+            nxt = _sole_user(last)
+        elif not inside and nxt is not None and _is_bn_like(modules[str(nxt.target)]):
             bn_call, last = nxt, nxt
             chain_nodes.append(nxt)
             nxt = _sole_user(last)
-        residual = _residual_addition(last) if nxt is None else None
+        residual = _residual_addition(last) if nxt is None and tokens is None else None
         if residual is not None:
             nxt = _sole_user(residual[0])
         if nxt is None or not isinstance(modules[str(nxt.target)], BaseNode):
@@ -273,16 +296,78 @@ class _Examiner:
         bn_name = None if bn_call is None else str(bn_call.target)
         pool = _folded_pool(nxt, synapse_bn, modules, self.shared, found, self.full)
         addition = None if residual is None else residual[0].name
-        found.chains[target] = _Chain(target, bn_name, str(nxt.target), pool, addition)
+        chain = _Chain(target, bn_name, str(nxt.target), pool, addition, tokens is not None)
+        found.chains[target] = chain
+
+    def examine_merged(self, call: fx.Node) -> bool:
+        """Record the chain ``neuron(reshape(bn(synapse(x.flatten(0, 1))), T, ...))`` (single-step
+        synapse and BatchNorm; ``.contiguous()`` anywhere, a Linear's BatchNorm1d between two
+        transposes) starting at ``call``, or why it is not fused; False: no such data flow."""
+        x, module = merged_input(call), self.modules[str(call.target)]
+        kind = synapse_kind(module)
+        if x is None or kind is None or getattr(module, "step_mode", "s") != "s":
+            return False
+        is_bn = lambda n: _is_bn_like(self.node_of(n))  # noqa: E731
+        transposed = transposed_bn(call, 3, is_bn) if kind is nn.Linear else None
+        bn_call, last = transposed or (None, through_copies(call))
+        user = _sole_user(last)  # a BatchNorm called on the synapse output as it is
+        if transposed is None and user is not None and is_bn(user):
+            bn_call, last = user, through_copies(user)
+        if len(last.users) != 1:
+            return False
+        reshape = next(iter(last.users))
+        shape, node_call = reshape_args(reshape, last), _sole_user(through_copies(reshape))
+        node = None if node_call is None else self.node_of(node_call)
+        if shape is None or node_call is None or not isinstance(node, BaseNode):
+            return False
+        chain_nodes = [n for n in (call, bn_call, node_call) if n is not None]
+        names = tuple(self.full(str(n.target)) for n in chain_nodes)
+        reason = _node_problem(node)
+        bn = None if bn_call is None else self.node_of(bn_call)
+        if bn is not None and not _is_bn_for(bn, module, step_mode="s"):
+            reason = f"the {type(bn).__name__} after a flatten(0, 1) must be single-step"
+        if not shape or not is_size(shape[0], x, 0):
+            reason = (
+                f"the {getattr(reshape.target, '__name__', reshape.target)}() before "
+                f"'{names[-1]}' must start with T = x.shape[0] of the "
+                "x that flatten(0, 1) merged (T, B, N, C = x.shape; ....reshape(T, B, ...))"
+            )
+        reason = reason or next(
+            filter(None, (self.shared(str(n.target)) for n in chain_nodes)), None
+        )
+        if reason is not None:
+            self.found.skipped[str(call.target)] = SkippedCandidate(names, reason, True)
+            return True
+        bn_name = None if bn_call is None else str(bn_call.target)
+        chain = _Chain(
+            str(call.target),
+            bn_name,
+            str(node_call.target),
+            tokens=bool(transposed),
+            reshape=reshape.name,
+        )
+        self.found.chains[str(call.target)] = chain
+        return True
+
+    def node_of(self, call: fx.Node) -> nn.Module:
+        return self.modules[str(call.target)]
+
+    def tokens_bn(self, call: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+        """(the BatchNorm call, the closing transpose) where the multi-step Linear call ``call``
+        on tokens [T, B, N, C] feeds ``bn(y.transpose(-1, -2)).transpose(-1, -2)``."""
+        synapse_bn = _as_synapse_bn(self.modules[str(call.target)])
+        if synapse_bn is None or synapse_kind(synapse_bn[0]) is not nn.Linear:
+            return None
+        return transposed_bn(call, 4, lambda n: _is_bn_like(self.modules[str(n.target)]))
 
     def _no_neuron(self, call: fx.Node, chain_nodes: list[fx.Node], last: fx.Node) -> None:
         """Record a synapse call whose data flow reaches no neuron as a chain would."""
         users = list(last.users)
         where = ", ".join(self.describe(u) for u in users) or "nothing"
         goes_to = f"the output of '{self.full(str(last.target))}' goes to {where}"
-        reaches = any(
+        reaches = any(  # through reshapes and transposes too: a chain fuse did not prove
             u.op == "call_module" and isinstance(self.modules[str(u.target)], BaseNode)
-            for u in users
+            for u in layout_users(last)
         )
         names = tuple(self.full(str(n.target)) for n in chain_nodes)
         self.found.skipped[str(call.target)] = SkippedCandidate(names, goes_to, reaches)

@@ -102,7 +102,8 @@ class FuseReport:
         if self.traced:
             lines.append(f"  traced with torch.fx: {', '.join(self.traced)}")
         if self.rewritten:
-            lines.append(f"  forward rewritten (residual chains): {', '.join(self.rewritten)}")
+            rewritten = ", ".join(self.rewritten)
+            lines.append(f"  forward rewritten (residual chains, T and B merged): {rewritten}")
         if self.recomputed_inputs:
             inputs = ", ".join(self.recomputed_inputs)
             lines.append(f"  unfused, recomputing a fused block's spikes they read: {inputs}")

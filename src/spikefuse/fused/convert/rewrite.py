@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch import fx, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ... import layer
 from ...errors import SpikefuseError
@@ -36,12 +37,15 @@ def _common_parent(names: tuple[str, ...]) -> list[str]:
 
 
 def _rewrite_forward(module: nn.Module, path: str, synapses: set[str]) -> tuple[str, list[_Chain]]:
-    """Make ``module``'s forward call each residual chain's FusedBlock with the shortcut.
+    """Make ``module``'s forward call each residual chain's FusedBlock with the shortcut, and
+    each chain on T and B merged by hand with the unmerged input.
 
     ``synapses``: the chains' synapse names, relative to ``module``. The forward is traced
     (training and eval mode, and its optional arguments at their defaults: all must give the
     same graph); in the graph, each chain's synapse, BatchNorm, addition and neuron calls become
-    one call ``synapse(x, shortcut)``, and the module's ``forward`` becomes that graph's code
+    one call ``synapse(x, shortcut)`` (:func:`_call_with_shortcut`), or its calls from
+    ``x.flatten(0, 1)`` on become ``synapse(x).reshape(T, ...)`` (:func:`_call_unmerged`), and
+    the module's ``forward`` becomes that graph's code
     (an ``fx.GraphModule`` running on the module's own children, parameters and buffers; the
     class's forward stays). Returns ("", the chains) once rewritten, or (why not, [])."""
     if _Tracer().is_leaf_module(module, path):
@@ -53,7 +57,8 @@ def _rewrite_forward(module: nn.Module, path: str, synapses: set[str]) -> tuple[
     if len({graph.python_code("self").src for _, graph in graphs}) > 1:
         return (
             f"the forward of {_display(path)} differs between training and eval mode or with its "
-            "optional arguments; residual chains fuse where it does not",
+            "optional arguments; residual chains and chains on T and B merged by hand fuse where "
+            "it does not",
             [],
         )
     plain = _plain_attributes(graphs[0][1], module)
@@ -65,31 +70,66 @@ def _rewrite_forward(module: nn.Module, path: str, synapses: set[str]) -> tuple[
             [],
         )
     findings = _merge([(label, _examine(graph, module, path)) for label, graph in graphs], path)
-    chains = [c for c in findings.chains.values() if c.addition is not None]
-    chains = [c for c in chains if c.synapse in synapses]
+    chains = [c for c in findings.chains.values() if _rewritten(c) and c.synapse in synapses]
     if len(chains) != len(synapses):
         return f"the forward of {_display(path)} does not hold the whole chain", []
     graph = graphs[0][1]
-    nodes = {node.name: node for node in graph.nodes}
     for chain in chains:
-        addition = nodes[chain.addition]
-        (neuron,) = addition.users
         synapse = next(
             n for n in graph.nodes if n.op == "call_module" and n.target == chain.synapse
         )
-        last = synapse if chain.bn is None else next(iter(synapse.users))
-        residual = _residual_addition(last)
-        assert residual is not None and residual[0] is addition  # _examine found it
-        with graph.inserting_before(neuron):
-            call = graph.call_module(chain.synapse, (synapse.args[0], residual[1]))
-        neuron.replace_all_uses_with(call)
-        for dead in dict.fromkeys((neuron, addition, last, synapse)):
-            graph.erase_node(dead)
+        if chain.addition is not None:
+            _call_with_shortcut(graph, chain, synapse)
+        else:
+            _call_unmerged(graph, chain, synapse)
     for node in graph.nodes:  # string annotations (postponed evaluation) would not pickle
         node.type = None
     graph.lint()
     module.forward = _rewritten_forward(module, graph, type(module).__name__).forward
     return "", chains
+
+
+def _rewritten(chain: _Chain) -> bool:
+    """Whether fusing ``chain`` rewrites the forward that holds it (a residual addition before
+    its neuron, or time and batch merged by hand around it)."""
+    return chain.addition is not None or chain.reshape is not None
+
+
+def _call_with_shortcut(graph: fx.Graph, chain: _Chain, synapse: fx.Node) -> None:
+    """The chain's synapse, BatchNorm, addition and neuron calls become ``synapse(x, shortcut)``."""
+    addition = next(n for n in graph.nodes if n.name == chain.addition)
+    (neuron,) = addition.users
+    last = synapse if chain.bn is None else next(iter(synapse.users))
+    residual = _residual_addition(last)
+    assert residual is not None and residual[0] is addition  # _examine found it
+    with graph.inserting_before(neuron):
+        call = graph.call_module(chain.synapse, (synapse.args[0], residual[1]))
+    neuron.replace_all_uses_with(call)
+    for dead in dict.fromkeys((neuron, addition, last, synapse)):
+        graph.erase_node(dead)
+
+
+def _call_unmerged(graph: fx.Graph, chain: _Chain, synapse: fx.Node) -> None:
+    """``neuron(reshape(bn(synapse(x.flatten(0, 1))), T, ...))`` (transposes and copies between)
+    becomes ``reshape(block(x), T, ...)``: the block merges T and B itself, and a reshape
+    that keeps dim 0 (T) commutes with the neuron, which runs each element along T alike."""
+    flat = synapse.args[0]
+    assert isinstance(flat, fx.Node)  # merged_input found it
+    neuron = next(n for n in graph.nodes if n.op == "call_module" and n.target == chain.node)
+    reshape = next(n for n in graph.nodes if n.name == chain.reshape)
+    with graph.inserting_before(neuron):
+        call = graph.call_module(chain.synapse, (flat.args[0],))
+        out = graph.call_method("reshape", (call, *reshape.args[1:]))
+    neuron.replace_all_uses_with(out)
+    dead = neuron  # the path back to the synapse: each node the only user of the one before
+    while dead is not synapse:
+        before = dead.args[0]
+        assert isinstance(before, fx.Node)
+        graph.erase_node(dead)
+        dead = before
+    graph.erase_node(synapse)
+    if not flat.users:
+        graph.erase_node(flat)
 
 
 class _RewrittenForward(fx.GraphModule):
@@ -260,7 +300,8 @@ def _replace(
     their order (``path``: root's name in the model; ``unfused_keys``: the model's state dict
     keys before fusing)."""
     container = root.get_submodule(chain.synapse)
-    synapse_bn = _as_synapse_bn(container)
+    merged = chain.reshape is not None  # single-step layers on T and B merged by hand
+    synapse_bn = (container, None) if merged else _as_synapse_bn(container)
     assert synapse_bn is not None  # _examine found it
     synapse, bn = synapse_bn
     contained = type(container) is layer.SeqToANNContainer
@@ -269,14 +310,14 @@ def _replace(
         originals["bn"] = chain.synapse + ".1"
     elif chain.bn is not None:
         separate = root.get_submodule(chain.bn)
-        bn = _as_bn(separate, synapse)
+        bn = cast("_BatchNorm", separate) if merged else _as_bn(separate, synapse)
         originals["bn"] = chain.bn + (".0" if type(separate) is layer.SeqToANNContainer else "")
     node = root.get_submodule(chain.node)
     assert isinstance(node, BaseNode)  # _examine found it
     originals["node"] = chain.node
     pool = None if chain.pool is None else _as_pool(root.get_submodule(chain.pool))
     residual = chain.addition is not None
-    fused = FusedBlock(synapse, bn, node, process_group, memory, pool, residual)
+    fused = FusedBlock(synapse, bn, node, process_group, memory, pool, residual, chain.tokens)
     _set_submodule(root, chain.synapse, fused)
     block = _join(path, chain.synapse)
     roles = {chain.node: "node", chain.pool: "pool"}

@@ -1,0 +1,96 @@
+"""The spike products' autograd Functions: exact tensor-core forwards (:mod:`.rules`), backward
+from the spikes alone.
+
+Each Function keeps its operands as ``torch.bool`` (1 byte per spike, against 4 in float32) and
+the chain recomputes its counts ``a @ b`` in backward instead of keeping them. The gradients
+are those of the plain matmuls, computed in the output gradient's dtype::
+
+    out = a @ b:                 da = g bᵀ,        db = aᵀ g
+    out = ((a @ b) @ c) s:       P = a @ b,  g' = g s,  dc = Pᵀ g',
+                                 dP = g' cᵀ,  da = dP bᵀ,  db = aᵀ dP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..ops import forbid_double_backward
+from .rules import Plan, plan
+
+
+def product(a: Tensor, b: Tensor, how: Plan) -> Tensor:
+    """``a @ b`` ([..., M, K] @ [..., K, N], equal batch dims) as ``how`` says, in a's dtype:
+    on tensor cores over ``how.operands`` with float32 sums, or the plain matmul."""
+    if how.operands is None:
+        return a @ b
+    batch, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-1]
+    left = a.reshape(-1, m, k).to(how.operands)
+    right = b.reshape(-1, k, n).to(how.operands)
+    if a.is_cuda:
+        # autocast would recast the operands (fp16 counts to bf16, which does not hold them)
+        with torch.autocast("cuda", enabled=False):
+            out = torch.bmm(left, right, out_dtype=torch.float32)
+    else:  # the same products and float32 sums (torch has no such bmm on CPU), for tests
+        out = left.float() @ right.float()
+    return out.view(*batch, m, n).to(a.dtype)
+
+
+def _float(t: Tensor, like: Tensor) -> Tensor:
+    return t.to(like.dtype)
+
+
+class SpikeMatmulFunction(torch.autograd.Function):
+    """``a @ b`` of spike tensors (see :func:`spikefuse.spike_matmul.spike_matmul`)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a.to(torch.bool), b.to(torch.bool))
+        return product(a, b, plan(a, a.shape[-1]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        forbid_double_backward("spike_matmul")
+        a, b = ctx.saved_tensors
+        grad_a = grad @ _float(b, grad).transpose(-2, -1) if ctx.needs_input_grad[0] else None
+        grad_b = _float(a, grad).transpose(-2, -1) @ grad if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+class SpikeMatmulChainFunction(torch.autograd.Function):
+    """``((a @ b) @ c) * scale`` of spike tensors (see
+    :func:`spikefuse.spike_matmul.spike_matmul_chain`)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor, c: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(a.to(torch.bool), b.to(torch.bool), c.to(torch.bool))
+        ctx.dtype, ctx.scale = a.dtype, scale
+        counts = _counts(a, b, a.dtype)
+        out = product(counts, c, plan(a, c.shape[-2], count=a.shape[-1]))
+        return out.mul_(scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        forbid_double_backward("spike_matmul_chain")
+        a, b, c = ctx.saved_tensors
+        needs_a, needs_b, needs_c = ctx.needs_input_grad[:3]
+        grad = grad * ctx.scale
+        grad_a = grad_b = grad_c = None
+        if needs_c:
+            counts = _float(_counts(a, b, ctx.dtype), grad)  # recomputed: never kept
+            grad_c = counts.transpose(-2, -1) @ grad
+        if needs_a or needs_b:
+            grad_counts = grad @ _float(c, grad).transpose(-2, -1)
+            if needs_a:
+                grad_a = grad_counts @ _float(b, grad).transpose(-2, -1)
+            if needs_b:
+                grad_b = _float(a, grad).transpose(-2, -1) @ grad_counts
+        return grad_a, grad_b, grad_c, None
+
+
+def _counts(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``a @ b`` of spikes (bool or float) in ``dtype``: the same values in forward and backward."""
+    a, b = a.to(dtype), b.to(dtype)
+    return product(a, b, plan(a, a.shape[-1]))

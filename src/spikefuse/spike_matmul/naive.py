@@ -1,0 +1,26 @@
+"""The spike products as plain torch matmuls: the reference the fast path must equal.
+
+Autograd differentiates them, so their gradients are what the hand-written backward of
+:mod:`.autograd` must give::
+
+    spike_matmul_naive(a, b)                = a @ b
+    spike_matmul_chain_naive(a, b, c, s)    = ((a @ b) @ c) * s
+
+Every intermediate is kept for backward (the counts ``a @ b`` too): for tests, never for
+training.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def spike_matmul_naive(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` ([..., M, K] @ [..., K, N] → [..., M, N]) in the inputs' dtype."""
+    return a @ b
+
+
+def spike_matmul_chain_naive(a: Tensor, b: Tensor, c: Tensor, scale: float = 1.0) -> Tensor:
+    """``((a @ b) @ c) * scale`` ([..., M, K] @ [..., K, P] @ [..., P, N] → [..., M, N]): the
+    product Spikformer's self-attention takes of its value, key and query spikes."""
+    return ((a @ b) @ c) * scale

@@ -1,0 +1,73 @@
+"""spike_matmul and spike_matmul_chain on CUDA tensor cores: the rules pick bfloat16 or float16
+operands, and the outputs equal the float64 products bit for bit (rounded once to the output
+dtype); gradients are the float32 reference's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spikefuse import spike_matmul as sm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.quick]
+
+
+def spikes(*shape, p=0.5, seed=0, dtype=torch.float32):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.rand(*shape, generator=g, device="cuda") < p).to(dtype).requires_grad_()
+
+
+def assert_grads_close(out, want, inputs):
+    g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(9))
+    got = torch.autograd.grad(out, inputs, g.to(out.dtype))
+    ref = torch.autograd.grad(want, inputs, g.to(want.dtype))
+    for x, y in zip(got, ref, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [64, 4096])
+def test_spike_matmul_is_exact_on_bf16_tensor_cores(k):
+    a, b = spikes(4, 8, 96, k, p=0.9), spikes(4, 8, k, 80, seed=1, p=0.9)
+    assert sm.spike_matmul_plan(a, b).operands is torch.bfloat16
+    out = sm.spike_matmul(a, b)
+    assert out.dtype is torch.float32
+    assert torch.equal(out, (a.double() @ b.double()).float())
+    assert_grads_close(out, sm.spike_matmul_naive(a, b), (a, b))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "operands"), [(64, torch.bfloat16), (256, torch.bfloat16), (1024, torch.float16)]
+)
+def test_spikformer_attention_is_exact(tokens, operands):
+    """((v @ kᵀ) @ q) * 0.125 on [T, B, heads, C/heads, L] spikes: the counts (up to L) on
+    bf16 while L ≤ 256, on fp16 up to 2048; the float32 reference (no TF32) gives the same bits."""
+    q, k, v = (spikes(2, 4, 8, 48, tokens, seed=s, p=0.8) for s in range(3))
+    kt = k.transpose(-2, -1)
+    assert sm.spike_matmul_chain_plan(v, kt, q)[1].operands is operands
+    out = sm.spike_matmul_chain(v, kt, q, 0.125)
+    exact = ((v.double() @ kt.double()) @ q.double() * 0.125).float()
+    assert torch.equal(out, exact)
+    want = sm.spike_matmul_chain_naive(v, kt, q, 0.125)
+    assert torch.equal(out, want)  # the fused spikes' input equals the unfused one
+    assert_grads_close(out, want, (q, k, v))
+
+
+def test_counts_beyond_float16_run_the_plain_matmul():
+    v, kt, q = spikes(2, 16, 4096), spikes(2, 4096, 16, seed=1), spikes(2, 16, 8, seed=2)
+    plan = sm.spike_matmul_chain_plan(v, kt, q)[1]
+    assert plan.operands is None and "2048" in plan.reason
+    assert torch.equal(sm.spike_matmul_chain(v, kt, q), sm.spike_matmul_chain_naive(v, kt, q))
+
+
+def test_bf16_inputs_and_autocast():
+    """bf16 spikes give bf16 outputs rounded once from the exact sums; under autocast a float32
+    call stays float32 and exact (a plain matmul would round counts above 256)."""
+    a, b = spikes(8, 512, dtype=torch.bfloat16), spikes(512, 8, seed=1, dtype=torch.bfloat16)
+    out = sm.spike_matmul(a, b)
+    assert out.dtype is torch.bfloat16
+    assert torch.equal(out, (a.double() @ b.double()).to(torch.bfloat16))
+    a32, b32 = a.float(), b.float()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = sm.spike_matmul(a32, b32)
+    assert out.dtype is torch.float32
+    assert torch.equal(out, (a32.double() @ b32.double()).float())
