@@ -84,7 +84,21 @@ def _conv1x1_bn(in_channels: int, out_channels: int) -> SeqToANNContainer:
     )
 
 
-class SpikingSelfAttention(nn.Module):
+class _HeadedAttention(nn.Module):
+    """``dim`` channels in ``num_heads`` heads of ``head_dim = dim // num_heads``."""
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        _check_heads(type(self).__name__, dim, num_heads)
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}"
+
+
+class SpikingSelfAttention(_HeadedAttention):
     """Spiking Self-Attention of Spikformer (Zhou et al., ICLR 2023) on spikes ``[T, N, C, L]``
     (``L`` tokens, ``C = dim``), returning spikes ``[T, N, C, L]``.
 
@@ -103,11 +117,7 @@ class SpikingSelfAttention(nn.Module):
         spiking_neuron: NeuronClass | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__()
-        _check_heads("SpikingSelfAttention", dim, num_heads)
-        self.dim = dim
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
+        super().__init__(dim, num_heads)
         self.scale = 0.125
         self.qkv_conv_bn = _conv1x1_bn(dim, dim * 3)
         self.qkv_lif = _neuron(spiking_neuron, kwargs)
@@ -125,11 +135,8 @@ class SpikingSelfAttention(nn.Module):
         x_seq = self.attn_lif(x_seq).reshape(T, N, C, L)
         return self.proj_lif(self.proj_conv_bn(x_seq))
 
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}"
 
-
-class QKAttention(nn.Module):
+class QKAttention(_HeadedAttention):
     """Q-K Attention of QKFormer (Zhou et al., NeurIPS 2024) on spikes ``[T, N, C, L]``,
     returning spikes ``[T, N, C, L]``.
 
@@ -150,15 +157,11 @@ class QKAttention(nn.Module):
         spiking_neuron: NeuronClass | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__()
-        _check_heads(type(self).__name__, dim, num_heads)
+        super().__init__(dim, num_heads)
         if qka_type not in ("token", "channel"):
             raise SpikefuseError(
                 f"qka_type should be either 'token' or 'channel', but got {qka_type}."
             )
-        self.dim = dim
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
         self._qka_type = qka_type
         self.qk_conv_bn = _conv1x1_bn(dim, dim * 2)
         self.qk_lif = _neuron(spiking_neuron, kwargs)
@@ -213,7 +216,7 @@ class ChannelQKAttention(QKAttention):
         )
 
 
-class SpikeDrivenSelfAttention(nn.Module):
+class SpikeDrivenSelfAttention(_HeadedAttention):
     """Spike-Driven Self-Attention of the Spike-driven Transformer (Yao et al., NeurIPS 2023) on
     ``[T, N, C, H, W]`` (``C = dim``; membrane-like values, spiked first), returning
     ``[T, N, C, H, W]`` with the residual added.
@@ -232,11 +235,7 @@ class SpikeDrivenSelfAttention(nn.Module):
         spiking_neuron: NeuronClass | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__()
-        _check_heads("SpikeDrivenSelfAttention", dim, num_heads)
-        self.dim = dim
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
+        super().__init__(dim, num_heads)
         self.shortcut_lif = _neuron(spiking_neuron, kwargs)
         for name in ("q", "k", "v"):
             setattr(self, f"{name}_conv", Conv2d(dim, dim, 1, bias=False, step_mode="m"))
@@ -264,9 +263,6 @@ class SpikeDrivenSelfAttention(nn.Module):
         kv = self.attn_lif((k * v).sum(dim=-2, keepdim=True))  # [T, N, heads, 1, C/heads]
         x = (q * kv).transpose(3, 4).reshape(identity.shape)
         return self.proj_bn(self.proj_conv(x)) + identity
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}"
 
 
 def _check_reduction(who: str, size_name: str, size: int, name: str, reduction: int) -> None:
