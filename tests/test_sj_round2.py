@@ -362,10 +362,8 @@ def test_missing_zoo_names_say_what_to_use():
 
     with pytest.raises(SpikefuseError, match="use spiking_resnet18/34/50/101/152"):
         spiking_resnet.spiking_resnext50_32x4d(spiking_neuron=neuron.IFNode)
-    with pytest.raises(SpikefuseError, match="no spiking self-attention"):
-        getattr(model, "Spikformer")  # noqa: B009
-    with pytest.raises(SpikefuseError, match="no spiking self-attention"):
-        import spikefuse.model.spikformer  # noqa: F401
+    with pytest.raises(SpikefuseError, match="MaxFormer is not ported"):
+        getattr(model, "maxformer_cifar")  # noqa: B009
 
 
 def test_distributed_names_refuse_clearly():

@@ -18,10 +18,3 @@ def refusing(name: str, why: str, instead: str) -> Callable[..., NoReturn]:
     builder.__name__ = builder.__qualname__ = name
     builder.__doc__ = f"Not available in spikefuse ({why}): raises; use {instead}."
     return builder
-
-
-NO_SPIKFORMER = (
-    "spikefuse has no spiking self-attention (SpikingJelly's layer.attention."
-    "SpikingSelfAttention) yet; keep SpikingJelly for Spikformer, or use a convolutional model of "
-    "spikefuse.model (spiking_resnet, sew_resnet, spiking_vgg, parametric_lif_net)"
-)

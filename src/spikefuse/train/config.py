@@ -16,6 +16,7 @@ from torch import nn
 from spikefuse import layer, models, neuron
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import memory_modes
+from spikefuse.model import QKFormer, SpikeDrivenTransformer, Spikformer
 
 CHECKPOINT_FORMAT = "spikefuse.train.digits"
 # Version 2 added the "sha256" checksum of the payload; version 3 the model and data set to
@@ -134,6 +135,42 @@ def _zoo(constructor: Callable[..., nn.Module], **options: Any) -> Callable[...,
     return build
 
 
+class _PerStep(nn.Module):
+    """A network that averages over time itself (``[N, classes]`` out) as one step
+    ``[1, N, classes]``, the shape the training loop averages over T."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).unsqueeze(0)
+
+
+def _transformer(
+    constructor: Callable[..., nn.Module], time_averaged: bool, **config: Any
+) -> Callable[..., nn.Module]:
+    """A :class:`ModelSpec` builder for a spiking transformer of :mod:`spikefuse.model` with
+    ``config``. ``--neuron lif`` keeps each position's default LIF (``detach_reset``, attention
+    products firing at 0.5, as the papers train them) with ``make_neuron``'s arguments; any
+    other neuron class is used everywhere, as SpikingJelly's ``spiking_neuron`` is."""
+
+    def build(
+        make_neuron: Callable[..., nn.Module], channels: int, size: int, classes: int
+    ) -> nn.Module:
+        spiking_neuron: Callable[..., nn.Module] | None = make_neuron
+        kwargs: dict[str, Any] = {}
+        if isinstance(make_neuron, functools.partial) and make_neuron.func is neuron.LIFNode:
+            spiking_neuron, kwargs = None, dict(make_neuron.keywords)
+        net = constructor(
+            in_channels=channels, num_classes=classes, spiking_neuron=spiking_neuron,
+            **config, **kwargs,
+        )  # fmt: skip
+        return _PerStep(net) if time_averaged else net
+
+    return build
+
+
 def _digits_cnn(
     make_neuron: Callable[..., nn.Module], channels: int, size: int, classes: int
 ) -> nn.Module:
@@ -159,6 +196,45 @@ MODELS: dict[str, ModelSpec] = {
         3,
         CIFAR10_SIZE,
         _zoo(models.spiking_vgg11_bn, classifier_features=512),
+        bn_stride=16,
+    ),
+    # Small spiking transformers for 32 x 32 images (the papers' CIFAR models are 4-384 wide,
+    # e.g. spikefuse.model.spikformer.spikformer_cifar10; these train in minutes on a CPU).
+    "spikformer-2-128-cifar": ModelSpec(
+        "spikformer-2-128-cifar",
+        None,
+        CIFAR10_SIZE,
+        _transformer(
+            Spikformer,
+            False,
+            img_size_h=32,
+            img_size_w=32,
+            patch_size=4,
+            embed_dims=128,
+            num_heads=8,
+            depths=2,
+        ),  # fmt: skip
+        bn_stride=4,
+    ),
+    "sdt-2-128-cifar": ModelSpec(
+        "sdt-2-128-cifar",
+        None,
+        CIFAR10_SIZE,
+        _transformer(
+            SpikeDrivenTransformer,
+            True,
+            embed_dims=128,
+            num_heads=8,
+            depths=2,
+            pooling_stat="0011",
+        ),  # fmt: skip
+        bn_stride=4,
+    ),
+    "qkformer-3-128-cifar": ModelSpec(
+        "qkformer-3-128-cifar",
+        None,
+        CIFAR10_SIZE,
+        _transformer(QKFormer, True, embed_dims=128, num_heads=(2, 2, 4), depths=(1, 1, 1)),
         bn_stride=16,
     ),
 }
