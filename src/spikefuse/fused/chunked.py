@@ -16,6 +16,7 @@ may differ by rounding (another batch size may get another convolution algorithm
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -40,9 +41,12 @@ from .ops.bn_neuron.passes import (
 from .recompute import Compact, compact, expand, is_spikes, packing_of
 from .spike_bits import (
     PackedSpikes,
+    batch_chunk_rows,
+    can_cut,
     empty_in_order,
     joined_batch_chunks,
     memory_order,
+    pack_bits,
     packed_bytes,
     packing_part,
 )
@@ -102,11 +106,20 @@ class _ChunkedForward:
         # unpacks it, into one row each of a [K, bytes] tensor
         self.per_chunk = packing_of(x) is None and is_spikes(x)
         self.packed_as: tuple[torch.Size, tuple[int, ...]] | None = None
+        self.whole = False  # the rows were cut from one packing of x
 
     def input(self, c: int, merged: Tensor) -> None:
-        if self.per_chunk:
-            self.rows = _packed_row(self.rows, merged, c, self.chunks)
+        """Pack chunk c's merged input (where it is spikes): at the first chunk, all chunks'
+        rows at once from one packing of x where x's memory holds the chunks in the merged
+        inputs' order (:func:`_rows_of_whole`), else each chunk's as it comes."""
+        if not self.per_chunk:
+            return
+        if c == 0:
             self.packed_as = (merged.shape, memory_order(merged))
+            self.rows = _rows_of_whole(self.x, self.chunks, self.packed_as[1])
+            self.whole = self.rows is not None
+        if not self.whole:
+            self.rows = _packed_row(self.rows, merged, c, self.chunks)
 
     def output(self, c: int, part: slice, chunk: Tensor, saved: Kept, packed) -> None:
         if self.spikes is None:
@@ -131,12 +144,23 @@ class _ChunkedForward:
         return joined_batch_chunks(cast(list[Tensor], self.packings), self.x.shape[0])
 
 
+@dataclass(frozen=True)
+class Chunking:
+    """How a chunked call runs its synapse: the batch slices of its chunks
+    (:func:`batch_parts`) and, under autocast, the synapse weight cast once to the autocast
+    dtype (:meth:`~.synapse.Synapse.weight_in`) for every chunk's synapse call forward and
+    backward, where autocast would cast it for each (None: autocast off)."""
+
+    parts: tuple[slice, ...]
+    weight: Tensor | None = None
+
+
 class ChunkedSynapseFunction(torch.autograd.Function):
     """:class:`~.low_memory.SynapseRecomputeFunction` in equal batch chunks.
 
-    ``apply(args, synapse, parts, x, weight, bias, learnable, *synapse_params)`` returns
-    ``(spikes, packed)`` as :class:`~.ops.bn_neuron.BNNeuronFunction` does; ``parts`` are the
-    batch slices (:func:`batch_parts`), ``args.stats`` the batch statistics of the whole
+    ``apply(args, synapse, chunking, x, weight, bias, learnable, *synapse_params)`` returns
+    ``(spikes, packed)`` as :class:`~.ops.bn_neuron.BNNeuronFunction` does; ``chunking`` holds
+    the batch slices (:class:`Chunking`), ``args.stats`` the batch statistics of the whole
     synapse output (the caller's first pass over the chunks). Kept for backward: where x is
     tagged spikes, each chunk's merged input packed at 1 bit per element (a row each), else x
     as :func:`compact` keeps it (a kernel's packing is cut into the chunks' parts in backward,
@@ -144,11 +168,11 @@ class ChunkedSynapseFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, args: BNNeuronArgs, synapse: Synapse, parts, x, weight, bias, learnable, *synapse_params):  # fmt: skip
-        gathered = _ChunkedForward(x, len(parts))
-        for c, part in enumerate(parts):
+    def forward(ctx, args: BNNeuronArgs, synapse: Synapse, chunking: Chunking, x, weight, bias, learnable, *synapse_params):  # fmt: skip
+        gathered = _ChunkedForward(x, len(chunking.parts))
+        for c, part in enumerate(chunking.parts):
             merged = synapse.merged_part(x, part)
-            y = synapse.on_merged(merged, x.shape[0])
+            y = synapse.on_merged(merged, x.shape[0], chunking.weight)
             gathered.input(c, merged)
             del merged
             chunk, saved, packed = bn_neuron_forward(
@@ -161,7 +185,7 @@ class ChunkedSynapseFunction(torch.autograd.Function):
         saved_all = (gathered.checkpoints,) if gathered.kept_any else None
         save_bn_context(ctx, gathered.kept(), learnable, args, saved_all, (weight, bias))
         keep_autocast(ctx, x)
-        ctx.synapse, ctx.pool, ctx.parts = synapse, args.pool, parts
+        ctx.synapse, ctx.pool, ctx.chunking = synapse, args.pool, chunking
         ctx.per_chunk = gathered.rows is not None
         ctx.geometry = (x.shape, x.dtype)
         ctx.set_materialize_grads(False)  # as BNNeuronFunction: no zeros for the packing
@@ -186,7 +210,7 @@ class ChunkedSynapseFunction(torch.autograd.Function):
             totals, inv_count = batch_totals(sums, stats, ctx.bn)
 
             def grad_y_of(c: int) -> Tensor:
-                y, part = chunks.recomputed(c), dense_part(grad_spikes, ctx.parts[c])
+                y, part = chunks.recomputed(c), dense_part(grad_spikes, chunks.parts[c])
                 return bn_input_grad(
                     None, y, stats, totals, inv_count, ctx.neuron, learnable, part, chunks.saved(c),
                     ctx.pool, overwrite_y=True,  # y is ours: dL/dy may take its memory
@@ -204,9 +228,14 @@ class _ChunkedBackward:
     def __init__(self, ctx: Any, kept: Compact, saved: Kept) -> None:
         self.ctx, self.kept, self.kept_neuron = ctx, kept, saved
         self.synapse: Synapse = ctx.synapse
-        self.parts: list[slice] = ctx.parts
+        self.parts: tuple[slice, ...] = ctx.chunking.parts
         self.shape, self.x_dtype = ctx.geometry
-        self.autocast, self.autocast_dtype = forward_autocast(ctx)
+        self.autocast, _ = forward_autocast(ctx)
+        self.cast: Tensor | None = ctx.chunking.weight  # forward's cast of the weight
+        # the weight the gradients are computed with: forward's cast, else the weight itself
+        self.weight = self.synapse.weight_in(self.synapse.module.weight.dtype)
+        if self.cast is not None:
+            self.weight = self.cast
         self.whole: list[Tensor] = []  # x unpacked, where its packing cannot be cut
 
     def input(self, c: int) -> Tensor:
@@ -229,7 +258,7 @@ class _ChunkedBackward:
         """Chunk c's y, as forward made it (its input freed before anything else is
         allocated: taken again where needed, it is cheaper than the memory)."""
         with torch.no_grad(), self.autocast:
-            return self.synapse.on_merged(self.input(c), self.shape[0])
+            return self.synapse.on_merged(self.input(c), self.shape[0], self.cast)
 
     def saved(self, c: int) -> Kept:
         """What forward kept of chunk c's neuron (see :meth:`NeuronCall.forward`)."""
@@ -261,15 +290,34 @@ class _ChunkedBackward:
         return sums, grad_learnable
 
 
+def _row_bytes(packed: int) -> int:
+    """A row's bytes for a packing of ``packed`` bytes: padded to 16, as the unpack kernel
+    reads a row's words as aligned 32-bit (and vector) loads."""
+    return -(-packed // 16) * 16
+
+
 def _packed_row(rows: Tensor | None, merged: Tensor, index: int, chunks: int) -> Tensor:
     """``rows`` [chunks, bytes] (made on the first call) with row ``index`` holding the packing
-    of the spikes ``merged``. Rows are padded to 16 bytes: the unpack kernel reads a row's
-    words as aligned 32-bit (and vector) loads."""
+    of the spikes ``merged`` (rows padded, :func:`_row_bytes`)."""
     bits = PackedSpikes.of(merged).bits
     if rows is None:
-        rows = bits.new_empty((chunks, -(-bits.numel() // 16) * 16))
+        rows = bits.new_empty((chunks, _row_bytes(bits.numel())))
     rows[index, : bits.numel()] = bits
     return rows
+
+
+def _rows_of_whole(x: Tensor, chunks: int, merged_order: tuple[int, ...]) -> Tensor | None:
+    """The rows of :func:`_packed_row` for all chunks of the spikes x [T, B, ...] at once
+    (one packing of x, cut in two copies: :func:`~.spike_bits.batch_chunk_rows`) where x's
+    memory holds each chunk's merged input [T*b, ...] in ``merged_order`` (its memory order)
+    and the chunks fill words of their own; else None."""
+    order = memory_order(x)
+    if merged_order[0] != 0 or order != (0, 1, *(d + 1 for d in merged_order[1:])):
+        return None
+    if not can_cut(x.shape, order, 1, chunks):
+        return None
+    packing = PackedSpikes(pack_bits(x, order), x.shape, x.dtype, order)
+    return batch_chunk_rows(packing, chunks, _row_bytes(packed_bytes(x.numel() // chunks)))
 
 
 def _at_least_float32(t: Tensor) -> Tensor:
@@ -287,7 +335,6 @@ def _chunked_synapse_grads(
     gradients (summed over chunks in at least float32) and the chunk's dL/dx, written into
     dL/dx of the whole batch [T, B, ...] (x's dtype)."""
     synapse, shape = chunks.synapse, chunks.shape
-    compute = chunks.autocast_dtype or synapse.module.weight.dtype
     need_b = len(params_need) > 1 and params_need[1]
     grad_x: Tensor | None = None
     param_sums: list[Tensor | None] = [None] * len(params_need)
@@ -295,7 +342,7 @@ def _chunked_synapse_grads(
         grad_y = grad_y_of(c).flatten(0, 1)
         if any(params_need):
             merged = chunks.input(c)
-            chunk_grads = synapse.param_grads(merged, grad_y, compute, need_b)
+            chunk_grads = synapse.param_grads(merged, grad_y, chunks.weight, need_b)
             del merged
             param_sums = [
                 g if g is None else (_at_least_float32(g) if total is None else total.add_(g))
@@ -303,14 +350,14 @@ def _chunked_synapse_grads(
             ]
         if needs_x:
             merged_shape = grad_y.shape[:1] + shape[2:]
-            grad_chunk = synapse.input_grad(merged_shape, grad_y, compute)
+            grad_chunk = synapse.input_grad(merged_shape, grad_y, chunks.weight)
             del grad_y  # before the chunk's input gradient is copied out
             grad_chunk = grad_chunk.unflatten(0, (shape[0], -1))
             if grad_x is None:
                 grad_x = empty_batch(grad_chunk, shape[1], chunks.x_dtype)
             grad_x[:, part] = grad_chunk
             del grad_chunk
-    params = list(synapse.module.parameters())  # the Function's synapse_params: weight, bias
+    params = synapse.params()  # the Function's synapse_params: weight, bias
     grads = [
         None if total is None or not need else total.to(param.dtype)
         for total, need, param in zip(param_sums, params_need, params, strict=False)

@@ -18,6 +18,7 @@ A block whose y is large runs in equal batch chunks instead (:mod:`.chunked`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -43,10 +44,15 @@ def keep_autocast(ctx: Any, x: Tensor) -> None:
     ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
 
 
-def forward_autocast(ctx: Any) -> tuple[torch.autocast, torch.dtype | None]:
+def forward_autocast(
+    ctx: Any,
+) -> tuple[contextlib.AbstractContextManager[Any], torch.dtype | None]:
     """The forward's autocast context (without the weight cache, which CUDA graph capture
-    cannot take) and its dtype (None: autocast was off)."""
+    cannot take) and its dtype (None: autocast was off). Where autocast was off and is off
+    now, no context: making and entering one is host work on every backward."""
     device, dtype, enabled = ctx.autocast
+    if not enabled and not torch.is_autocast_enabled(device):
+        return contextlib.nullcontext(), None
     context = torch.autocast(device, dtype, enabled=enabled, cache_enabled=False)
     return context, dtype if enabled else None
 
@@ -95,8 +101,10 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         synapse, repeat = ctx.synapse, ctx.repeat
         needs_x, params_need = ctx.needs_input_grad[2], ctx.needs_input_grad[8:]
         autocast, autocast_dtype = forward_autocast(ctx)
-        explicit = synapse.explicit_backward()
-        x, y = _recomputed(synapse, kept, repeat, autocast, explicit, needs_x)
+        # one cast of the weight where autocast would cast it for each use below
+        dtype = autocast_dtype or synapse.module.weight.dtype
+        weight = synapse.weight_in(dtype) if synapse.explicit_backward() else None
+        x, y = _recomputed(synapse, kept, repeat, autocast, weight, needs_x)
         residual = None if kept_residual is None else expand(kept_residual)
         grad_y, grad_weight, grad_bias, grad_learnable, grad_residual = bn_neuron_grads(
             y=repeated(y.detach(), repeat),
@@ -109,15 +117,15 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             needs=ctx.needs_input_grad[4:7],
             pool=ctx.pool,
             residual=residual,
-            overwrite_y=explicit,  # y is ours: dL/dy may take its memory
+            overwrite_y=weight is not None,  # y is ours: dL/dy may take its memory
         )
         del residual
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
-        if explicit:
+        if weight is not None:
             del y
             shape, x_dtype = ctx.geometry
             grad_x, grad_params = _explicit_grads(
-                synapse, kept, shape, x_dtype, grad_y, autocast_dtype, needs_x, params_need
+                synapse, kept, shape, x_dtype, grad_y, weight, needs_x, params_need
             )
         else:
             grad_x, grad_params = _autograd_grads(ctx, x, y, grad_y, needs_x, params_need)
@@ -129,18 +137,19 @@ def _recomputed(
     synapse: Synapse,
     kept: Compact,
     repeat: int,
-    autocast: torch.autocast,
-    explicit: bool,
+    autocast: contextlib.AbstractContextManager[Any],
+    weight: Tensor | None,
     needs_x: bool,
 ) -> tuple[Tensor | None, Tensor]:
     """(x or None, y): the synapse output recomputed in one call, as forward made it (the same
     shapes give the same convolution algorithm and so the same y to the bit; in chunks, cuDNN
     may pick another algorithm and round differently, and a potential on the threshold would
-    then spike in one pass and not in the other). Without an explicit backward, autograd
-    records the recomputation (which keeps x)."""
-    if explicit:
-        with torch.no_grad(), autocast:
-            return None, synapse.kept(expand(kept), repeat)  # the unpacked input freed here
+    then spike in one pass and not in the other). ``weight``: the weight cast for an explicit
+    backward (:meth:`~.synapse.Synapse.weight_in`); None: autograd records the recomputation
+    (which keeps x)."""
+    if weight is not None:
+        with torch.no_grad(), autocast:  # the unpacked input freed here
+            return None, synapse.kept(expand(kept), repeat, weight)
     with torch.enable_grad(), autocast:
         x = expand(kept).detach().requires_grad_(needs_x)
         return x, synapse.kept(x, repeat)
@@ -171,14 +180,14 @@ def _explicit_grads(
     shape: torch.Size,
     x_dtype: torch.dtype,
     grad_y: Tensor,
-    autocast_dtype: torch.dtype | None,
+    weight: Tensor,
     needs_x: bool,
     params_need: tuple[bool, ...],
 ) -> tuple[Tensor | None, list[Tensor | None]]:
-    """dL/dx and the synapse parameters' gradients, weight gradient first: the input is
-    restored (unpacked) for it alone and freed before dL/dx is allocated. dL/dy is [1, B, ...]
-    for an input repeated over time (its steps' gradients summed), else [T, B, ...]."""
-    dtype = autocast_dtype or synapse.module.weight.dtype
+    """dL/dx and the synapse parameters' gradients in the dtype of ``weight`` (the weight in
+    the forward's autocast dtype, else its own), weight gradient first: the input is restored
+    (unpacked) for it alone and freed before dL/dx is allocated. dL/dy is [1, B, ...] for an
+    input repeated over time (its steps' gradients summed), else [T, B, ...]."""
     has_bias = len(params_need) > 1
     grad_w: Tensor | None = None
     grad_b: Tensor | None = None
@@ -189,12 +198,14 @@ def _explicit_grads(
         else:
             x_merged, g_merged = synapse.merged(x), grad_y.flatten(0, 1)
         del x
-        grad_w, grad_b = synapse.param_grads(x_merged, g_merged, dtype, has_bias and params_need[1])
+        grad_w, grad_b = synapse.param_grads(
+            x_merged, g_merged, weight, has_bias and params_need[1]
+        )
         del x_merged, g_merged
     grad_x = None
     if needs_x:  # never for an input repeated over time (it needs no gradient)
         merged_shape = torch.Size((shape[0] * shape[1], *shape[2:]))
-        merged_x = synapse.input_grad(merged_shape, grad_y.flatten(0, 1), dtype)
+        merged_x = synapse.input_grad(merged_shape, grad_y.flatten(0, 1), weight)
         grad_x = merged_x.unflatten(0, shape[:2]).to(x_dtype)
     grad_w = grad_w if params_need[0] else None
     return grad_x, [grad_w, *([grad_b] if has_bias else [])]

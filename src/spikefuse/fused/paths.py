@@ -27,7 +27,7 @@ from ..backends import compute_dtype
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
 from ..ops import run_neuron
-from .chunked import ChunkedSynapseFunction
+from .chunked import ChunkedSynapseFunction, Chunking
 from .low_memory import SynapseRecomputeFunction
 from .neuron_call import NeuronCall
 from .ops.bn_neuron import (
@@ -53,10 +53,10 @@ from .spike_bits import PackedSpikes
 from .statistics import (
     BNSpec,
     BNStats,
+    ChunkMoments,
     bn_statistics,
     bn_statistics_of_chunks,
     is_distributed,
-    local_mean_var,
 )
 from .synapse import Synapse
 
@@ -135,7 +135,7 @@ def min_memory_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan
     pool = _kernel_pool(block, y, stats, neuron, residual)
     kept = None if residual is None else compact(residual)
     args = BNNeuronArgs(neuron, stats, bn, pool, repeat, True, kept)
-    params = synapse.module.parameters()
+    params = synapse.params()
     spikes, packed = SynapseRecomputeFunction.apply(
         args, synapse, x, kept_y, weight, bias, learnable, residual, *params
     )
@@ -147,28 +147,30 @@ def chunked_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan) -
     """:func:`min_memory_path` in equal batch chunks (``plan.parts``; blocks with BatchNorm, no
     residual): a first pass over the chunks takes the batch statistics (each chunk's y
     computed and dropped), then the Function recomputes each chunk for the neuron."""
-    synapse, steps, parts = block.synapse_op(), x.shape[0], list(plan.parts)
+    synapse, steps, parts = block.synapse_op(), x.shape[0], plan.parts
+    chunking = Chunking(parts, synapse.autocast_weight(x))
     with torch.no_grad():
-        y = synapse.on_merged(synapse.merged_part(x, parts[0]), steps)
+        y = synapse.on_merged(synapse.merged_part(x, parts[0]), steps, chunking.weight)
     neuron, learnable, bn, stats = block.prepare(y, statistics=False)
     assert bn is not None  # chunked blocks have BatchNorm
     if bn.batch_stats:
-        moments = [local_mean_var(y)]
+        moments = ChunkMoments()
+        moments.add(y)
         with torch.no_grad():
             for part in parts[1:]:
                 del y  # before the next chunk's
-                y = synapse.on_merged(synapse.merged_part(x, part), steps)
+                y = synapse.on_merged(synapse.merged_part(x, part), steps, chunking.weight)
                 block.check_anomaly(y)
-                moments.append(local_mean_var(y))
+                moments.add(y)
         stats = bn_statistics_of_chunks(moments, bn, y)
     else:
         stats = bn_statistics(y, bn)
     pool = _kernel_pool(block, y, stats, neuron, None)
     del y
     args = BNNeuronArgs(neuron, stats, bn, pool)
-    params = synapse.module.parameters()
+    params = synapse.params()
     spikes, packed = ChunkedSynapseFunction.apply(
-        args, synapse, parts, x, bn.weight, bn.bias, learnable, *params
+        args, synapse, chunking, x, bn.weight, bn.bias, learnable, *params
     )
     return finish(block, spikes, pool, packed)
 

@@ -48,9 +48,16 @@ def strides_in_order(like: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a dense tensor of ``shape`` whose dimensions lie in memory in the order
     of ``like``'s strides (outermost first; e.g. channels-last like a channels-last map)."""
     like_strides = like.stride()
-    strides, step = [0] * len(shape), 1
     outermost_first = sorted(range(like.dim()), key=lambda d: -like_strides[d])  # ties: in order
-    for d in reversed(outermost_first):
+    return _dense_strides(tuple(shape), tuple(outermost_first))
+
+
+@functools.lru_cache(maxsize=1024)
+def _dense_strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` whose dimensions lie in memory in ``order``
+    (outermost first). Once per geometry: every unpacking asks."""
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
         strides[d], step = step, step * shape[d]
     return tuple(strides)
 
@@ -100,7 +107,11 @@ def unpack_bits(
     tensor of ``shape`` with the packed tensor's memory layout (a dense ``order``).
     ``window`` = k² > 1: the packing the pooled neuron kernels write of k x k window means
     (k² bits per value, on CUDA)."""
-    flat = torch.empty(shape.numel(), dtype=dtype, device=packed.device)
+    # the tensor itself laid out in ``order``, written through a flat view of its memory
+    out = torch.empty_strided(
+        shape, _dense_strides(shape, order), dtype=dtype, device=packed.device
+    )
+    flat = out.as_strided((shape.numel(),), (1,))
     kernels = cast(SpikePacking | None, capability("spike_bits", flat))
     if kernels is not None:
         kernels.unpack(packed, flat, window)
@@ -108,9 +119,7 @@ def unpack_bits(
         _unpack_torch(packed, flat)
     else:  # only the CUDA neuron kernels write such a packing
         raise ValueError(f"spikefuse: a packing of {window}-bit values unpacks on CUDA only")
-    dense = flat.view([shape[d] for d in order])
-    inverse = sorted(range(len(order)), key=lambda d: order[d])
-    return dense.permute(inverse)
+    return out
 
 
 def _pack_torch(flat: Tensor) -> Tensor:
@@ -192,6 +201,38 @@ def joined_batch_chunks(parts: list[Tensor], steps: int) -> Tensor:
     return torch.cat([joined(0, 4 * words), joined(4 * words, 5 * words)])
 
 
+def batch_chunk_rows(packing: PackedSpikes, chunks: int, row_bytes: int) -> Tensor | None:
+    """The packings of all ``chunks`` equal batch chunks [T, B / K, ...] of the tensor
+    ``packing`` holds, as rows of a [chunks, row_bytes] tensor (each row: the chunk's words,
+    then its flags, then padding), in two copies; None where the chunks do not lie in whole
+    words of their own (see :func:`packing_part`, which cuts one such chunk). A row is the
+    packing of its chunk, as :func:`pack_bits` would write it in the same memory order."""
+    shape, window = packing.shape, packing.window
+    if not can_cut(shape, packing.order, window, chunks):
+        return None
+    steps, words = shape[0], packed_words(shape.numel(), window)
+    chunk_words = words // chunks
+    rows = packing.bits.new_empty((chunks, row_bytes))
+    # (source bytes, where in a row, width): the words, then the flags
+    spans = (
+        (0, 4 * words, 0, 4 * chunk_words),
+        (4 * words, 5 * words, 4 * chunk_words, chunk_words),
+    )
+    for lo, hi, at, width in spans:
+        source = packing.bits[lo:hi].view(steps, chunks, -1).transpose(0, 1)
+        rows[:, at : at + width].view(chunks, steps, -1).copy_(source)
+    return rows
+
+
+def can_cut(shape: torch.Size, order: tuple[int, ...], window: int, chunks: int) -> bool:
+    """Whether the equal batch chunks of a packed tensor of ``shape`` (memory ``order``,
+    ``window`` bits per element) lie in whole words of their own: steps and then the batch
+    outermost in memory, a chunk's step whole words."""
+    steps, batch = shape[0], shape[1]
+    step_bits = shape.numel() // max(steps, 1) * window
+    return order[:2] == (0, 1) and batch % chunks == 0 and step_bits % (32 * chunks) == 0
+
+
 def packing_part(packing: PackedSpikes, index: int, chunks: int) -> PackedSpikes | None:
     """The packing of batch chunk ``index`` of ``chunks`` equal ones [T, B / K, ...] of the
     tensor ``packing`` holds (a copy of 1/K of its bytes; the inverse of
@@ -199,10 +240,9 @@ def packing_part(packing: PackedSpikes, index: int, chunks: int) -> PackedSpikes
     the steps and then the batch outermost in memory, each chunk's step a whole number of
     words."""
     shape, window = packing.shape, packing.window
-    steps, batch = shape[0], shape[1]
-    step_bits = shape.numel() // max(steps, 1) * window
-    if packing.order[:2] != (0, 1) or batch % chunks or step_bits % (32 * chunks):
+    if not can_cut(shape, packing.order, window, chunks):
         return None
+    steps, batch = shape[0], shape[1]
     words = packed_words(shape.numel(), window)
 
     def part(lo: int, hi: int) -> Tensor:  # chunk index's bytes of every step, in step order

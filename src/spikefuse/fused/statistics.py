@@ -156,15 +156,48 @@ def _eager_cuda(y: Tensor) -> bool:
 def local_mean_var(y: Tensor) -> tuple[Tensor, Tensor]:
     """Per-channel mean and biased variance [C] of y [T, B, C, *] on this process, in the
     compute dtype, one pass."""
+    mean, spread, is_invstd = _local_moments(y)
+    return mean, _variance_of(spread) if is_invstd else spread
+
+
+def _local_moments(y: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """(mean, spread, is_invstd) [C] of y: spread is the biased variance, or (``is_invstd``)
+    1/sqrt of it, 0 where it is 0, as eager CUDA's statistics kernels give it: float32
+    statistics of any storage dtype and layout without a float32 copy of y."""
     if _eager_cuda(y):
-        # float32 statistics of any storage dtype and layout without a float32 copy of y. They
-        # come as 1/sqrt(var) (0 where var is 0).
         stats = batch_mean_invstd(y, 0.0)
         assert stats is not None  # computed whenever no running statistics are passed
-        mean, invstd = stats
-        return mean, torch.where(invstd > 0, invstd.reciprocal().square(), 0.0)
+        return stats[0], stats[1], True
     var, mean = torch.var_mean(y.to(compute_dtype(y.dtype)), dim=reduce_dims(y.dim()), correction=0)
-    return mean, var
+    return mean, var, False
+
+
+def _variance_of(invstd: Tensor) -> Tensor:
+    """The biased variance of :func:`_local_moments`' 1/sqrt(var) (elementwise, any shape)."""
+    return torch.where(invstd > 0, invstd.reciprocal().square(), 0.0)
+
+
+class ChunkMoments:
+    """The per-channel moments of a synapse output computed in equal batch chunks, gathered
+    chunk by chunk (:meth:`add`) for :func:`bn_statistics_of_chunks`. Where the statistics
+    kernels give 1/sqrt(var), the variances are taken once over all chunks (elementwise: the
+    same values as chunk by chunk, in four launches instead of four per chunk)."""
+
+    def __init__(self) -> None:
+        self.means: list[Tensor] = []
+        self.spreads: list[Tensor] = []
+        self.is_invstd = False  # the same for every chunk: one device, one dtype
+
+    def add(self, y: Tensor) -> None:
+        """Take the moments of chunk y [T, b, C, *]."""
+        mean, spread, self.is_invstd = _local_moments(y)
+        self.means.append(mean)
+        self.spreads.append(spread)
+
+    def stacked(self) -> tuple[Tensor, Tensor]:
+        """(means, biased variances) [chunks, C]."""
+        spreads = torch.stack(self.spreads)
+        return torch.stack(self.means), _variance_of(spreads) if self.is_invstd else spreads
 
 
 def batch_stats(
@@ -313,15 +346,15 @@ def bn_statistics(y: Tensor, bn: BNSpec) -> BNStats:
 
 
 @torch.no_grad()
-def bn_statistics_of_chunks(moments: list[tuple[Tensor, Tensor]], bn: BNSpec, y: Tensor) -> BNStats:
+def bn_statistics_of_chunks(moments: ChunkMoments, bn: BNSpec, y: Tensor) -> BNStats:
     """:func:`bn_statistics` of a synapse output computed in equal batch chunks, from each
-    chunk's per-channel (mean, biased variance) (:func:`local_mean_var`): the union's mean is
-    the chunks' mean, its variance the mean of their variances plus the variance of their
-    means. ``y`` is one chunk (its dtype and count per channel)."""
-    means, variances = (torch.stack(m) for m in zip(*moments, strict=True))
+    chunk's per-channel mean and biased variance (``moments``): the union's mean is the
+    chunks' mean, its variance the mean of their variances plus the variance of their means.
+    ``y`` is one chunk (its dtype and count per channel)."""
+    means, variances = moments.stacked()
     mean = means.mean(0)
     var = variances.mean(0) + (means - mean).square().mean(0)
-    count = len(moments) * (y.numel() // y.shape[2])
+    count = means.shape[0] * (y.numel() // y.shape[2])
     return _from_moments(*reduce_moments(mean, var, count, bn.group), bn, y)
 
 

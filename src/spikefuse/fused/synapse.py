@@ -64,27 +64,74 @@ class Synapse:
         merged.unflatten(0, src.shape[:2]).copy_(src)
         return merged
 
-    def on_merged(self, merged: Tensor, steps: int) -> Tensor:
-        """The output [T, b, ...] of a merged batch [T*b, ...] of ``steps`` steps. The torch
-        base class's forward: spikefuse layers would otherwise re-split T and B."""
-        return self.kind.forward(self.module, merged).unflatten(0, (steps, -1))
+    def params(self) -> tuple[nn.Parameter, ...]:
+        """The module's parameters as ``parameters()`` gives them (weight, then a bias), read
+        from the module itself where it has no submodules (e.g. a parametrization's): no
+        generator over the module tree on every call."""
+        module = self.module
+        if module._modules:
+            return tuple(module.parameters())
+        return tuple(p for p in module._parameters.values() if p is not None)
 
-    def step(self, x: Tensor) -> Tensor:
+    def weight_in(self, dtype: torch.dtype) -> Tensor:
+        """The weight, detached, in ``dtype`` (itself where it has that dtype): one cast that
+        a backward's recomputation (:meth:`kept`) and both gradients share, where autocast
+        would cast it for each."""
+        return self.module.weight.detach().to(dtype)
+
+    def autocast_weight(self, x: Tensor) -> Tensor | None:
+        """:meth:`weight_in` the autocast dtype of x's device where autocast is on, else
+        None (a synapse with an explicit backward: see :meth:`_run`)."""
+        device = x.device.type
+        if not torch.is_autocast_enabled(device):
+            return None
+        return self.weight_in(torch.get_autocast_dtype(device))
+
+    def _run(self, merged: Tensor, weight: Tensor | None = None) -> Tensor:
+        """The torch base class's forward on a merged batch (spikefuse layers would otherwise
+        re-split T and B); with ``weight``, the same call on that weight (a cast of the
+        module's, :meth:`weight_in`; a synapse with an explicit backward only): under
+        autocast, the same operands, so the same output."""
+        module = self.module
+        if weight is None:
+            return self.kind.forward(module, merged)
+        if isinstance(module, nn.Linear):
+            return F.linear(merged, weight, module.bias)
+        assert not isinstance(module.padding, str)  # explicit_backward: zeros padding
+        conv = F.conv1d if self.kind is nn.Conv1d else F.conv2d
+        return conv(
+            merged,
+            weight,
+            module.bias,
+            module.stride,
+            module.padding,
+            module.dilation,
+            module.groups,
+        )
+
+    def on_merged(self, merged: Tensor, steps: int, weight: Tensor | None = None) -> Tensor:
+        """The output [T, b, ...] of a merged batch [T*b, ...] of ``steps`` steps (``weight``:
+        as :meth:`_run`)."""
+        return self._run(merged, weight).unflatten(0, (steps, -1))
+
+    def step(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """The output [1, B, ...] of one step of an input repeated over time."""
-        return self.kind.forward(self.module, self.merged(x[:1])).unsqueeze(0)
+        return self._run(self.merged(x[:1]), weight).unsqueeze(0)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """y = synapse(x) on [T, B, ...]. An input repeated over T as a view (stride 0 over T:
-        a static image fed at every step) runs the synapse once per sample, on x[0], and
-        repeats its output: T times less synapse work forward, and in backward autograd sums
-        dL/dy over T before the synapse's backward (y is the same up to rounding order)."""
+    def __call__(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
+        """y = synapse(x) on [T, B, ...] (``weight``: as :meth:`_run`). An input repeated over
+        T as a view (stride 0 over T: a static image fed at every step) runs the synapse once
+        per sample, on x[0], and repeats its output: T times less synapse work forward, and in
+        backward autograd sums dL/dy over T before the synapse's backward (y is the same up to
+        rounding order)."""
         if repeated_over_time(x):
-            return repeat_over_time(self.step(x)[0], x.shape[0])
-        return self.kind.forward(self.module, self.merged(x)).unflatten(0, x.shape[:2])
+            return repeat_over_time(self.step(x, weight)[0], x.shape[0])
+        return self._run(self.merged(x), weight).unflatten(0, x.shape[:2])
 
-    def kept(self, x: Tensor, repeat: int) -> Tensor:
-        """The output a block keeps: of one step [1, B, ...] (``repeat`` > 1), else all."""
-        return self.step(x) if repeat > 1 else self(x)
+    def kept(self, x: Tensor, repeat: int, weight: Tensor | None = None) -> Tensor:
+        """The output a block keeps: of one step [1, B, ...] (``repeat`` > 1), else all
+        (``weight``: as :meth:`_run`)."""
+        return self.step(x, weight) if repeat > 1 else self(x, weight)
 
     def saving_input(self, x: Tensor) -> Tensor:
         """``self(x)``, saving an input that is fused-block spikes as its recipe, or packed at
@@ -140,18 +187,17 @@ class Synapse:
         return module.padding_mode == "zeros" and not isinstance(module.padding, str)
 
     def param_grads(
-        self, x: Tensor, grad_y: Tensor, dtype: torch.dtype, need_b: bool
+        self, x: Tensor, grad_y: Tensor, weight: Tensor, need_b: bool
     ) -> tuple[Tensor, Tensor | None]:
         """(dL/dweight, dL/dbias or None) of ``y = synapse(x)`` on merged [T*B, ...] tensors,
-        computed in ``dtype`` (the forward's autocast dtype, else the weight's) and returned in
-        the parameters' dtypes."""
-        module = self.module
+        computed in the dtype of ``weight`` (:meth:`weight_in` of the forward's autocast dtype,
+        else the weight itself) and returned in the parameters' dtypes."""
+        module, dtype = self.module, weight.dtype
         grad_y, x = grad_y.to(dtype), x.to(dtype)
         if isinstance(module, nn.Linear):
             g = grad_y.flatten(0, -2)
             grad_w, grad_b = g.t() @ x.flatten(0, -2), (g.sum(0) if need_b else None)
         else:
-            weight = module.weight.to(dtype)
             _, grad_w, grad_b = torch.ops.aten.convolution_backward(
                 grad_y,
                 x,
@@ -169,14 +215,15 @@ class Synapse:
         grad_b = None if grad_b is None or bias is None else grad_b.to(bias.dtype)
         return grad_w.to(module.weight.dtype), grad_b
 
-    def input_grad(self, x_shape: torch.Size, grad_y: Tensor, dtype: torch.dtype) -> Tensor:
-        """dL/dx of ``y = synapse(x)`` on merged [T*B, ...] tensors, in ``dtype``. A Conv's is
+    def input_grad(self, x_shape: torch.Size, grad_y: Tensor, weight: Tensor) -> Tensor:
+        """dL/dx of ``y = synapse(x)`` on merged [T*B, ...] tensors, in the dtype of ``weight``
+        (as :meth:`param_grads`). A Conv's is
         the transposed convolution of dL/dy (cuDNN's data-gradient kernels, in dL/dy's memory
         layout; x's values are not needed), with the output padding that restores x's size.
         Not ``torch.nn.grad.conv2d_input``: its stand-in input (a broadcast scalar) has no
         channels-last layout, so cuDNN would transpose dL/dy and its result."""
         module = self.module
-        grad_y, weight = grad_y.to(dtype), module.weight.to(dtype)
+        grad_y = grad_y.to(weight.dtype)
         if isinstance(module, nn.Linear):
             return grad_y @ weight
         assert not isinstance(module.padding, str)  # explicit_backward
