@@ -197,7 +197,10 @@ def check_input(x: torch.Tensor) -> None:
 
 def aligned(*tensors: torch.Tensor | None) -> bool:
     """Whether every tensor's address allows a vector load or store (16 bytes)."""
-    return not any(t is not None and t.data_ptr() % _ALIGN for t in tensors)
+    for t in tensors:  # a loop, not any(generator): every forward launch asks
+        if t is not None and t.data_ptr() % _ALIGN:
+            return False
+    return True
 
 
 def vector_width(n: int, *tensors: torch.Tensor | None, vec: int) -> int:
