@@ -20,14 +20,14 @@ import torch
 from spikefuse import NeuronDef, backends, neuron, surrogate
 from spikefuse import definitions as defs
 from spikefuse.cuda import affine, affine_plan, backend
-from spikefuse.cuda.codegen import (
+from spikefuse.cuda.codegen import NeuronKernel
+from spikefuse.cuda.definition_kernel import DefinitionKernel
+from spikefuse.cuda.kernel_spec import (
     BLOCK_THREADS,
     NVRTC_OPTIONS,
     TEMPLATE_NAME,
     TEMPLATE_PATH,
     VEC,
-    DefinitionKernel,
-    NeuronKernel,
     chunk_steps,
 )
 from spikefuse.cuda.printer import cuda_body

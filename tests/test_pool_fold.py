@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from spikefuse import functional, fuse, layer, neuron
 from spikefuse.cuda import affine_plan
-from spikefuse.cuda.codegen import DefinitionKernel
+from spikefuse.cuda.definition_kernel import DefinitionKernel
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock, SpikePool, WindowAvgPool, paper_lif, paths
 from spikefuse.fused.convert import FusedAttributeError

@@ -17,15 +17,8 @@ import torch
 
 from ..backends import channels_innermost, repeats_one_step
 from ..program import NeuronProgram
-from .codegen import (
-    AFFINE_BPTT_VEC,
-    AFFINE_CHUNK,
-    BLOCK_THREADS,
-    POOLS,
-    VEC,
-    NeuronKernel,
-    chunk_steps,
-)
+from .codegen import NeuronKernel
+from .kernel_spec import AFFINE_BPTT_VEC, AFFINE_CHUNK, BLOCK_THREADS, POOLS, VEC, chunk_steps
 from .runtime import aligned, blocks_for, kernel_for, vector_width
 
 # Rows of a channel-tiled backward block (the template's TILE_ROWS: 32 channels x this many rows).
@@ -74,7 +67,7 @@ def _sequence_empty(memory: torch.Tensor, steps: int) -> torch.Tensor:
 
 def can_pool(y: torch.Tensor, pool: int) -> bool:
     """Whether the pooled kernels take y [T, B, C, H, W] with ``pool`` x ``pool`` windows (one
-    of :data:`~.codegen.POOLS`): channels innermost in memory (a channels-last convolution's
+    of :data:`~.kernel_spec.POOLS`): channels innermost in memory (a channels-last convolution's
     output), H and W multiples of ``pool``."""
     shape = y.shape
     return (
@@ -180,7 +173,7 @@ class LaunchPlan:
 
     def packs(self, pool: int) -> bool:
         """Whether this forward kernel packs its means: a pooled kernel (a mean takes k² = 4
-        bits, :data:`~.codegen.POOLS`, which unpacking reads) of whole warps (the lanes of a
+        bits, :data:`~.kernel_spec.POOLS`, which unpacking reads) of whole warps (the lanes of a
         word exchange their bits)."""
         window = pool * pool
         return pool > 1 and 32 % window == 0 and self.N // window % 32 == 0

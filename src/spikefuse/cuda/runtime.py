@@ -24,7 +24,9 @@ import torch
 from ..errors import BackendUnavailableError
 from ..program import NeuronProgram
 from . import unavailable_reason
-from .codegen import BLOCK_THREADS, NVRTC_OPTIONS, DefinitionKernel, NeuronKernel
+from .codegen import NeuronKernel
+from .definition_kernel import DefinitionKernel
+from .kernel_spec import BLOCK_THREADS, NVRTC_OPTIONS
 
 _ALIGN = 16  # bytes: the alignment a vector load or store of VEC elements needs at most
 
