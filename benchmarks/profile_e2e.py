@@ -142,7 +142,7 @@ def gpu_gaps(step, rows: int, steps: int = 3) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="medium", choices=sorted(e2e.MODELS) + sorted(e2e.ZOO))
-    parser.add_argument("--variants", nargs="+", default=["fused"], choices=e2e.VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=["fused"], choices=e2e.variants())
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(e2e.DTYPES))
     parser.add_argument("--rows", type=int, default=25, help="kernel table rows")
     parser.add_argument("--memory", action="store_true", help="live allocations at the peak")

@@ -3,6 +3,8 @@ protocol's attributes with its parameter order, and the one 'auto' rule."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import inspect
 
 import pytest
@@ -92,3 +94,24 @@ def test_as_channels_innermost_copies_once_into_the_kernels_layout(shape, dtype)
     assert out.shape == t.shape and out.dtype == dtype
     assert torch.equal(out, t.to(dtype))
     assert backends.as_channels_innermost(out, dtype) is out  # already laid out: no copy
+
+
+def test_capability_is_looked_up_once_per_device_type_and_dtype(monkeypatch):
+    """The fused blocks ask for a capability on every call: the backend's availability check and
+    the import run once per (capability, device type, dtype), later calls read the answer."""
+    asked = []
+
+    def runs_float32(x):
+        asked.append((x.device.type, x.dtype))
+        return None if x.dtype == torch.float32 else "float32 only"
+
+    entry = dataclasses.replace(backends._REGISTRY["cuda"], unavailable_reason=runs_float32)
+    monkeypatch.setitem(backends._REGISTRY, "cuda", entry)
+    monkeypatch.setattr(backends, "_CAPABLE", {})
+    for _ in range(3):
+        module = backends.capability("spike_bits", torch.zeros(3))
+        assert module is importlib.import_module("spikefuse.cuda.spike_bits")
+        assert backends.capability("spike_bits", torch.zeros(2, dtype=torch.float64)) is None
+    assert asked == [("cpu", torch.float32), ("cpu", torch.float64)]
+    with pytest.raises(SpikefuseError, match="unknown capability"):
+        backends.capability("bogus", torch.zeros(3))

@@ -82,3 +82,37 @@ def test_tables_of_a_result_set_quote_its_csv() -> None:
     text = tables.all_tables(BENCHMARKS / "h100")
     assert "| fused + CUDA graph |" in text and "| 32 | float32 |" in text
     assert "fused + torch.compile" not in text  # a variant the set did not run has no row
+
+
+def test_bench_variants_follow_the_memory_registry(monkeypatch) -> None:
+    """Every registered memory mode is a fused variant of the end-to-end benchmark
+    (``fused-<mode>``, with its suffixes), which the command line takes and build() fuses with
+    that mode; the listed variants keep their order."""
+    from spikefuse.bench import e2e
+    from spikefuse.fused import FusedBlock
+    from spikefuse.fused import memory as memory_module
+
+    before = e2e.variants()
+    assert before[: len(e2e.VARIANTS)] == e2e.VARIANTS
+    assert before[len(e2e.VARIANTS) :] == tuple(
+        f"fused-{mode}{suffix}"
+        for mode in ("min", "auto")
+        for suffix in ("", "+graph", "+model-graphs")
+    )
+    monkeypatch.setattr(memory_module, "_POLICIES", dict(memory_module._POLICIES))
+
+    @memory_module.register_memory
+    class KeepAll(memory_module.DefaultMemory):
+        name = "keep-all"
+
+    assert e2e.fused_memory()["fused-keep-all"] == "keep-all"
+    assert e2e.variants()[-3:] == (
+        "fused-keep-all",
+        "fused-keep-all+graph",
+        "fused-keep-all+model-graphs",
+    )
+    args = e2e.build_parser().parse_args(["--variants", "fused-keep-all"])
+    assert args.variants == ["fused-keep-all"]
+    net = e2e.build("fused-keep-all", "small", torch.device("cpu"))
+    blocks = [m for m in net.modules() if isinstance(m, FusedBlock)]
+    assert blocks and all(block.memory == "keep-all" for block in blocks)

@@ -5,6 +5,7 @@ tests/gpu (``pytest -m gpu`` on a GPU machine)."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import re
 import shutil
@@ -18,15 +19,15 @@ import torch
 
 from spikefuse import NeuronDef, backends, neuron, surrogate
 from spikefuse import definitions as defs
-from spikefuse.cuda import affine, backend
-from spikefuse.cuda.codegen import (
+from spikefuse.cuda import affine, affine_plan, backend
+from spikefuse.cuda.codegen import NeuronKernel
+from spikefuse.cuda.definition_kernel import DefinitionKernel
+from spikefuse.cuda.kernel_spec import (
     BLOCK_THREADS,
     NVRTC_OPTIONS,
     TEMPLATE_NAME,
     TEMPLATE_PATH,
     VEC,
-    DefinitionKernel,
-    NeuronKernel,
     chunk_steps,
 )
 from spikefuse.cuda.printer import cuda_body
@@ -269,9 +270,9 @@ def test_backward_channel_tiles_cover_every_neuron_once(rows, channels, inner):
     block's sums where _per_channel_sum reads that channel: the per-channel totals equal
     per-neuron ones."""
     n = rows * channels * inner
-    tiles, (grid_x, grid_y), per_sum = affine._bptt_grid(n, (channels, inner), vec=1)
+    tiles, (grid_x, grid_y), per_sum = affine_plan.bptt_grid(n, (channels, inner), vec=1)
     values = torch.rand(n, dtype=torch.float64)
-    expected = affine._per_channel_sum(values[None], (channels, inner))
+    expected = affine.per_channel_sum(values[None], (channels, inner))
     block_x, block_y, thread = torch.meshgrid(
         torch.arange(grid_x), torch.arange(grid_y), torch.arange(BLOCK_THREADS), indexing="ij"
     )
@@ -281,7 +282,7 @@ def test_backward_channel_tiles_cover_every_neuron_once(rows, channels, inner):
         assert torch.equal(owned[owned < n], torch.arange(n))
         return
     assert tiles == channels // 32 == grid_x  # block (x, y): channel tile x, row group y
-    row = block_y * affine.TILE_ROWS + thread // 32
+    row = block_y * affine_plan.TILE_ROWS + thread // 32
     channel = block_x * 32 + thread % 32
     neuron_of = row * channels + channel
     owns = row * channels < n
@@ -289,15 +290,18 @@ def test_backward_channel_tiles_cover_every_neuron_once(rows, channels, inner):
     out = (block_y * channels + channel)[owns]
     assert out.max() < per_sum
     partial = torch.zeros(per_sum, dtype=torch.float64).index_add_(0, out, values[neuron_of[owns]])
-    assert torch.allclose(affine._per_channel_sum(partial[None], (channels, inner)), expected)
+    assert torch.allclose(affine.per_channel_sum(partial[None], (channels, inner)), expected)
 
 
 def test_backward_grid_stays_within_cuda_grid_rows():
     """More row groups than a grid's 65535 rows: one row of blocks, every neuron its own sums."""
-    rows = affine.TILE_ROWS * affine.MAX_GRID_ROWS
-    assert affine._bptt_grid(rows * 32, (32, 1), vec=1)[:2] == (1, (1, affine.MAX_GRID_ROWS))
+    rows = affine_plan.TILE_ROWS * affine_plan.MAX_GRID_ROWS
+    assert affine_plan.bptt_grid(rows * 32, (32, 1), vec=1)[:2] == (
+        1,
+        (1, affine_plan.MAX_GRID_ROWS),
+    )
     n = (rows + 1) * 32
-    assert affine._bptt_grid(n, (32, 1), vec=1) == (0, (affine.blocks_for(n, 1), 1), n)
+    assert affine_plan.bptt_grid(n, (32, 1), vec=1) == (0, (affine_plan.blocks_for(n, 1), 1), n)
 
 
 def test_parameter_only_derivatives_are_computed_once_per_thread():
@@ -437,9 +441,9 @@ def test_affine_kernels_are_their_own_module():
     assert backends.affine_kernels("cuda") is affine
     assert backends.affine_kernels("torch") is None
     assert not hasattr(backend, "affine_fptt")
-    assert affine.channel_layout(torch.zeros(2, 3, 4, 5, 6))[1] == (4, 30)
+    assert affine_plan.channel_layout(torch.zeros(2, 3, 4, 5, 6))[1] == (4, 30)
     channels_last = torch.zeros(2, 3, 5, 6, 4).permute(0, 1, 4, 2, 3)  # [T, B, C, H, W] view
-    y, channels = affine.channel_layout(channels_last)
+    y, channels = affine_plan.channel_layout(channels_last)
     assert channels == (4, 1) and y is channels_last  # used as it is, not copied
 
 
@@ -448,7 +452,7 @@ LIF_PROGRAM = neuron.LIFNode().program
 
 def _plan_of(y: torch.Tensor, pool: int = 1, forward: bool = True, aligned: bool = True):
     shape, strides = y.shape, y.stride()
-    return affine._plan(LIF_PROGRAM, y.dtype, shape, strides, pool, False, forward, aligned)
+    return affine_plan.plan(LIF_PROGRAM, y.dtype, shape, strides, pool, False, forward, aligned)
 
 
 def test_launch_plans_read_the_layout_once_per_geometry():
@@ -481,14 +485,14 @@ def test_launch_plans_read_the_layout_once_per_geometry():
     assert pooled.per_sum == 4 * 9 * 8  # one partial sum per window (channels not in warps)
     with pytest.raises(ValueError, match="pooled affine kernels"):
         _plan_of(contiguous, pool=2)
-    memory, layout, _ = affine._memory(strided)
+    memory, layout, _ = affine_plan.unpooled_memory(strided)
     assert layout == plan.layout and memory.stride() == plan.memory[1]
 
 
 def test_launch_plans_do_not_depend_on_the_grad_mode():
     """Under inference_mode views have no _base: a repeated channels-innermost step is still
     read as it is (and the plan, cached, is the same one training then uses)."""
-    affine._plan.cache_clear()
+    affine_plan.plan.cache_clear()
     step = torch.zeros(1, 4, 6, 6, 8).permute(0, 1, 4, 2, 3)
     with torch.inference_mode():
         plan = _plan_of(step.expand(10, -1, -1, -1, -1))
@@ -516,11 +520,11 @@ def test_grad_spikes_are_laid_out_once_as_the_backward_kernels_read_them():
 def test_launch_plans_vectorise_what_is_aligned_or_copied():
     flat = torch.zeros(10 * 4 * 8 * 36 + 1)
     unaligned = flat[1:].view(10, 4, 8, 6, 6)  # 4 bytes past an aligned address
-    assert affine._plan_for(LIF_PROGRAM, unaligned, 1, None, True).kernel.vec == 1
+    assert affine_plan.plan_for(LIF_PROGRAM, unaligned, 1, None, True).kernel.vec == 1
     strided = flat[1:].view(10, 8, 4, 6, 6).transpose(1, 2)  # copied by the call: aligned
-    assert affine._plan_for(LIF_PROGRAM, strided, 1, None, True).kernel.vec == 4
+    assert affine_plan.plan_for(LIF_PROGRAM, strided, 1, None, True).kernel.vec == 4
     aligned = torch.zeros(10, 4, 8, 6, 6)
-    assert affine._plan_for(LIF_PROGRAM, aligned, 1, None, True, unaligned).kernel.vec == 1
+    assert affine_plan.plan_for(LIF_PROGRAM, aligned, 1, None, True, unaligned).kernel.vec == 1
 
 
 def test_reserved_parameter_names_are_refused():
@@ -570,3 +574,23 @@ def test_chunk_follows_the_sequence_length():
     assert backend.saved_like(program, torch.zeros(4, 2, 3), True)[0] is None
     with pytest.raises(ValueError, match="chunk must be in 1..10"):
         DefinitionKernel(program, torch.float32, 1, affine=True, chunk=12)
+
+
+def test_a_launch_passes_the_packed_struct_as_its_one_parameter(monkeypatch):
+    """launch_named gives cuLaunchKernel one kernelParams entry: the address of a copy of the
+    packed Args bytes (all of them, none added), on the current stream."""
+    from spikefuse.cuda import runtime
+
+    args = bytes(range(40)) + b"\x00\x07"
+    seen = []
+
+    def launch_in_context(call, index):
+        params = ctypes.cast(call[9], ctypes.POINTER(ctypes.c_void_p))
+        seen.append((call[:9], call[10], index, ctypes.string_at(params[0], len(args))))
+
+    monkeypatch.setattr(runtime, "_loaded", lambda source, name, index: (None, 1234))
+    monkeypatch.setattr(runtime, "_current_device", lambda: 0)
+    monkeypatch.setattr(runtime, "_current_stream", lambda index: 99)
+    monkeypatch.setattr(runtime, "_launch_in_context", launch_in_context)
+    runtime.launch_named("source", "k", torch.device("cuda", 0), (3, 2, 1), (256, 1, 1), args)
+    assert seen == [((1234, 3, 2, 1, 256, 1, 1, 0, 99), 0, 0, args)]

@@ -717,7 +717,7 @@ def test_ann_floor_is_the_vanilla_network_with_relu_for_its_neurons(model):
         e2e.training_step(ann, cpu, T=2, batch=2, amp=None)()
 
 
-@pytest.mark.parametrize("variant", e2e.VARIANTS)
+@pytest.mark.parametrize("variant", e2e.variants())
 def test_every_e2e_bench_variant_builds(variant):
     """Every listed variant builds a model (a listed one that build() rejects fails here);
     the SpikingJelly peer where SpikingJelly is installed, else an error saying how."""

@@ -17,7 +17,7 @@ from torch import nn
 from spikefuse import definitions as defs
 from spikefuse import functional, layer, neuron
 from spikefuse import surrogate as sg
-from spikefuse.cuda.codegen import DefinitionKernel
+from spikefuse.cuda.definition_kernel import DefinitionKernel
 from spikefuse.errors import BackendUnavailableError, SpikefuseError
 from spikefuse.fused import FusedBlock, FusedLinearBNNeuron, WindowAvgPool, fuse, paper_lif
 from spikefuse.fused.statistics import batch_stats

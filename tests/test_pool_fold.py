@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from spikefuse import functional, fuse, layer, neuron
-from spikefuse.cuda import affine
-from spikefuse.cuda.codegen import DefinitionKernel
+from spikefuse.cuda import affine_plan
+from spikefuse.cuda.definition_kernel import DefinitionKernel
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock, SpikePool, WindowAvgPool, paper_lif, paths
 from spikefuse.fused.convert import FusedAttributeError
@@ -303,23 +303,23 @@ def channels_last_map(t: int, b: int, c: int, h: int, w: int) -> torch.Tensor:
 
 
 def test_which_maps_the_pooled_kernels_take():
-    assert affine.can_pool(channels_last_map(2, 3, 5, 4, 6), 2)
-    assert affine.pooled_geometry(channels_last_map(2, 3, 5, 4, 6), 2) == (5, 3)
-    assert affine.can_pool(torch.zeros(2, 3, 1, 4, 4), 2)  # C = 1: both layouts are one
-    assert not affine.can_pool(torch.zeros(2, 3, 5, 4, 4), 2)  # channels-first
-    assert not affine.can_pool(channels_last_map(2, 3, 5, 5, 4), 2)  # odd H
-    assert not affine.can_pool(channels_last_map(2, 3, 5, 4, 7), 2)  # odd W
-    assert not affine.can_pool(channels_last_map(2, 3, 5, 6, 6), 3)  # only 2x2 kernels
-    assert not affine.can_pool(torch.zeros(2, 3, 5, 4), 2)
+    assert affine_plan.can_pool(channels_last_map(2, 3, 5, 4, 6), 2)
+    assert affine_plan.pooled_geometry(channels_last_map(2, 3, 5, 4, 6), 2) == (5, 3)
+    assert affine_plan.can_pool(torch.zeros(2, 3, 1, 4, 4), 2)  # C = 1: both layouts are one
+    assert not affine_plan.can_pool(torch.zeros(2, 3, 5, 4, 4), 2)  # channels-first
+    assert not affine_plan.can_pool(channels_last_map(2, 3, 5, 5, 4), 2)  # odd H
+    assert not affine_plan.can_pool(channels_last_map(2, 3, 5, 4, 7), 2)  # odd W
+    assert not affine_plan.can_pool(channels_last_map(2, 3, 5, 6, 6), 3)  # only 2x2 kernels
+    assert not affine_plan.can_pool(torch.zeros(2, 3, 5, 4), 2)
     with pytest.raises(ValueError, match="channels-last"):
-        affine.pooled_geometry(torch.zeros(2, 3, 5, 4, 4), 2)
+        affine_plan.pooled_geometry(torch.zeros(2, 3, 5, 4, 4), 2)
 
 
 def test_pooled_output_layout_matches_window_avg_pool():
     """The kernels' pooled map has WindowAvgPool's strides on a channels-last map (so a recipe
     recomputing either has the saved geometry) and is no view."""
     y = channels_last_map(2, 3, 5, 4, 6)
-    out = affine._pooled_empty(y, 2)
+    out = affine_plan.pooled_empty(y, 2)
     want = WindowAvgPool.apply(y.flatten(0, 1), 2, 2).unflatten(0, (2, 3))
     assert out.shape == want.shape and out.stride() == want.stride() and out._base is None
 

@@ -233,7 +233,8 @@ class _Registered:
     module: str  # implements NeuronBackend; imported on first use
     # Why the backend cannot run on x, or None; None here: it runs on every device and dtype.
     # Cheap (never imports the backend module or CuPy) and traceable by torch.compile: every
-    # neuron call asks.
+    # neuron call asks. A function of x's device type and dtype only (:func:`capability`
+    # caches its answers by them).
     unavailable_reason: Callable[[torch.Tensor], str | None] | None
     affine_module: str | None = None  # implements AffineKernels (None: the backend has none)
     # Further kernels the fused blocks use where the backend runs x, by capability name
@@ -357,10 +358,24 @@ def _capability_providers(capability: str) -> tuple[tuple[str, str], ...]:
     )
 
 
+# (capability, device type, dtype) -> what :func:`capability` answers for such a tensor: the
+# fused blocks ask on every call, and the answer depends on these alone (see _Registered).
+_CAPABLE: dict[tuple[str, str, torch.dtype], object | None] = {}
+_UNKNOWN = object()
+
+
 def capability(capability: str, x: torch.Tensor) -> object | None:
     """The module of a backend that offers ``capability`` (:data:`CAPABILITIES`) and runs
     ``x``, or None (the caller then uses torch ops). Never imports CuPy; the module is
-    imported on first use."""
+    imported on first use, and the answer is kept per device type and dtype of ``x``."""
+    key = (capability, x.device.type, x.dtype)
+    found = _CAPABLE.get(key, _UNKNOWN)
+    if found is _UNKNOWN:
+        found = _CAPABLE[key] = _find_capability(capability, x)
+    return found
+
+
+def _find_capability(capability: str, x: torch.Tensor) -> object | None:
     for name, module in _capability_providers(capability):
         if unavailable_reason(name, x) is None:
             return importlib.import_module(module)

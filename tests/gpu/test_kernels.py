@@ -194,7 +194,7 @@ def test_lif_kernel_registers(dtype, affine, record_property):
     """Registers and local-memory spills of the LIF kernels that run on aligned input
     (recorded in the test report, not checked)."""
     from spikefuse.cuda import backend as cuda_backend
-    from spikefuse.cuda.codegen import AFFINE_BPTT_VEC, BPTT_VEC, VEC
+    from spikefuse.cuda.kernel_spec import AFFINE_BPTT_VEC, BPTT_VEC, VEC
 
     bptt_vec = AFFINE_BPTT_VEC if affine else BPTT_VEC[dtype]
     for forward, vec in ((True, VEC), (False, bptt_vec)):

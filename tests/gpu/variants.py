@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from spikefuse import neuron, surrogate
-from spikefuse.cuda.codegen import AFFINE_CHUNK, CHUNK, VEC
+from spikefuse.cuda.kernel_spec import AFFINE_CHUNK, CHUNK, VEC
 
 __all__ = ["AFFINE_CHUNK", "CHUNK", "DTYPES", "NODES", "Variant", "params"]
 

@@ -22,9 +22,10 @@ captured in a CUDA graph, ``+compile`` runs ``torch.compile(model)``, ``+reduce-
 ``torch.compile(model, mode="reduce-overhead")`` (inductor replays forward and backward from
 CUDA graphs; the optimizer step stays eager), ``+model-graphs``
 :func:`spikefuse.graph_model` (forward and backward replayed from CUDA graphs inside the loop;
-the loss, optimizer and ``loss.item()`` eager); ``fused-min`` is
-``fuse(model, memory="min")`` (blocks keep only their input and recompute the synapse),
-``fused-auto`` ``fuse(model, memory="auto")`` (blocks choose one of the two where it pays).
+the loss, optimizer and ``loss.item()`` eager); ``fused-<mode>`` is ``fuse(model,
+memory="<mode>")`` for every other registered memory mode (:func:`spikefuse.fused.memory_modes`):
+``fused-min`` (blocks keep only their input and recompute the synapse), ``fused-auto`` (blocks
+choose one of the two where it pays).
 Eager, ``+model-graphs`` and compiled variants run the step a SpikingJelly user writes
 (``--loop user``, the default: the batch ``repeat``ed over T, autocast with its weight cache,
 ``loss.item()`` every step); ``+graph`` variants capture that step whole, without the
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional
-from ..fused import fuse
+from ..fused import fuse, memory_modes
 from ..graphs import capture_step
 from ..model_graphs import graph_model
 from .common import (
@@ -80,6 +81,8 @@ from .networks import (
 )
 from .peers import spikingjelly_model
 
+# The variants besides the fused models of the memory modes other than "default" (see
+# variants(), which adds those from the registry).
 VARIANTS = (
     "ann",
     "vanilla",
@@ -94,24 +97,32 @@ VARIANTS = (
     "fused+model-graphs",
     "fused+compile",
     "fused+reduce-overhead",
-    "fused-min",
-    "fused-min+graph",
-    "fused-min+model-graphs",
-    "fused-auto",
-    "fused-auto+graph",
-    "fused-auto+model-graphs",
     "spikingjelly",
 )
+# The suffixes the fused models of the memory modes besides "default" run with.
+MEMORY_MODE_SUFFIXES = ("", "+graph", "+model-graphs")
 # How a step is written: "user" is a SpikingJelly-style loop left as its author wrote it (the
 # batch ``repeat``ed over T, autocast with its weight cache, ``loss.item()`` each step; a
 # ``+graph`` variant captures the same step without the read-back and the cache); "bench"
 # expands the batch (fused stems then convolve one image per sample) and reads nothing back.
 LOOPS = ("user", "bench")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-# fuse()'s memory mode of each fused variant (the part before any "+")
-FUSED_MEMORY = {"fused": "default", "fused-min": "min", "fused-auto": "auto"}
 # torch.compile's mode of each compiled variant's suffix (the part after "+")
 COMPILE_MODES = {"compile": None, "reduce-overhead": "reduce-overhead"}
+
+
+def fused_memory() -> dict[str, str]:
+    """fuse()'s memory mode of each fused model (a variant's part before any "+"): "fused" is
+    the "default" mode's, "fused-<mode>" every other registered mode's (read from the registry
+    on every call, so a mode registered after import is a variant too)."""
+    return {("fused" if m == "default" else f"fused-{m}"): m for m in memory_modes()}
+
+
+def variants() -> tuple[str, ...]:
+    """Every variant: :data:`VARIANTS`, then each other memory mode's fused model with the
+    suffixes of :data:`MEMORY_MODE_SUFFIXES`."""
+    others = [base for base in fused_memory() if base != "fused"]
+    return (*VARIANTS, *(base + suffix for base in others for suffix in MEMORY_MODE_SUFFIXES))
 
 
 def compiled(net: nn.Module, mode: str | None = None) -> nn.Module:
@@ -131,11 +142,12 @@ def build(variant: str, model: str, device: torch.device) -> nn.Module:
         return compiled(net) if variant == "vanilla-compile" else net
     if variant == "spikingjelly":  # SpikingJelly 2.0's own modules, as its users run them
         return spikingjelly_model(model)
-    if base != "spikefuse" and base not in FUSED_MEMORY:
+    memory = fused_memory()
+    if base != "spikefuse" and base not in memory:
         raise ValueError(f"unknown variant {variant!r}")
     net = zoo_model(model, backend) if model in ZOO else spikefuse_model(model, backend)
-    if base in FUSED_MEMORY:
-        net, report = fuse(net, inplace=True, return_report=True, memory=FUSED_MEMORY[base])
+    if base in memory:
+        net, report = fuse(net, inplace=True, return_report=True, memory=memory[base])
         print(f"  {variant}: fused {len(report.fused)} of {report.chains} chains", flush=True)
     if mode == "model-graphs":
         return graph_model(net)
@@ -275,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup", type=int, default=None, help="untimed iterations first (default: 5; 1 on CPU)"
     )
     parser.add_argument(
-        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="default: all"
+        "--variants", nargs="+", choices=variants(), default=list(variants()), help="default: all"
     )
     parser.add_argument(
         "--dtypes",

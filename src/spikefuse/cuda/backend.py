@@ -14,7 +14,7 @@ import torch
 from ..backends import BPTTOut, FPTTOut
 from ..program import NeuronProgram
 from . import unavailable_reason
-from .codegen import BPTT_VEC, CHUNK, VEC, chunk_steps
+from .kernel_spec import BPTT_VEC, CHUNK, VEC, chunk_steps
 from .runtime import (
     blocks_for,
     check_checkpoints,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .codegen import BLOCK_THREADS
+from .kernel_spec import BLOCK_THREADS
 from .runtime import launch_named, load_named
 
 SOURCE_PATH = Path(__file__).with_name("bf16_split.cuh")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpikefuseError
-from .codegen import _STORAGE
+from .kernel_spec import STORAGE
 from .runtime import check_input, launch_named
 
 SOURCE_PATH = Path(__file__).with_name("channel_stats.cuh")
@@ -114,7 +114,7 @@ class StatsKernels:
 
     @property
     def tag(self) -> str:
-        return f"{_STORAGE[self.dtype].ctype.strip('_')}_v{self.vec}"
+        return f"{STORAGE[self.dtype].ctype.strip('_')}_v{self.vec}"
 
     @functools.cached_property
     def partial_name(self) -> str:
@@ -127,7 +127,7 @@ class StatsKernels:
     @functools.cached_property
     def source(self) -> str:
         """The prelude (storage type, VEC, kernel names), then ``channel_stats.cuh``."""
-        storage = _STORAGE[self.dtype]
+        storage = STORAGE[self.dtype]
         lines = [
             f"// spikefuse channel statistics: {storage.ctype} storage, VEC = {self.vec}",
             *storage.declarations(),

@@ -29,186 +29,42 @@ pooling that follows a fused block into its kernels: a thread owns one element o
 and the k x k neurons of its window (one channel). Forward advances the window's neurons
 together and writes only their mean; backward walks them one after another (one neuron's
 registers at a time), each receiving dL/d(mean) / k² as its dL/dS, and writes dL/dY (pass 2) or
-the window's sums (pass 1). Only k = 2 is generated (:data:`POOLS`): there the mean of the spikes
-is exact in every dtype.
+the window's sums (pass 1). Only k = 2 is generated (:data:`~.kernel_spec.POOLS`): there the
+mean of the spikes is exact in every dtype.
 
 Both kernels take one argument, an ``Args`` struct whose fields are the variant's own (see
-:data:`ARG_POINTERS` and :meth:`NeuronKernel.pack_args`), so a launch packs a single buffer.
+:data:`~.kernel_spec.ARG_POINTERS` and :meth:`NeuronKernel.pack_args`), so a launch packs a
+single buffer.
 Extension path (as in SpikingJelly's kernel templates): subclass :class:`NeuronKernel` and
 return CUDA expressions from :meth:`~NeuronKernel.charge`, :meth:`~NeuronKernel.dh_dx` and
 :meth:`~NeuronKernel.dh_dv` (and the two-state snippets for adaptive neurons). Expressions may use
 ``v`` (V[t-1]), ``x`` (X[t]), ``w`` (W[t-1]), ``h`` (H[t], derivatives only) and ``p.<param>``.
-:class:`DefinitionKernel` prints every function from a :class:`~spikefuse.program.NeuronProgram`.
+:class:`~.definition_kernel.DefinitionKernel` prints every function from a
+:class:`~spikefuse.program.NeuronProgram`. Launch constants, storage types and the ``Args``
+pointer fields live in :mod:`.kernel_spec`.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import struct
-from dataclasses import dataclass
-from pathlib import Path
 
-import sympy as sp
 import torch
 
-from ..program import NeuronProgram
 from ..surrogate import Surrogate, x_sym
-from .printer import EXACT_DIV, FAST_MATH, CudaFloatPrinter, cuda_body
-
-BLOCK_THREADS = 256
-CHUNK = 8  # the longest chunk: steps whose H stays in registers while backward walks them
-# Longest chunk of the channel-affine kernels (one neuron per thread in backward). With 16-bit
-# storage a float32 checkpoint costs 2/CHUNK of Y's bytes, so they take 12 steps (no checkpoint
-# at all for T <= 12): with 16 the chunk's registers held backward to 2 resident blocks per SM,
-# and both passes took 3.0-3.2 ms per medium-net bf16 step against 2.1 with 12 steps and 4
-# blocks (H100). float32 takes 10, which still fits 4 blocks: at T = 10 the medium net's graphed
-# float32 step took 13.17 ms with one chunk of 10 against 13.39 with chunks of 8 and 2 (H100).
-AFFINE_CHUNK = {torch.float32: 10, torch.float16: 12, torch.bfloat16: 12}
-#: Shorter chunks for short sequences (see :func:`chunk_steps`).
-SHORT_CHUNKS = (4, 8)
-
-
-def chunk_steps(T: int, longest: int) -> int:
-    """The chunk length of kernels for T-step sequences: the first of :data:`SHORT_CHUNKS`
-    shorter than ``longest`` that holds all T steps, else ``longest``.
-
-    A chunk longer than T holds registers it never uses (at T = 4 the medium net's graphed
-    float32 step took 5.84 ms with chunks of 4 against 5.99 with 8, H100), and one that holds
-    all T steps needs no checkpoint. Few lengths, so that a model compiles few variants.
-    """
-    return next((c for c in SHORT_CHUNKS if T <= c < longest), longest)
-
-
-LOAD_STEPS = 8  # forward: steps of input loaded ahead at once (a CHUNK's worth at most)
-VEC = 4  # neurons per thread when N and the pointers allow (16-byte fp32 / 8-byte 16-bit access)
-# Backward with 16-bit storage is bound by instruction issue, not memory: one neuron per thread
-# and more resident blocks ran it fastest on an H200 (bf16, T=32: 157 us vs 200 us with VEC).
-BPTT_VEC = {torch.float32: VEC, torch.float16: 1, torch.bfloat16: 1}
-# The channel-affine backward holds 7 more values per neuron (its channel's vectors and sums):
-# with VEC = 4 it spills registers, with one neuron per thread it fits in 64.
-AFFINE_BPTT_VEC = 1
-#: Window sizes k of the pooled kernels (k x k average pooling folded in; 1: none).
-POOLS = (1, 2)
-NVRTC_OPTIONS: tuple[str, ...] = (
-    "--std=c++17",
-    "--fmad=false",
-)  # no FMA contraction: H matches torch's bitwise
-
-#: The loop structure every kernel shares, and the name compiler messages give it.
-TEMPLATE_PATH = Path(__file__).with_name("neuron_kernels.cuh")
-TEMPLATE_NAME = "spikefuse/cuda/neuron_kernels.cuh"
-
-
-@functools.cache
-def template_source() -> str:
-    """The text of ``neuron_kernels.cuh``, read once."""
-    return TEMPLATE_PATH.read_text(encoding="utf-8")
-
-
-@dataclass(frozen=True)
-class Storage:
-    """How a storage dtype appears in CUDA: its type, header and conversions from/to float."""
-
-    ctype: str
-    include: str
-    to_float: str
-    from_float: str
-
-    def declarations(self) -> list[str]:
-        """The prelude lines that define ``scalar_t``, ``to_float`` and ``from_float``."""
-        lines = [f"#include <{self.include}>"] if self.include else []
-        return [
-            *lines,
-            f"typedef {self.ctype} scalar_t;",
-            "__device__ __forceinline__ float to_float(const scalar_t x) "
-            f"{{ return {self.to_float}; }}",
-            "__device__ __forceinline__ scalar_t from_float(const float x) "
-            f"{{ return {self.from_float}; }}",
-        ]
-
-
-_STORAGE = {
-    torch.float32: Storage("float", "", "x", "x"),
-    torch.float16: Storage("__half", "cuda_fp16.h", "__half2float(x)", "__float2half_rn(x)"),
-    torch.bfloat16: Storage(
-        "__nv_bfloat16", "cuda_bf16.h", "__bfloat162float(x)", "__float2bfloat16_rn(x)"
-    ),
-}
-
-
-@dataclass(frozen=True)
-class ArgPointer:
-    """A pointer field of ``Args``: C type, name, what it holds (null where optional), and which
-    kernels have it: ``plain`` (all neurons), ``two_state`` (plain kernels of two-state
-    neurons), ``affine`` (BatchNorm folded in), or ``both`` (plain and affine)."""
-
-    ctype: str
-    name: str
-    doc: str
-    kernels: str  # or "residual": affine kernels that add a residual to X
-
-
-# In struct order. The affine kernels' x_seq holds Y; their neuron input is X = Y * scale[c] +
-# shift[c] with c = (n / inner) % channels. Backward pass 1 writes the per-neuron (or, channel-
-# tiled, per-block) sums; pass 2 reads their per-channel totals (divided by the count through
-# inv_count) and writes dL/dY.
-ARG_POINTERS = (
-    ArgPointer("const scalar_t*", "x_seq", "X [T, N]; Y in the affine kernels", "both"),
-    ArgPointer("const float*", "v0", "V[-1] [N], or null: every neuron starts at v_init", "plain"),
-    ArgPointer(
-        "const float*", "w0", "W[-1] [N], or null: every neuron starts at w_init", "two_state"
-    ),
-    ArgPointer("scalar_t*", "spike_seq", "S [T, N] (pooled: the windows' means)", "both"),
-    ArgPointer(
-        "unsigned int*",
-        "spike_words",
-        "pooled: each mean's WINDOW spikes, 1 bit each, or null",
-        "affine",
-    ),
-    ArgPointer(
-        "unsigned char*", "spike_nan", "per word of spike_words: a NaN spike in it", "affine"
-    ),
-    ArgPointer("scalar_t*", "v_seq", "V [T, N], or null", "plain"),
-    ArgPointer("float*", "v_last", "V[T-1] [N], or null", "plain"),
-    ArgPointer("float*", "w_last", "W[T-1] [N], or null", "two_state"),
-    ArgPointer("float*", "v_ckpt", "V at each chunk's end but the last's, or null", "both"),
-    ArgPointer("float*", "w_ckpt", "W likewise", "two_state"),
-    ArgPointer("const float*", "learnable", "learnable parameter values [P]", "both"),
-    ArgPointer("const scalar_t*", "grad_spike_seq", "dL/dS [T, N] (pooled: of means)", "both"),
-    ArgPointer("const scalar_t*", "grad_v_seq", "dL/dV [T, N], or null", "plain"),
-    ArgPointer("const float*", "grad_v_last", "dL/dV[T-1] [N], or null", "plain"),
-    ArgPointer("const float*", "grad_w_last", "dL/dW[T-1] [N], or null", "two_state"),
-    ArgPointer("scalar_t*", "grad_x_seq", "dL/dX [T, N] (affine: dL/dY, or null)", "both"),
-    ArgPointer("float*", "grad_v0", "dL/dV[-1] [N], or null", "plain"),
-    ArgPointer("float*", "grad_w0", "dL/dW[-1] [N], or null", "two_state"),
-    ArgPointer("float*", "grad_learnable_partial", "dL/dp per block [P, blocks], or null", "both"),
-    ArgPointer("unsigned int*", "blocks_done", "blocks that wrote their partial (zeroed)", "both"),
-    ArgPointer("float*", "grad_learnable", "dL/dp [P], from the last block", "both"),
-    ArgPointer("const float*", "bn_mean", "[C] per-channel mean of Y", "affine"),
-    ArgPointer("const float*", "bn_invstd", "[C] 1 / sqrt(var + eps)", "affine"),
-    ArgPointer("const float*", "bn_weight", "[C] gamma, or null (1)", "affine"),
-    ArgPointer("const float*", "bn_bias", "[C] beta, or null (0)", "affine"),
-    ArgPointer(
-        "float*", "grad_sum", "sum of dL/dX per neuron [N] (window, tile), or null", "affine"
-    ),
-    ArgPointer("float*", "grad_dot", "sum of dL/dX (Y - bn_mean[c]) likewise, or null", "affine"),
-    ArgPointer("const float*", "bn_total_g", "[C] channel total of grad_sum, or null", "affine"),
-    ArgPointer("const float*", "bn_total_gy", "[C] channel total of grad_dot", "affine"),
-    ArgPointer(
-        "const scalar_t*", "residual_seq", "R [T, N]: X = Y * scale + shift + R", "residual"
-    ),
-    ArgPointer(
-        "scalar_t*", "grad_residual_seq", "dL/dR = dL/dX [T, N] (pass 2), or null", "residual"
-    ),
+from .kernel_spec import (
+    AFFINE_CHUNK,
+    ARG_POINTERS,
+    BLOCK_THREADS,
+    CHUNK,
+    LOAD_STEPS,
+    POOLS,
+    RESERVED_NAMES,
+    STORAGE,
+    TEMPLATE_NAME,
+    template_source,
 )
-POINTER_NAMES = tuple(f.name for f in ARG_POINTERS)
-# Names a parameter may not take: they are Args fields of some kernel.
-_RESERVED = {
-    *POINTER_NAMES,
-    *("T", "N", "channels", "inner", "channel_tiles", "x_step", "pool_width"),
-    *("v_init", "w_init", "inv_count"),
-}
+from .printer import EXACT_DIV, FAST_MATH, cuda_body
 
 # Parameters of the per-neuron device functions: before the step, and with its H.
 _STATE = "const float v, const float x, const float w, const Params& p"
@@ -241,15 +97,17 @@ class NeuronKernel:
             forward reads Y and feeds X = Y * scale[c] + shift[c] to the neuron; backward
             recomputes X the same way and writes dL/dY (an affine map of dL/dX per channel)
             and/or the per-neuron sums over t that BatchNorm's backward reduces per channel.
-        pool: k of the k x k average pooling folded into affine kernels (one of :data:`POOLS`;
-            1: none): forward writes the windows' means of the spikes [T, N / k²], backward
-            reads their gradient; channels-last maps, one output element per thread (vec 1).
+        pool: k of the k x k average pooling folded into affine kernels (one of
+            :data:`~.kernel_spec.POOLS`; 1: none): forward writes the windows' means of the
+            spikes [T, N / k²], backward reads their gradient; channels-last maps, one output
+            element per thread (vec 1).
         residual: unpooled affine kernels that add R (``residual_seq``, laid out like Y) to
             the neuron's input, X = Y * scale[c] + shift[c] + R, and whose pass 2 also writes
             dL/dR = dL/dX (``grad_residual_seq``): a residual block's shortcut.
-        chunk: steps per backward chunk, at most :data:`CHUNK` (:data:`AFFINE_CHUNK` [dtype]
-            for affine kernels), which it defaults to; the launchers take
-            :func:`chunk_steps` of T. Forward saves V at every chunk's end but the last.
+        chunk: steps per backward chunk, at most :data:`~.kernel_spec.CHUNK`
+            (``AFFINE_CHUNK[dtype]`` for affine kernels), which it defaults to; the launchers
+            take :func:`~.kernel_spec.chunk_steps` of T. Forward saves V at every chunk's end
+            but the last.
     """
 
     def __init__(
@@ -268,7 +126,7 @@ class NeuronKernel:
         residual: bool = False,
         chunk: int | None = None,
     ) -> None:
-        if dtype not in _STORAGE:
+        if dtype not in STORAGE:
             raise ValueError(f"unsupported storage dtype {dtype}")
         if affine and adaptive:
             raise ValueError(f"{name}: channel-affine kernels are for one-state neurons")
@@ -279,7 +137,7 @@ class NeuronKernel:
             )
         if residual and (not affine or pool > 1):
             raise ValueError(f"{name}: residual kernels are unpooled affine kernels")
-        clash = set(params) & _RESERVED
+        clash = set(params) & RESERVED_NAMES
         if clash:
             raise ValueError(f"{name}: parameter names {sorted(clash)} are reserved by the kernels")
         self.name, self.params, self.learnable = name, params, learnable
@@ -294,7 +152,7 @@ class NeuronKernel:
         tag += "_affine" if affine else ""
         tag += f"_pool{pool}" if pool > 1 else ""
         tag += "_residual" if residual else ""
-        self.kernel_prefix = f"{name}_{tag}_{_STORAGE[dtype].ctype.strip('_')}_v{vec}"
+        self.kernel_prefix = f"{name}_{tag}_{STORAGE[dtype].ctype.strip('_')}_v{vec}"
         self.constant_names = tuple(
             n for n in ("v_threshold", "v_reset", *params) if n not in learnable
         )
@@ -427,13 +285,14 @@ class NeuronKernel:
     def constant_derivatives(self) -> tuple[str, ...]:
         """The derivative functions (``dh_dv``, ...) whose value depends on the parameters
         only: computed once per thread into ``Params`` (see :meth:`_params`). None here;
-        :class:`DefinitionKernel` finds them in its equations."""
+        :class:`~.definition_kernel.DefinitionKernel` finds them in its equations."""
         return ()
 
     def parameter_functions(self) -> dict[str, str]:
         """Functions of the parameters only that the snippets read as ``p.<name>`` (name ->
         CUDA expression over ``p``), computed once per thread into ``Params``. None here;
-        :class:`DefinitionKernel` finds them in its equations (PLIF's sigmoid)."""
+        :class:`~.definition_kernel.DefinitionKernel` finds them in its equations (PLIF's
+        sigmoid)."""
         return {}
 
     def _params(self) -> list[str]:
@@ -557,7 +416,7 @@ class NeuronKernel:
 
     def prelude(self) -> str:
         """What the template needs defined before it (see the template's header)."""
-        storage = _STORAGE[self.dtype]
+        storage = STORAGE[self.dtype]
         reset = "hard" if self.hard_reset else "soft"
         lines = [
             f"// spikefuse kernels {self.kernel_prefix}: neuron {self.name}, {reset} reset,",
@@ -597,104 +456,3 @@ class NeuronKernel:
     def full_codes(self) -> str:
         """Both kernels, as one printable CUDA translation unit: the prelude, then the template."""
         return f'{self.prelude()}#line 1 "{TEMPLATE_NAME}"\n{template_source()}'
-
-
-class DefinitionKernel(NeuronKernel):
-    """Kernels whose device functions are printed from a program's sympy equations and partials.
-
-    The forward's equations (charge, adaptation, jump) print exactly, in the operation order
-    PyTorch evaluates, so that H matches it bit for bit; the derivatives (backward only) print
-    with fast division and exp and with repeated subexpressions computed once (``sympy.cse``).
-    """
-
-    def __init__(
-        self,
-        program: NeuronProgram,
-        dtype: torch.dtype,
-        vec: int = 1,
-        affine: bool = False,
-        pool: int = 1,
-        residual: bool = False,
-        chunk: int | None = None,
-    ) -> None:
-        d = program.definition
-        super().__init__(
-            name=d.name,
-            params=d.params,
-            learnable=program.learnable,
-            surrogate=program.surrogate,
-            hard_reset=program.hard_reset,
-            detach_reset=program.detach_reset,
-            dtype=dtype,
-            vec=vec,
-            adaptive=d.adaptive,
-            affine=affine,
-            pool=pool,
-            residual=residual,
-            chunk=chunk,
-        )
-        self.definition = d
-        self._param_names: dict[sp.Expr, str] = {d.symbols[n]: f"p.{n}" for n in d.all_params}
-        # A call of a function on parameters only (PLIF's sigmoid(decay_logit)) is read from
-        # Params: computed once per thread, not at every step (the same value either way).
-        self._calls = self._parameter_calls()
-        self._names = {**self._param_names, **{c: f"p.{n}" for c, n in self._calls.items()}}
-
-    def _parameter_calls(self) -> dict[sp.Expr, str]:
-        """The outermost calls of functions on parameters only in the printed expressions,
-        each with its Params field: ``sigmoid_decay_logit`` for sigmoid(decay_logit),
-        ``<function>N`` where the argument is not one parameter."""
-        d = self.definition
-        params = {d.symbols[n] for n in d.all_params}
-        taken = set(d.all_params)
-        calls: dict[sp.Expr, str] = {}
-
-        def visit(expr: sp.Basic) -> None:
-            if isinstance(expr, sp.Function) and expr.free_symbols <= params:
-                if expr.free_symbols and expr not in calls:
-                    function = type(expr).__name__.lower().removesuffix("function")
-                    (arg, *more) = expr.args
-                    base = f"{function}_{arg}" if arg.is_Symbol and not more else function
-                    numbered = (f"{base}{i}" for i in itertools.count(1))
-                    name = next(
-                        n
-                        for n in itertools.chain([base], numbered)
-                        if n not in taken and f"rcp_{n}" not in taken  # its reciprocal's field
-                    )
-                    taken.add(name)
-                    calls[expr] = name
-                return
-            for arg in expr.args:
-                visit(arg)
-
-        functions = ("charge", "adaptation", "adaptation_jump") if self.adaptive else ("charge",)
-        for function in (*functions, *self.derivative_functions()):
-            visit(sp.sympify(self._expression(function)[0]))
-        return calls
-
-    def parameter_functions(self) -> dict[str, str]:
-        printer = CudaFloatPrinter(self._param_names)  # exact: the forward's charge reads them
-        return {name: printer.doprint(call) for call, name in self._calls.items()}
-
-    def _expression(self, function: str) -> tuple[sp.Expr, bool]:
-        """(sympy expression, is a forward equation) of device function ``function``."""
-        d, partials = self.definition, self.definition.partials
-        forward = {"charge": d.charge_expr, "adaptation": d.adaptation_expr}
-        forward["adaptation_jump"] = d.jump_expr
-        if function in forward:
-            return forward[function], True
-        if function.startswith("dh_d") and function[4:] in self.learnable:
-            return partials.dh_dparam[function[4:]], False
-        return getattr(partials, function), False
-
-    def body(self, function: str) -> list[str]:
-        expr, forward = self._expression(function)
-        return cuda_body(expr, self._names, fast=not forward, share_subexpressions=not forward)
-
-    def constant_derivatives(self) -> tuple[str, ...]:
-        params = set(self._param_names)
-        return tuple(
-            name
-            for name in self.derivative_functions()
-            if sp.sympify(self._expression(name)[0]).free_symbols <= params
-        )

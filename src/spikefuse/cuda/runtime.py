@@ -24,7 +24,9 @@ import torch
 from ..errors import BackendUnavailableError
 from ..program import NeuronProgram
 from . import unavailable_reason
-from .codegen import BLOCK_THREADS, NVRTC_OPTIONS, DefinitionKernel, NeuronKernel
+from .codegen import NeuronKernel
+from .definition_kernel import DefinitionKernel
+from .kernel_spec import BLOCK_THREADS, NVRTC_OPTIONS
 
 _ALIGN = 16  # bytes: the alignment a vector load or store of VEC elements needs at most
 
@@ -197,7 +199,10 @@ def check_input(x: torch.Tensor) -> None:
 
 def aligned(*tensors: torch.Tensor | None) -> bool:
     """Whether every tensor's address allows a vector load or store (16 bytes)."""
-    return not any(t is not None and t.data_ptr() % _ALIGN for t in tensors)
+    for t in tensors:  # a loop, not any(generator): every forward launch asks
+        if t is not None and t.data_ptr() % _ALIGN:
+            return False
+    return True
 
 
 def vector_width(n: int, *tensors: torch.Tensor | None, vec: int) -> int:

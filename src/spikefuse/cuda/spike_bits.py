@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..backends import flags_at, packed_bytes
-from .codegen import _STORAGE, BLOCK_THREADS
+from .kernel_spec import BLOCK_THREADS, STORAGE
 from .runtime import launch_named
 
 SOURCE_PATH = Path(__file__).with_name("spike_bits.cuh")
@@ -45,7 +45,7 @@ class SpikeBitsKernels:
 @functools.cache  # per call: one lookup (source and names built, and hashed, once)
 def kernels_for(dtype: torch.dtype) -> SpikeBitsKernels:
     """The kernels of a storage dtype."""
-    storage = _STORAGE[dtype]
+    storage = STORAGE[dtype]
     tag = storage.ctype.strip("_")
     pack_name, unpack_name = f"spikefuse_pack_spikes_{tag}", f"spikefuse_unpack_spikes_{tag}"
     vec = 16 // dtype.itemsize
