@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .codegen import _STORAGE, BLOCK_THREADS
+from .kernel_spec import BLOCK_THREADS, STORAGE
 from .runtime import launch_named
 
 SOURCE_PATH = Path(__file__).with_name("spike_max_pool.cuh")
@@ -48,7 +48,7 @@ class MaxPoolKernelPair:
 def kernels_for(dtype: torch.dtype, window: tuple[int, ...]) -> MaxPoolKernelPair:
     """The kernels of a storage dtype (float32, float16, bfloat16) and a window (k_h, k_w,
     stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w), compiled in as constants."""
-    storage = _STORAGE[dtype]
+    storage = STORAGE[dtype]
     kh, kw, sh, sw, ph, pw, dh, dw = window
     tag = f"{storage.ctype.strip('_')}_k{kh}x{kw}_s{sh}x{sw}_p{ph}x{pw}_d{dh}x{dw}"
     forward_name = f"spikefuse_max_pool_forward_{tag}"
