@@ -8,7 +8,8 @@ downloaded: a missing file raises, saying which files to put where. The readers 
 published formats and the integration functions are in :mod:`spikefuse.datasets.events`.
 """
 
-from .dvs import CIFAR10DVS, CIFAR10DVS_CLASS_NAMES, NMNIST, DVS128Gesture
+from .cifar10_dvs import CIFAR10DVS, CIFAR10DVS_CLASS_NAMES
+from .dvs128_gesture import DVS128Gesture
 from .events import (
     cal_fixed_frames_number_segment_index,
     integrate_events_by_fixed_duration,
@@ -24,6 +25,7 @@ from .folder import (
     load_npz_frames,
     split_to_train_test_set,
 )
+from .n_mnist import NMNIST
 from .shd import SHD_N_CLASSES, SpikingHeidelbergDigits
 
 SHD = SpikingHeidelbergDigits

@@ -10,7 +10,10 @@ the file when it is missing, truncated or not in the format.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -156,22 +159,30 @@ def integrate_events_segment_to_frame(
     return np.bincount(position, minlength=2 * H * W).reshape(2, H, W).astype(float)
 
 
-def cal_fixed_frames_number_segment_index(
-    events_t: np.ndarray, split_by: str, frames_num: int
+def segment_index(
+    events_t: np.ndarray, split_by: str, frames_num: int, divide: Callable[[Any, int], Any]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Start and end indices of ``frames_num`` slices: 'number' (equal event counts, the rest
-    in the last) or 'time' (equal spans of (t[-1] - t[0]) // frames_num; the last slice runs to
-    the end)."""
+    """The slices of :func:`cal_fixed_frames_number_segment_index`, with the 'time' span
+    ``divide(t[-1] - t[0], frames_num)`` (SpikingJelly divides with ``//`` for DVS events and
+    with ``/`` for SHD's float times)."""
+    if (
+        isinstance(frames_num, bool)
+        or not isinstance(frames_num, int | np.integer)
+        or frames_num < 1
+    ):
+        raise SpikefuseError(f"frames_num must be a positive int, got {frames_num!r}")
+    if split_by not in ("number", "time"):
+        raise SpikefuseError(f"split_by must be 'time' or 'number', got {split_by!r}")
     n = events_t.size
-    if n == 0:
-        raise SpikefuseError("cannot integrate a sample without events into frames")
     j_l, j_r = np.zeros(frames_num, dtype=int), np.zeros(frames_num, dtype=int)
-    if split_by == "number":
+    if split_by == "number":  # no events: every slice is empty (SpikingJelly's zero frames)
         di = n // frames_num
         j_l[:] = np.arange(frames_num) * di
         j_r[:] = j_l + di
-    elif split_by == "time":
-        dt = (events_t[-1] - events_t[0]) // frames_num
+    else:
+        if n == 0:
+            raise SpikefuseError("split_by='time' cannot slice a sample without events")
+        dt = divide(events_t[-1] - events_t[0], frames_num)
         for i in range(frames_num):
             t_l = dt * i + events_t[0]
             inside = np.flatnonzero((events_t >= t_l) & (events_t < t_l + dt))
@@ -181,10 +192,17 @@ def cal_fixed_frames_number_segment_index(
                     "fails here too); use fewer frames or split_by='number'"
                 )
             j_l[i], j_r[i] = inside[0], inside[-1] + 1
-    else:
-        raise SpikefuseError(f"split_by must be 'time' or 'number', got {split_by!r}")
     j_r[-1] = n
     return j_l, j_r
+
+
+def cal_fixed_frames_number_segment_index(
+    events_t: np.ndarray, split_by: str, frames_num: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end indices of ``frames_num`` slices of N events: 'number' (slice j is
+    [j * (N // M), (j + 1) * (N // M)), the rest in the last) or 'time' (the events in
+    [t0 + j dt, t0 + (j + 1) dt) with dt = (t[-1] - t0) // M; the last slice runs to the end)."""
+    return segment_index(events_t, split_by, frames_num, operator.floordiv)
 
 
 def integrate_events_by_fixed_frames_number(

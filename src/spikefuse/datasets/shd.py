@@ -12,6 +12,7 @@ unit), integrated once and cached: ``frames_number`` with ``split_by`` 'number' 
 from __future__ import annotations
 
 import math
+import operator
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpikefuseError
+from .events import segment_index
 from .folder import TrainTestFolder
 
 __all__ = ["SHD_N_CLASSES", "SHD_UNITS", "SpikingHeidelbergDigits"]
@@ -58,28 +60,6 @@ def open_shd(path: Path) -> Any:
     return h5
 
 
-def _segments(t: np.ndarray, split_by: str, frames: int) -> tuple[np.ndarray, np.ndarray]:
-    """SpikingJelly's SHD slices: as the DVS ones, but 'time' spans are float divisions."""
-    n = t.size
-    if n == 0:
-        raise SpikefuseError("cannot integrate a sample without spikes into frames")
-    j_l, j_r = np.zeros(frames, dtype=int), np.zeros(frames, dtype=int)
-    if split_by == "number":
-        di = n // frames
-        j_l[:] = np.arange(frames) * di
-        j_r[:] = j_l + di
-    else:
-        dt = (t[-1] - t[0]) / frames
-        for i in range(frames):
-            t_l = dt * i + t[0]
-            inside = np.flatnonzero((t >= t_l) & (t < t_l + dt))
-            if inside.size == 0:
-                raise SpikefuseError(f"split_by='time': frame {i} of {frames} has no spikes")
-            j_l[i], j_r[i] = inside[0], inside[-1] + 1
-    j_r[-1] = n
-    return j_l, j_r
-
-
 def _counts(x: np.ndarray) -> np.ndarray:
     if x.size and (x.min() < 0 or x.max() >= SHD_UNITS):
         raise SpikefuseError(f"SHD units must be in 0..{SHD_UNITS - 1}")
@@ -90,7 +70,7 @@ def integrate_shd_by_fixed_frames_number(
     events: dict[str, np.ndarray], split_by: str, frames_num: int
 ) -> np.ndarray:
     """``frames_num`` frames [T, 700] of spike counts."""
-    j_l, j_r = _segments(events["t"], split_by, frames_num)
+    j_l, j_r = segment_index(events["t"], split_by, frames_num, operator.truediv)
     return np.stack([_counts(events["x"][j_l[i] : j_r[i]]) for i in range(frames_num)])
 
 
