@@ -13,6 +13,7 @@ measured iterations (CPU runs report no memory figure).
 from __future__ import annotations
 
 import csv
+import gc
 import math
 import statistics
 import time
@@ -165,6 +166,10 @@ def measure(
     result = BenchResult(bench=bench, variant=variant, dtype=dtype, note=note)
     try:
         if device.type == "cuda":
+            # A predecessor's model caught in a reference cycle stays allocated until the
+            # cyclic collector runs: collect it now, or this variant's peak would count it.
+            gc.collect()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         step = setup()
         timing = time_step(step, device, warmup=warmup, iters=iters)
