@@ -18,7 +18,15 @@ from spikefuse.bench.common import BenchResult, read_csv
 
 MODELS = ("small", "medium", "large")
 #: The residual networks at their own input sizes (``e2e_<name>.csv`` in ``<set>/zoo``).
-ZOO_MODELS = ("sew-resnet18", "sew-resnet34", "spiking-resnet18", "spiking-resnet34", "resnet19")
+ZOO_MODELS = (
+    "sew-resnet18",
+    "sew-resnet34",
+    "spiking-resnet18",
+    "spiking-resnet34",
+    "resnet19",
+    "spikformer-4-384-cifar",
+    "qkformer-10-384-cifar",
+)
 #: The variants of the end-to-end tables, in order, with their names on the page.
 E2E_VARIANTS = {
     "vanilla": "vanilla PyTorch",

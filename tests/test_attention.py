@@ -123,6 +123,23 @@ def test_spiking_self_attention_is_scaled_v_kt_q() -> None:
     torch.testing.assert_close(seen["proj_conv_bn.in"], seen["attn_lif"].reshape(2, 3, 8, 5))
 
 
+def test_spiking_self_attention_multiplies_its_spikes_with_spike_matmul_chain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Q, K, V are neuron outputs, so the product goes through the exact spike-product path
+    (tensor cores on CUDA), on the same operands and scale as SpikingJelly's expression."""
+    calls = []
+
+    def chain(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float) -> torch.Tensor:
+        calls.append(scale)
+        assert all(set(t.unique().tolist()) <= {0.0, 1.0} for t in (a, b, c))
+        return ((a @ b) @ c) * scale
+
+    monkeypatch.setattr(attention, "spike_matmul_chain", chain)
+    randomised(attention.SpikingSelfAttention(8, 2))(spikes(2, 3, 8, 5))
+    assert calls == [0.125]
+
+
 @pytest.mark.parametrize("qka_type", ["token", "channel"])
 def test_qk_attention_gates_k_with_a_spiking_sum_of_q(qka_type: str) -> None:
     qka = randomised(attention.QKAttention(8, 2, qka_type=qka_type))

@@ -731,10 +731,10 @@ def test_every_e2e_bench_variant_builds(variant):
 def test_e2e_bench_smoke(tmp_path, monkeypatch, capsys):
     real_build = e2e.build
 
-    def build(variant, model, device):
+    def build(variant, model, device, T=None):
         if variant == "spikefuse":
             raise RuntimeError("simulated failure")
-        return real_build(variant, model, device)
+        return real_build(variant, model, device, T)
 
     monkeypatch.setattr(e2e, "build", build)
     argv = [

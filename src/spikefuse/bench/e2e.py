@@ -75,6 +75,7 @@ from .networks import (
     MODELS,
     NUM_CLASSES,
     ZOO,
+    ZooNet,
     spikefuse_model,
     vanilla_model,
     zoo_model,
@@ -131,21 +132,22 @@ def compiled(net: nn.Module, mode: str | None = None) -> nn.Module:
     return cast(nn.Module, torch.compile(net, mode=mode))
 
 
-def build(variant: str, model: str, device: torch.device) -> nn.Module:
-    """The variant's model (``+graph`` is applied to its training step, not here)."""
+def build(variant: str, model: str, device: torch.device, T: int | None = None) -> nn.Module:
+    """The variant's model (``+graph`` is applied to its training step, not here); ``T``: the
+    time steps of a static zoo network (it repeats its images itself)."""
     backend = "cuda" if device.type == "cuda" else "torch"
     base, _, mode = variant.partition("+")
     if base == "ann":  # the same layers, ReLU for the neurons: eager PyTorch's own host floor
-        return zoo_model(model, None, nn.ReLU) if model in ZOO else vanilla_model(model, nn.ReLU)
+        return zoo_model(model, None, nn.ReLU, T) if model in ZOO else vanilla_model(model, nn.ReLU)
     if base in ("vanilla", "vanilla-compile"):
-        net = zoo_model(model, None) if model in ZOO else vanilla_model(model)
+        net = zoo_model(model, None, T=T) if model in ZOO else vanilla_model(model)
         return compiled(net) if variant == "vanilla-compile" else net
     if variant == "spikingjelly":  # SpikingJelly 2.0's own modules, as its users run them
-        return spikingjelly_model(model)
+        return spikingjelly_model(model, T)
     memory = fused_memory()
     if base != "spikefuse" and base not in memory:
         raise ValueError(f"unknown variant {variant!r}")
-    net = zoo_model(model, backend) if model in ZOO else spikefuse_model(model, backend)
+    net = zoo_model(model, backend, T=T) if model in ZOO else spikefuse_model(model, backend)
     if base in memory:
         net, report = fuse(net, inplace=True, return_report=True, memory=memory[base])
         print(f"  {variant}: fused {len(report.fused)} of {report.chains} chains", flush=True)
@@ -170,11 +172,15 @@ def training_step(
     *,
     repeat: bool = False,
     read_back: bool = False,
+    zoo: ZooNet | None = None,
 ) -> Callable[[], None]:
     """A closure running one full training iteration on a fixed synthetic batch: the image
     ``repeat``ed over T (a copy, as SpikingJelly's examples make it) or expanded (a view), and,
     with ``read_back``, the loss read on the host after the step with autocast's weight cache
-    on, as a user's loop does (a step to be captured in a CUDA graph can do neither)."""
+    on, as a user's loop does (a step to be captured in a CUDA graph can do neither). A
+    ``zoo.static`` network gets the images [B, C, H, W] and repeats them itself; a
+    ``zoo.averaged`` one returns logits already averaged over T."""
+    static, averaged = (zoo.static, zoo.averaged) if zoo else (False, False)
     net = net.to(device).train()
     size, classes = geometry
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -186,12 +192,15 @@ def training_step(
     )
 
     def step() -> None:
-        if repeat:
+        if static:
+            x = images
+        elif repeat:
             x = images.unsqueeze(0).repeat(T, 1, 1, 1, 1)
         else:
             x = images.unsqueeze(0).expand(T, -1, -1, -1, -1)  # the same image at every step
         with autocast():
-            loss = F.cross_entropy(net(x).mean(0), labels)
+            out = net(x)
+            loss = F.cross_entropy(out if averaged else out.mean(0), labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -211,7 +220,7 @@ def setup_variant(
     amp: torch.dtype | None,
     loop: str = "bench",
 ) -> Callable[[], None]:
-    net = build(variant, model, device)
+    net = build(variant, model, device, T)
     user, whole_step = loop == "user", variant.endswith("+graph")
     step = training_step(
         net,
@@ -222,6 +231,7 @@ def setup_variant(
         input_geometry(model),
         repeat=user,
         read_back=user and not whole_step,
+        zoo=ZOO.get(model),
     )
     return capture_step(step) if whole_step else step
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import layer, models, neuron, surrogate
+from ..model import qkformer, spikformer
 
 # Paper's LIF (Table I): u[t] = ALPHA u[t-1] (1 - s[t-1]) + x[t]; s = [u >= TH];
 # surrogate derivative ETA inside (TH - HALF_WIDTH, TH + HALF_WIDTH).
@@ -36,6 +37,10 @@ class ZooNet:
     num_classes: int
     T: int  # default time steps and batch size of the benchmark
     batch: int
+    # the builder takes T=, and the network [B, C, H, W] images that it repeats over T itself
+    # (SpikingJelly's transformers)
+    static: bool = False
+    averaged: bool = False  # the output is [B, classes], already averaged over T
 
 
 ZOO = {
@@ -48,6 +53,18 @@ ZOO = {
     ),
     "spiking-resnet18": ZooNet(models.spiking_resnet18, 224, 1000, T=4, batch=32),
     "spiking-resnet34": ZooNet(models.spiking_resnet34, 224, 1000, T=4, batch=32),
+    "spikformer-4-384-cifar": ZooNet(
+        spikformer.spikformer_cifar10, 32, 10, T=4, batch=64, static=True
+    ),
+    "qkformer-10-384-cifar": ZooNet(
+        lambda **kw: qkformer.qkformer_10_384(num_classes=10, **kw),
+        32,
+        10,
+        T=4,
+        batch=64,
+        static=True,
+        averaged=True,
+    ),  # fmt: skip
 }
 
 
@@ -185,13 +202,19 @@ def spikefuse_model(
 
 
 def zoo_model(
-    model: str, backend: str | None, make_neuron: Callable[[], nn.Module] = VanillaLIF
+    model: str,
+    backend: str | None,
+    make_neuron: Callable[[], nn.Module] = VanillaLIF,
+    T: int | None = None,
 ) -> nn.Module:
     """A :data:`ZOO` network with :func:`sj_lif`-like neurons, or with ``make_neuron()`` (the
-    vanilla Python-loop LIF; the ``ann`` variant's ``nn.ReLU``) when ``backend`` is None."""
+    vanilla Python-loop LIF; the ``ann`` variant's ``nn.ReLU``) when ``backend`` is None;
+    ``T``: the time steps of a ``static`` network (None: its builder's default)."""
+    steps = {"T": T} if T is not None and ZOO[model].static else {}
     if backend is None:
-        return ZOO[model].build(spiking_neuron=lambda **_: make_neuron(), step_mode="m")
+        return ZOO[model].build(spiking_neuron=lambda **_: make_neuron(), step_mode="m", **steps)
     return ZOO[model].build(
+        **steps,
         spiking_neuron=neuron.LIFNode,
         **SJ_LIF,
         surrogate_function=surrogate.Sigmoid(),

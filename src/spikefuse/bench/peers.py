@@ -16,11 +16,13 @@ from torch import nn
 from .networks import SJ_LIF, ZOO, layered_model
 
 # The SpikingJelly model-zoo function of each residual benchmark network (module, name, kwargs).
-SJ_ZOO: dict[str, tuple[str, str, dict[str, str]]] = {
+SJ_ZOO: dict[str, tuple[str, str, dict[str, object]]] = {
     "sew-resnet18": ("sew_resnet", "sew_resnet18", {"cnf": "ADD"}),
     "sew-resnet34": ("sew_resnet", "sew_resnet34", {"cnf": "ADD"}),
     "spiking-resnet18": ("spiking_resnet", "spiking_resnet18", {}),
     "spiking-resnet34": ("spiking_resnet", "spiking_resnet34", {}),
+    "spikformer-4-384-cifar": ("spikformer", "spikformer_cifar10", {}),
+    "qkformer-10-384-cifar": ("qkformer", "qkformer_10_384", {"num_classes": 10}),
 }
 
 
@@ -41,9 +43,10 @@ def spikingjelly() -> SimpleNamespace:
         ) from error
 
 
-def spikingjelly_model(model: str) -> nn.Module:
+def spikingjelly_model(model: str, T: int | None = None) -> nn.Module:
     """Benchmark network ``model`` made of SpikingJelly's modules, multi-step, with the LIF
-    options of :data:`~.networks.SJ_LIF` and SpikingJelly's default surrogate (Sigmoid)."""
+    options of :data:`~.networks.SJ_LIF` and SpikingJelly's default surrogate (Sigmoid); ``T``:
+    the time steps of a static zoo network (None: its builder's default)."""
     sj = spikingjelly()
     options = {key: value for key, value in SJ_LIF.items() if key != "step_mode"}
 
@@ -57,6 +60,8 @@ def spikingjelly_model(model: str) -> nn.Module:
     if model not in SJ_ZOO:
         raise RuntimeError(f"SpikingJelly's model zoo has no {model!r}")
     module, name, kwargs = SJ_ZOO[model]
+    if T is not None and ZOO[model].static:
+        kwargs = {**kwargs, "T": T}
     zoo = importlib.import_module(f"spikingjelly.activation_based.model.{module}")
     net = getattr(zoo, name)(
         spiking_neuron=sj.neuron.LIFNode,

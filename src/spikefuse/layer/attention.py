@@ -24,11 +24,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 from .._neuron import _make_multi_step_neuron
 from ..base import MultiStepModule
 from ..errors import SpikefuseError
+from ..spike_matmul import spike_matmul_chain
 from ._base import BatchNorm2d, Conv2d, SeqToANNContainer
 
 __all__ = [
@@ -64,7 +65,12 @@ def _check_heads(who: str, dim: int, num_heads: int) -> None:
 
 
 def _check_input(who: str, x: Tensor, shape: str, channels: int | None = None) -> None:
-    """``x`` must be a tensor of ``shape``'s rank with ``channels`` at dimension 2."""
+    """``x`` must be a tensor of ``shape``'s rank with ``channels`` at dimension 2.
+
+    A torch.fx proxy passes: :func:`~spikefuse.fused.fuse` traces the forward to find its
+    chains, and the check runs on the tensors of every real call."""
+    if isinstance(x, fx.Proxy):
+        return
     rank = shape.count(",") + 1
     if not isinstance(x, Tensor) or x.dim() != rank:
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -105,7 +111,8 @@ class SpikingSelfAttention(_HeadedAttention):
     With ``Q, K, V = LIF(BN(Conv1x1(x)))`` split into ``num_heads`` heads ``[C/heads, L]``:
     ``out = LIF_p(BN(Conv1x1(LIF_a(0.125 · (V Kᵀ) Q))))``, ``LIF_a`` firing at 0.5. No softmax:
     ``V Kᵀ`` and its product with ``Q`` are integer sums of spikes (evaluated in this order,
-    as SpikingJelly does).
+    as SpikingJelly does), computed by
+    :func:`~spikefuse.spike_matmul.spike_matmul_chain` (exact on CUDA tensor cores).
 
     Modules: ``qkv_conv_bn`` (Conv1d dim → 3·dim, BatchNorm1d), ``qkv_lif``, ``attn_lif``,
     ``proj_conv_bn``, ``proj_lif``; ``scale`` is 0.125."""
@@ -127,12 +134,14 @@ class SpikingSelfAttention(_HeadedAttention):
 
     def forward(self, x_seq: Tensor) -> Tensor:
         _check_input("SpikingSelfAttention", x_seq, "[T, N, C, L]", self.dim)
-        T, N, C, L = x_seq.shape
         qkv = self.qkv_lif(self.qkv_conv_bn(x_seq))  # [T, N, 3C, L]
-        # [T, N, 3, heads, C/heads, L] -> q, k, v of [T, N, heads, C/heads, L]
-        q, k, v = qkv.reshape(T, N, 3 * self.num_heads, self.head_dim, L).chunk(3, dim=2)
-        x_seq = ((v @ k.transpose(-2, -1)) @ q) * self.scale
-        x_seq = self.attn_lif(x_seq).reshape(T, N, C, L)
+        # [T, N, 3, heads, C/heads, L] -> q, k, v of [T, N, heads, C/heads, L] (no shape is
+        # unpacked, so that torch.fx traces the forward)
+        q, k, v = qkv.unflatten(2, (3 * self.num_heads, self.head_dim)).chunk(3, dim=2)
+        # q, k, v are qkv_lif's outputs, spikes by construction: their products are integer
+        # counts, exact on tensor cores on CUDA (the plain matmul elsewhere, SpikingJelly's order)
+        x_seq = spike_matmul_chain(v, k.transpose(-2, -1), q, self.scale)
+        x_seq = self.attn_lif(x_seq).flatten(2, 3)  # [T, N, C, L]
         return self.proj_lif(self.proj_conv_bn(x_seq))
 
 
@@ -177,9 +186,8 @@ class QKAttention(_HeadedAttention):
 
     def forward(self, x_seq: Tensor) -> Tensor:
         _check_input(type(self).__name__, x_seq, "[T, N, C, L]", self.dim)
-        T, N, C, L = x_seq.shape
         qk = self.qk_lif(self.qk_conv_bn(x_seq))  # [T, N, 2C, L]
-        q, k = qk.reshape(T, N, 2 * self.num_heads, self.head_dim, L).chunk(2, dim=2)
+        q, k = qk.unflatten(2, (2 * self.num_heads, self.head_dim)).chunk(2, dim=2)
         attn = self.attn_lif(q.sum(dim=self.sum_dim, keepdim=True))
         x_seq = (attn * k).flatten(2, 3)  # [T, N, C, L]
         return self.proj_lif(self.proj_conv_bn(x_seq))
@@ -247,9 +255,8 @@ class SpikeDrivenSelfAttention(_HeadedAttention):
 
     def _heads(self, x: Tensor) -> Tensor:
         """``[T, N, C, H, W]`` → ``[T, N, heads, H·W, C/heads]``."""
-        T, N = x.shape[:2]
         tokens = x.flatten(3).transpose(-1, -2)  # [T, N, HW, C]
-        return tokens.reshape(T, N, -1, self.num_heads, self.head_dim).permute(0, 1, 3, 2, 4)
+        return tokens.unflatten(-1, (self.num_heads, self.head_dim)).permute(0, 1, 3, 2, 4)
 
     def _spikes(self, name: str, x: Tensor) -> Tensor:
         conv, bn, lif = (getattr(self, f"{name}_{part}") for part in ("conv", "bn", "lif"))

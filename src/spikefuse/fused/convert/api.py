@@ -120,6 +120,12 @@ class _Fuser:
         self.unfused_keys = unfused_keys  # the model's state dict keys before fusing
 
     def convert(self, module: nn.Module, path: str) -> None:
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            # containers without a forward (a transformer's blocks): torch.fx counts them as
+            # leaves, but each child is a module of its own to search
+            for name, child in module.named_children():
+                self.convert(child, _join(path, name))
+            return
         if _Tracer().is_leaf_module(module, path):
             return  # nothing inside to search
         try:

@@ -1,0 +1,78 @@
+"""fuse() on spikefuse.model's spiking transformers (tiny configurations): every chain inside
+the attention layers and MLPs fuses, the report says which stem chains stay unfused and why,
+and fused equals unfused (float64: the head's input equal bit for bit, gradients within 1e-9)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spikefuse.fused import FusedBlock, fuse
+from spikefuse.model import qkformer, spike_driven_transformer, spikformer
+from test_fuse_tokens import FP64_TOL, lif, randomized, seq_conv1d_bn, step
+from test_transformers import TINY_QKFORMER, TINY_SDT, TINY_SPIKFORMER
+
+# (model, configuration, fused chains, the report's chains). The unfused
+# ones: pooling of the neuron's input (Spikformer's stem, QKFormer's patch embeddings),
+# Conv -> BN without a neuron (SDT's relative position encoding and residual branches), and the
+# head (a Linear; the models' forwards branch on the input's rank, so they are not traced).
+CASES = [
+    (spikformer.Spikformer, TINY_SPIKFORMER, 7, 10),
+    (spike_driven_transformer.SpikeDrivenTransformer, TINY_SDT, 7, 8),
+    (qkformer.QKFormer, TINY_QKFORMER, 18, 19),
+]
+
+
+@pytest.mark.parametrize(("cls", "config", "fused_count", "chains"), CASES)
+def test_tiny_transformers_fuse_their_attention_and_compute_the_same(
+    cls, config, fused_count, chains
+) -> None:
+    torch.manual_seed(0)
+    ref = randomized(cls(**config))
+    fused, report = fuse(ref, return_report=True)
+    assert len(report.fused) == fused_count, str(report)
+    assert report.chains == chains, str(report)
+    attention = [c for c in report.fused if ".attn." in c.block]
+    assert attention, str(report)  # the attention layers' Q/K/V and projection chains
+    seen: dict[str, list[torch.Tensor]] = {"ref": [], "fused": []}
+    for key, model in (("ref", ref), ("fused", fused)):
+        model.head.register_forward_pre_hook(lambda _, args, k=key: seen[k].append(args[0]))
+    images = torch.rand(3, 3, 8, 8, dtype=torch.float64)
+    out_r, grads_r = step(ref, images)
+    out_f, grads_f = step(fused, images)
+    assert torch.equal(seen["fused"][0], seen["ref"][0])  # from spikes equal bit for bit
+    assert 0 < seen["ref"][0].abs().sum()
+    torch.testing.assert_close(out_f, out_r, **FP64_TOL)
+    assert grads_f.keys() == grads_r.keys()
+    for key, grad in grads_r.items():
+        torch.testing.assert_close(grads_f[key], grad, **FP64_TOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_chains_in_a_module_list_fuse() -> None:
+    """torch.fx counts nn.ModuleList and nn.ModuleDict as leaves; fuse searches their children."""
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv_bn, self.lif = seq_conv1d_bn(4, 4), lif()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lif(self.conv_bn(x))
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Chain(), Chain()])
+            self.named = torch.nn.ModuleDict({"last": Chain()})
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.dim() != 4:  # not traceable: fuse searches the module tree
+                raise ValueError("expected [T, B, C, N]")
+            for block in self.blocks:
+                x = block(x)
+            return self.named["last"](x)
+
+    fused, report = fuse(randomized(Stack()), return_report=True)
+    assert report.fused_fraction == 1.0 and len(report.fused) == 3, str(report)
+    assert isinstance(fused.blocks[1].conv_bn, FusedBlock)
+    assert isinstance(fused.named["last"].conv_bn, FusedBlock)
