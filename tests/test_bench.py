@@ -58,7 +58,7 @@ def test_each_result_set_has_what_its_benchmarks_write(gpu: str) -> None:
     folder = BENCHMARKS / gpu
     names = {f"e2e_{m}.{ext}" for m in ("small", "medium", "large") for ext in ("csv", "png")}
     names |= {"neuron.csv", "neuron.png", "neuron.txt", "README.md"}
-    assert {p.name for p in folder.iterdir()} - {"user-loop"} == names
+    assert {p.name for p in folder.iterdir()} - {"user-loop", "zoo", "profile"} == names
     user_loop = folder / "user-loop"
     for path in sorted(user_loop.glob("e2e_*.csv")) if user_loop.is_dir() else ():
         rows = read_csv(path)
@@ -66,6 +66,10 @@ def test_each_result_set_has_what_its_benchmarks_write(gpu: str) -> None:
         assert all(r.ok and r.ms > 0 and r.peak_mib > 0 for r in rows), path.name
         assert {"fused", "fused+model-graphs", "fused+graph"} <= {r.variant for r in rows}
         assert path.with_suffix(".png").exists()
+    for path in sorted((folder / "zoo").glob("e2e_*.csv")):
+        rows = read_csv(path)  # SpikingJelly's rows may say it is missing or lacks the network
+        assert all(r.ok and r.ms > 0 for r in rows if r.variant != "spikingjelly"), path.name
+        assert {"vanilla", "fused", "fused+graph"} <= {r.variant for r in rows}
     for model in ("small", "medium", "large"):
         rows = read_csv(folder / f"e2e_{model}.csv")
         assert {r.dtype for r in rows} == {"fp32", "bf16"}
