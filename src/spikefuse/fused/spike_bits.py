@@ -48,8 +48,11 @@ def strides_in_order(like: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a dense tensor of ``shape`` whose dimensions lie in memory in the order
     of ``like``'s strides (outermost first; e.g. channels-last like a channels-last map)."""
     like_strides = like.stride()
-    outermost_first = sorted(range(like.dim()), key=lambda d: -like_strides[d])  # ties: in order
-    return _dense_strides(tuple(shape), tuple(outermost_first))
+    outermost_first = tuple(sorted(range(like.dim()), key=lambda d: -like_strides[d]))
+    sizes = tuple(shape)
+    if all(type(n) is int for n in sizes):  # symbolic sizes (torch.compile) cannot be hashed
+        return _dense_strides(sizes, outermost_first)
+    return _dense_strides.__wrapped__(sizes, outermost_first)
 
 
 @functools.lru_cache(maxsize=1024)
