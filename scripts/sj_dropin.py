@@ -314,7 +314,6 @@ class Row:
     """One line of the table."""
 
     unit: str
-    group: str
     sj_runs: bool
     sf_runs: bool
     difference: float | None
@@ -352,7 +351,6 @@ def run_unit(sj_root: Path, unit: Any) -> list[Row]:
             return [
                 Row(
                     unit.relpath,
-                    unit.group,
                     original is not None,
                     not sf_error and dropin is not None,
                     None,
@@ -385,7 +383,7 @@ def _run_case(
     )
     if theirs is None:
         cause = f"SJ: {sj_error}"
-    return Row(label, unit.group, theirs is not None, ours is not None, difference, cause)
+    return Row(label, theirs is not None, ours is not None, difference, cause)
 
 
 def table(rows: list[Row]) -> str:
@@ -404,13 +402,11 @@ def table(rows: list[Row]) -> str:
 
 def summary(rows: list[Row]) -> str:
     """Counts: rows whose original runs, and of those the drop-ins that run and match."""
-    rest = [r for r in rows if r.group != "transformer"]
-    run = [r for r in rest if r.sj_runs]
+    run = [r for r in rows if r.sj_runs]
     match = [r for r in run if r.sf_runs and not r.cause]
-    waiting = [r for r in rows if r.group == "transformer"]
     return (
         f"{len(match)} of {len(run)} rows whose original runs are drop-ins (run and match within "
-        f"{MATCH_TOLERANCE:g}); {len(rest)} rows in all; {len(waiting)} transformer files listed apart"
+        f"{MATCH_TOLERANCE:g}); {len(rows)} rows in all"
     )
 
 

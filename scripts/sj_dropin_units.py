@@ -4,7 +4,7 @@ each side's own loaded file and package)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +45,6 @@ class Unit:
     relpath: str
     cases: tuple[Case, ...] = ()
     note: str = ""
-    group: str = field(default="")  # "transformer": waits for layer.attention
 
 
 def multi_step(net: torch.nn.Module, side: Side) -> torch.nn.Module:
@@ -144,10 +143,19 @@ MODELS = (
     ),
     Unit("model/snas_net.py", note="import only"),
     Unit("model/spike_dhs.py", note="import only"),
-    Unit("model/spikformer.py", note="import only", group="transformer"),
-    Unit("model/qkformer.py", note="import only", group="transformer"),
-    Unit("model/maxformer.py", note="import only", group="transformer"),
-    Unit("model/spike_driven_transformer.py", note="import only", group="transformer"),
+    Unit(
+        "model/spikformer.py",
+        (Case("Spikformer", lambda s: s.module.Spikformer(T=2, img_size_h=8, img_size_w=8, patch_size=4, num_classes=5, embed_dims=32, num_heads=4, depths=2), (2, 3, 8, 8)),),
+    ),
+    Unit(
+        "model/qkformer.py",
+        (Case("QKFormer", lambda s: s.module.QKFormer(T=2, num_classes=5, embed_dims=32, num_heads=(2, 2, 4), depths=(1, 1, 1)), (2, 3, 8, 8)),),
+    ),
+    Unit("model/maxformer.py", note="import only"),
+    Unit(
+        "model/spike_driven_transformer.py",
+        (Case("SpikeDrivenTransformer", lambda s: s.module.SpikeDrivenTransformer(T=2, num_classes=5, embed_dims=32, num_heads=4, depths=2, pooling_stat="0011"), (2, 3, 8, 8)),),
+    ),
 )  # fmt: skip
 
 UNITS = EXAMPLES + MODELS
