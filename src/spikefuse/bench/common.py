@@ -167,9 +167,9 @@ def measure(
     try:
         if device.type == "cuda":
             # A predecessor's model caught in a reference cycle stays allocated until the
-            # cyclic collector runs: collect it now, or this variant's peak would count it.
+            # cyclic collector runs: collect it now, or this variant's peak would count it
+            # (the cache itself is emptied after each variant, below).
             gc.collect()
-            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         step = setup()
         timing = time_step(step, device, warmup=warmup, iters=iters)
