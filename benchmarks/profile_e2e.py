@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--host", action="store_true", help="host Python time (cProfile)")
     parser.add_argument("--host-stats", metavar="FILE", help="with --host: write the raw stats")
     parser.add_argument("--gaps", action="store_true", help="GPU idle gaps in a synced step")
+    parser.add_argument("--loop", default="bench", choices=e2e.LOOPS, help="as bench e2e's")
     args = parser.parse_args()
     device = torch.device("cuda")
     zoo = e2e.ZOO.get(args.model)
@@ -156,7 +157,9 @@ def main() -> None:
     for dtype in args.dtypes:
         for variant in args.variants:
             torch.manual_seed(0)
-            step = e2e.setup_variant(variant, args.model, device, T, batch, e2e.DTYPES[dtype])
+            step = e2e.setup_variant(
+                variant, args.model, device, T, batch, e2e.DTYPES[dtype], args.loop
+            )
             t = time_step(step, device, warmup=5, iters=20)
             torch.cuda.reset_peak_memory_stats()
             step()
