@@ -56,11 +56,13 @@ from .synapse import Synapse
 #: memory="min" runs a block whose synapse output y takes at least CHUNKED_FROM bytes in equal
 #: batch chunks of at most CHUNK_BYTES each (see :func:`batch_chunks`). A network's peak is at
 #: its largest maps, and each chunked block pays two more synapse forwards per step (and host
-#: time per chunk), so only the large maps are chunked. Chunks of 48 MiB keep the temporaries
-#: of such a block's backward (a chunk's input and y, then its input gradient) a fraction of
-#: its whole input gradient, at a host time per step that smaller chunks would raise.
+#: and launch time per chunk), so only the large maps are chunked, in few chunks: of 128 MiB,
+#: a quarter of the 224² ResNet stem's output at T·B = 128, whose backward then holds a
+#: quarter of what unchunked would. Smaller chunks cut the peak a little more (a sixteenth of
+#: the stem's output at 48 MiB) at up to twice the step time of the eager loop (see
+#: docs/fused.md).
 CHUNKED_FROM = 256 << 20
-CHUNK_BYTES = 48 << 20
+CHUNK_BYTES = 128 << 20
 
 
 def batch_chunks(batch: int, y_bytes: int) -> int:
