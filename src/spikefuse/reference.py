@@ -12,6 +12,8 @@ Shapes: ``x_seq`` [T, *], states [*]; ``learnable`` [P] (0-dim for P = 1) float3
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .backends import BPTTOut, FPTTOut, compute_dtype
@@ -105,6 +107,138 @@ def fptt(
     )
 
 
+@dataclass(frozen=True)
+class _Saved:
+    """What the forward left for backward, in the compute dtype: H[t] ``h_seq`` [T, *], W[t]
+    ``w_seq`` [T, *] (None unless a derivative needs W), X[t] ``xs`` [T, *] (None unless one
+    needs X), the initial states [*], the parameter values and a zero (0-dim tensors)."""
+
+    program: NeuronProgram
+    h_seq: torch.Tensor
+    w_seq: torch.Tensor | None
+    xs: torch.Tensor | None
+    v_init: torch.Tensor
+    w_init: torch.Tensor
+    params: tuple[torch.Tensor, ...]
+    zero: torch.Tensor
+
+    @property
+    def vth(self) -> torch.Tensor:
+        return self.params[0]
+
+    @property
+    def vreset(self) -> torch.Tensor:
+        return self.params[1]
+
+    def x_at(self, t: int) -> torch.Tensor:
+        return self.xs[t] if self.xs is not None else self.zero
+
+    def w_at(self, t: int) -> torch.Tensor:
+        """W[t] (t = -1: initial state); only derivatives that need W read it."""
+        if self.w_seq is None:
+            return self.zero
+        return self.w_seq[t] if t >= 0 else self.w_init
+
+    def v_at(self, t: int) -> torch.Tensor:
+        """V[t] recomputed from H[t] (t = -1: initial state)."""
+        if t < 0:
+            return self.v_init
+        h = self.h_seq[t]
+        return _reset(self.program, h, _fire(h, self.vth), self.vth, self.vreset)
+
+    def args(self, t: int) -> tuple[torch.Tensor, ...]:
+        """The arguments of the derivatives of H[t] = f(V[t-1], X[t], W[t-1])."""
+        return (self.v_at(t - 1), self.x_at(t), self.w_at(t - 1), self.h_seq[t], *self.params)
+
+
+@dataclass(frozen=True)
+class _OutputGrads:
+    """dL/dS [T, *], dL/dV[t] [T, *] (None: V[t] unused), dL/dV[T-1] and dL/dW[T-1] [*]."""
+
+    spikes: torch.Tensor
+    v_seq: torch.Tensor | None
+    v_last: torch.Tensor | None
+    w_last: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Step t of the walk back: H[t]'s derivative arguments, dL/dH[t] and dL/dW[t] (None for a
+    neuron without W)."""
+
+    args: tuple[torch.Tensor, ...]
+    grad_h: torch.Tensor
+    grad_w: torch.Tensor | None
+
+
+def _dv_dh(saved: _Saved, h: torch.Tensor, sg: torch.Tensor) -> torch.Tensor:
+    """dV[t]/dH[t] through the reset (sg: the surrogate's Θ'; a detached reset passes none)."""
+    not_detached = 0.0 if saved.program.detach_reset else 1.0
+    if saved.program.hard_reset:
+        return (1 - _fire(h, saved.vth)) + (saved.vreset - h) * sg * not_detached
+    return 1 - saved.vth * sg * not_detached
+
+
+def _grad_v(saved: _Saved, grads: _OutputGrads, t: int, later: _Step | None) -> torch.Tensor:
+    """dL/dV[t] = ∂L/∂V[t] + dL/dH[t+1] ∂H[t+1]/∂V[t]."""
+    cd = saved.h_seq.dtype
+    grad_v = torch.zeros_like(saved.h_seq[t])
+    if grads.v_seq is not None:
+        grad_v = grad_v + grads.v_seq[t].to(cd)
+    if later is None and grads.v_last is not None:
+        grad_v = grad_v + grads.v_last.to(cd)
+    if later is not None:
+        grad_v = grad_v + later.grad_h * saved.program.torch_functions["dh_dv"](*later.args)
+    return grad_v
+
+
+def _grad_w(saved: _Saved, grads: _OutputGrads, t: int, later: _Step | None) -> torch.Tensor:
+    """dL/dW[t] = dL/dH[t+1] ∂H[t+1]/∂W[t] + dL/dW[t+1] ∂Z[t+1]/∂W[t] (+ ∂L/∂W at T-1)."""
+    f = saved.program.torch_functions
+    grad_w = torch.zeros_like(saved.h_seq[t])
+    if later is None and grads.w_last is not None:
+        grad_w = grad_w + grads.w_last.to(saved.h_seq.dtype)
+    if later is not None and later.grad_w is not None:  # both set at t + 1
+        grad_w = grad_w + later.grad_h * f["dh_dw"](*later.args)
+        grad_w = grad_w + later.grad_w * f["dz_dw"](*later.args)
+    return grad_w
+
+
+def _step_back(saved: _Saved, grads: _OutputGrads, t: int, later: _Step | None) -> _Step:
+    """Step t from step t + 1 (``later``; None at t = T-1):
+    dL/dH[t] = ∂L/∂S[t] Θ' + dL/dV[t] dV[t]/dH[t] + dL/dW[t] (∂Z[t]/∂H[t] + jump Θ')."""
+    program, h = saved.program, saved.h_seq[t]
+    sg = program.surrogate.derivative(h - saved.vth)
+    dv_dh = _dv_dh(saved, h, sg)
+    grad_v = _grad_v(saved, grads, t, later)
+    grad_h = grads.spikes[t].to(h.dtype) * sg + grad_v * dv_dh
+    args = saved.args(t)
+    if not program.definition.adaptive:
+        return _Step(args, grad_h, None)
+    f = program.torch_functions
+    grad_w = _grad_w(saved, grads, t, later)
+    grad_h = grad_h + grad_w * (f["dz_dh"](*args) + f["jump"](*args) * sg)
+    return _Step(args, grad_h, grad_w)
+
+
+def _state_grads(
+    saved: _Saved, first: _Step, v0_given: bool, w0_given: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dL/dV[-1] and dL/dW[-1] [*] from step 0 (None for a state that started constant)."""
+    f, cd = saved.program.torch_functions, saved.h_seq.dtype
+
+    def state_grad(grad, like):  # partials may be constants: a full [*] tensor of cd
+        return torch.as_tensor(grad, dtype=cd).expand_as(like).clone()
+
+    grad_v0 = grad_w0 = None
+    if v0_given:
+        grad_v0 = state_grad(first.grad_h * f["dh_dv"](*first.args), saved.v_init)
+    if w0_given and first.grad_w is not None:  # grad_w: set iff adaptive
+        grad_w0 = first.grad_h * f["dh_dw"](*first.args) + first.grad_w * f["dz_dw"](*first.args)
+        grad_w0 = state_grad(grad_w0, saved.w_init)
+    return grad_v0, grad_w0
+
+
 def bptt(
     program: NeuronProgram,
     grad_spikes: torch.Tensor,
@@ -127,82 +261,29 @@ def bptt(
     dL/dH[t] = ∂L/∂S[t] Θ' + dL/dV[t] dV[t]/dH[t] + dL/dW[t] (∂Z[t]/∂H[t] + jump Θ')
     dL/dX[t] = dL/dH[t] ∂H[t]/∂X[t]
     """
-    f, d = program.torch_functions, program.definition
-    h_seq = saved_v
-    cd = h_seq.dtype
-    params = program.param_values(learnable, constants, h_seq)
-    vth, vreset = params[0], params[1]
-    not_detached = 0.0 if program.detach_reset else 1.0
-    zero = h_seq.new_zeros(())
-    T = h_seq.shape[0]
-    xs = x_seq.to(cd) if x_seq is not None and x_seq.numel() else None
-    v_init, w_init = _initial(v0, init[0], h_seq), _initial(w0, init[1], h_seq)
-
-    def x_at(t):
-        return xs[t] if xs is not None else zero
-
-    def w_at(t):  # W[t] (t = -1: initial state); only derivatives that need W read it
-        return (saved_w[t] if t >= 0 else w_init) if saved_w is not None else zero
-
-    def v_at(t):
-        if t < 0:
-            return v_init
-        h = h_seq[t]
-        return _reset(program, h, _fire(h, vth), vth, vreset)
-
+    f, h_seq = program.torch_functions, saved_v
+    saved = _Saved(
+        program=program,
+        h_seq=h_seq,
+        w_seq=saved_w,
+        xs=x_seq.to(h_seq.dtype) if x_seq is not None and x_seq.numel() else None,
+        v_init=_initial(v0, init[0], h_seq),
+        w_init=_initial(w0, init[1], h_seq),
+        params=tuple(program.param_values(learnable, constants, h_seq)),
+        zero=h_seq.new_zeros(()),
+    )
+    grads = _OutputGrads(grad_spikes, grad_v_seq, grad_v_last, grad_w_last)
     grad_x = torch.empty_like(h_seq)
     grad_learn = [h_seq.new_zeros(()) for _ in program.learnable]
-    # dL/dH[t+1] and dL/dW[t+1]: None before the first step back
-    grad_h_next: torch.Tensor | None = None
-    grad_w_next: torch.Tensor | None = None
-    for t in range(T - 1, -1, -1):
-        h, v, v_prev = h_seq[t], v_at(t), v_at(t - 1)
-        s = _fire(h, vth)
-        sg = program.surrogate.derivative(h - vth)
-        if program.hard_reset:
-            dv_dh = (1 - s) + (vreset - h) * sg * not_detached
-        else:
-            dv_dh = 1 - vth * sg * not_detached
-
-        grad_v = torch.zeros_like(h)
-        if grad_v_seq is not None:
-            grad_v = grad_v + grad_v_seq[t].to(cd)
-        if t == T - 1 and grad_v_last is not None:
-            grad_v = grad_v + grad_v_last.to(cd)
-        if grad_h_next is not None:  # H[t+1] = f(V[t], X[t+1], W[t])
-            args_next = (v, x_at(t + 1), w_at(t), h_seq[t + 1], *params)
-            grad_v = grad_v + grad_h_next * f["dh_dv"](*args_next)
-        grad_h = grad_spikes[t].to(cd) * sg + grad_v * dv_dh
-        args = (v_prev, x_at(t), w_at(t - 1), h, *params)  # H[t] = f(V[t-1], X[t], W[t-1])
-
-        if d.adaptive:
-            grad_w = torch.zeros_like(h)
-            if t == T - 1 and grad_w_last is not None:
-                grad_w = grad_w + grad_w_last.to(cd)
-            if grad_h_next is not None and grad_w_next is not None:  # both set at t + 1
-                grad_w = grad_w + grad_h_next * f["dh_dw"](*args_next)
-                grad_w = grad_w + grad_w_next * f["dz_dw"](*args_next)
-            grad_h = grad_h + grad_w * (f["dz_dh"](*args) + f["jump"](*args) * sg)
-            grad_w_next = grad_w
-
-        grad_x[t] = grad_h * f["dh_dx"](*args)
+    step: _Step | None = None  # step t + 1: None before the first step back
+    for t in range(h_seq.shape[0] - 1, -1, -1):
+        step = _step_back(saved, grads, t, step)
+        grad_x[t] = step.grad_h * f["dh_dx"](*step.args)
         for i, name in enumerate(program.learnable):
-            grad_learn[i] = grad_learn[i] + (grad_h * f[f"dh_d{name}"](*args)).sum()
-        grad_h_next = grad_h
-
-    if grad_h_next is None:
+            grad_learn[i] = grad_learn[i] + (step.grad_h * f[f"dh_d{name}"](*step.args)).sum()
+    if step is None:
         raise SpikefuseError("reference bptt: the sequence has no time steps (T = 0)")
-    args0 = (v_init, x_at(0), w_at(-1), h_seq[0], *params)
-
-    def state_grad(grad, like):  # partials may be constants: a full [*] tensor of cd
-        return torch.as_tensor(grad, dtype=cd).expand_as(like).clone()
-
-    grad_v0 = grad_w0 = None
-    if v0 is not None:
-        grad_v0 = state_grad(grad_h_next * f["dh_dv"](*args0), v_init)
-    if w0 is not None and grad_w_next is not None:  # grad_w_next: set iff adaptive
-        grad_w0 = grad_h_next * f["dh_dw"](*args0) + grad_w_next * f["dz_dw"](*args0)
-        grad_w0 = state_grad(grad_w0, w_init)
+    grad_v0, grad_w0 = _state_grads(saved, step, v0 is not None, w0 is not None)
     return BPTTOut(
         grad_x=grad_x.to(grad_spikes.dtype),
         grad_v0=grad_v0,
