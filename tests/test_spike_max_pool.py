@@ -3,8 +3,8 @@ layouts equal F.max_pool2d's exactly (ties, all-zero windows, padding, dilation,
 maps, channels-last, NaN and -inf); what it keeps for backward; what it refuses; SpikePool and
 fuse() using it in the ResNets; and the cuda kernels' source, compiled with nvcc and run on the
 CPU as C++ through the launcher's packed arguments (the vector kernels against the scalar ones,
-bit for bit, in every dtype; which tensors take them). GPU runs:
-tests/gpu/test_spike_max_pool_gpu.py.
+bit for bit, in every dtype). Which tensors take the vector kernels:
+tests/test_spike_max_pool_vectors.py; GPU runs: tests/gpu/test_spike_max_pool_gpu.py.
 """
 
 from __future__ import annotations
@@ -462,31 +462,3 @@ def test_a_misaligned_input_takes_the_scalar_forward_and_its_gradient_vectors(on
     (grad,) = torch.autograd.grad(out, x, upstream)
     assert on_kernels == [pair.name(False, 1), pair.name(True, 4)]
     assert_same((out.detach(), grad), run(lambda t: spike_max_pool2d_naive(t, g), base, upstream))
-
-
-def channels_last_zeros(shape, dtype=torch.float32) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype).contiguous(memory_format=torch.channels_last)
-
-
-def test_vector_width_picks_vectors_only_where_they_fit():
-    """VEC (16 bytes of values) for channels-last tensors whose channels, strides and addresses
-    allow aligned vectors, else 1 (the scalar kernels)."""
-    out, x = channels_last_zeros((2, 16, 3, 3)), channels_last_zeros((2, 16, 6, 5))
-    codes = channels_last_zeros((2, 16, 3, 3), torch.uint8)
-    width = kernels.vector_width
-    assert width(out, x, codes) == width(out, x, None) == 4
-    assert width(out.bfloat16(), x.bfloat16(), codes) == width(out.half(), x.half(), None) == 8
-    assert width(out, x[..., 1:], codes) == 4  # C elements further: still aligned
-    assert width(out, x[:, :, ::2], codes) == 4  # strides still multiples of VEC
-    assert width(out[:, :12], x[:, 4:], codes[:, :12]) == 1  # out and codes not dense
-    c12 = channels_last_zeros((2, 12, 3, 3))
-    assert width(c12, x[:, 4:], None) == 4  # 16 bytes further
-    assert width(c12, x[:, 2:14], None) == 1  # 8 bytes further
-    assert width(c12.bfloat16(), x[:, 4:].bfloat16(), None) == 1  # C = 12: no 8-wide vectors
-    padded = channels_last_zeros((2, 18, 6, 5))[:, :16]  # W stride 18
-    assert width(out, padded, codes) == 1
-    assert width(out, x.contiguous(), codes) == 1  # NCHW input
-    assert width(out.contiguous(), x, codes.contiguous()) == 1  # NCHW output
-    assert width(out, x, torch.empty(codes.numel() + 1, dtype=torch.uint8)[1:].view_as(codes)) == 1
-    one = torch.zeros(1, 16, 1, 1)  # NCHW and channels-last alike
-    assert width(one, one, one.to(torch.uint8)) == 4
