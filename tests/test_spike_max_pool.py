@@ -2,12 +2,16 @@
 layouts equal F.max_pool2d's exactly (ties, all-zero windows, padding, dilation, ceil_mode, odd
 maps, channels-last, NaN and -inf); what it keeps for backward; what it refuses; SpikePool and
 fuse() using it in the ResNets; and the cuda kernels' source, compiled with nvcc and run on the
-CPU as C++ through the launcher's packed arguments. GPU runs: tests/gpu/test_spike_max_pool_gpu.py.
+CPU as C++ through the launcher's packed arguments (the vector kernels against the scalar ones,
+bit for bit, in every dtype). Which tensors take the vector kernels:
+tests/test_spike_max_pool_vectors.py; GPU runs: tests/gpu/test_spike_max_pool_gpu.py.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
+import re
 import shutil
 import subprocess
 
@@ -226,17 +230,27 @@ WINDOWS = [MaxPoolGeometry.of(*g).window for g in GEOMETRIES]
 @needs_nvcc
 def test_every_max_pool_kernel_compiles_with_nvcc(tmp_path):
     """Every storage dtype, with the stem's window and a dilated rectangular one, compiles for
-    sm_80 and sm_90, as NVRTC compiles it, without spills."""
+    sm_80 and sm_90, as NVRTC compiles it, without spills (the scalar and vector kernels)."""
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     sources = [kernels.kernels_for(d, w).source for d in dtypes for w in WINDOWS[::5]]
-    assert_compiles_without_spills(tmp_path, sources, ("FORWARD_KERNEL", "BACKWARD_KERNEL"))
+    macros = (
+        "FORWARD_KERNEL",
+        "BACKWARD_KERNEL",
+        "FORWARD_VECTOR_KERNEL",
+        "BACKWARD_VECTOR_KERNEL",
+    )
+    assert_compiles_without_spills(tmp_path, sources, macros)
 
 
-def test_kernel_names_say_the_dtype_and_window():
+def test_kernel_names_say_the_dtype_window_and_vector_width():
     pair = kernels.kernels_for(torch.bfloat16, WINDOWS[0])
-    assert pair.forward_name == "spikefuse_max_pool_forward_nv_bfloat16_k3x3_s2x2_p1x1_d1x1"
-    assert pair.backward_name in pair.source and "atomicAdd" not in pair.source
-    assert "constexpr int SH = 2;" in pair.source
+    assert pair.name(False, 1) == "spikefuse_max_pool_forward_nv_bfloat16_k3x3_s2x2_p1x1_d1x1"
+    assert pair.name(True, 8) == "spikefuse_max_pool_backward_v8_nv_bfloat16_k3x3_s2x2_p1x1_d1x1"
+    for backward, vec in itertools.product((False, True), (1, 8)):
+        assert f" {pair.name(backward, vec)}\n" in pair.source
+    assert "atomicAdd" not in pair.source and "constexpr int SH = 2;" in pair.source
+    assert pair.vec == 8 and "constexpr int VEC = 8;" in pair.source
+    assert kernels.kernels_for(torch.float32, WINDOWS[0]).vec == 4
 
 
 @pytest.mark.parametrize("d", [1, 2, 3, 7, 64, 112, 3136, 12544, 2**31 - 1])
@@ -257,7 +271,9 @@ def test_dividers_divide_every_index_below_two_to_the_31(d):
         assert (((n * magic) >> 32) + n) >> shift == n // d, n
 
 
-# The kernels' source as C++ on the CPU: one thread after another (they share nothing).
+# The kernels' source as C++ on the CPU: one thread after another (they share nothing). The
+# 16-bit storage types come from stand-ins of CUDA's headers (HEADERS): __half is GCC's _Float16,
+# __nv_bfloat16 the upper half of a float, both rounded to nearest even as on the GPU.
 EMULATION = r"""
 #include <cstdint>
 #include <cstring>
@@ -276,32 +292,62 @@ inline unsigned int __umulhi(unsigned int a, unsigned int b)
 
 extern "C" int args_size() { return sizeof(Args); }
 
-extern "C" void launch(int backward, const void* packed, int blocks)
+// kernel: 2 * vector + backward
+extern "C" void launch(int kernel, const void* packed, int blocks)
 {
+    static void (*const kernels[4])(const Args) = {
+        FORWARD_KERNEL, BACKWARD_KERNEL, FORWARD_VECTOR_KERNEL, BACKWARD_VECTOR_KERNEL};
     Args a;
     std::memcpy(&a, packed, sizeof(Args));
     for (int b = 0; b < blocks; ++b)
         for (int t = 0; t < BLOCK_THREADS; ++t) {
             blockIdx = {b, 0, 0};
             threadIdx = {t, 0, 0};
-            if (backward)
-                BACKWARD_KERNEL(a);
-            else
-                FORWARD_KERNEL(a);
+            kernels[kernel](a);
         }
 }
 """
+HEADERS = {
+    "cuda_fp16.h": r"""
+typedef _Float16 __half;
+inline float __half2float(__half x) { return (float)x; }
+inline __half __float2half_rn(float x) { return (__half)x; }
+""",
+    "cuda_bf16.h": r"""
+#include <cstdint>
+#include <cstring>
+struct __nv_bfloat16 { std::uint16_t bits; };
+inline float __bfloat162float(__nv_bfloat16 x)
+{
+    const std::uint32_t u = std::uint32_t(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline __nv_bfloat16 __float2bfloat16_rn(float f)
+{
+    std::uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return {std::uint16_t((u >> 16) | 0x40u)};  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return {std::uint16_t(u >> 16)};
+}
+""",
+}
 GXX = shutil.which("g++")
+KERNEL_NAME = re.compile(r"spikefuse_max_pool_(forward|backward)(_v\d+)?_")
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """A ``launch_named`` stand-in running the float32 kernels' source (each window's compiled
-    for the CPU on first use)."""
+    """A ``launch_named`` stand-in running the kernels' source (each dtype's and window's
+    compiled for the CPU on first use); ``.names`` lists the kernels it launched."""
     if GXX is None:
         pytest.skip("g++ not found on PATH: the kernel source is not run on the CPU")
     folder = tmp_path_factory.mktemp("max_pool_emulation")
     (folder / "emulation.cpp").write_text(EMULATION)
+    for header, text in HEADERS.items():
+        (folder / header).write_text(text)
     libraries: dict[str, ctypes.CDLL] = {}
 
     def library(source: str) -> ctypes.CDLL:
@@ -310,10 +356,14 @@ def emulated(tmp_path_factory):
             (folder / f"source{i}.h").write_text(source)
             out = folder / f"emulation{i}.so"
             define = f'-DKERNEL_SOURCE="{folder / f"source{i}.h"}"'
-            cmd = [GXX, "-std=c++17", "-O1", "-shared", "-fPIC", define, "-o", str(out)]
+            cmd = [GXX, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{folder}", define]
             r = subprocess.run(
-                [*cmd, str(folder / "emulation.cpp")], capture_output=True, text=True
+                [*cmd, "-o", str(out), str(folder / "emulation.cpp")],
+                capture_output=True,
+                text=True,
             )
+            if r.returncode and "_Float16" in r.stderr:
+                pytest.skip(f"g++ lacks _Float16: {r.stderr[:200]}")
             assert r.returncode == 0, r.stderr[-3000:]
             libraries[source] = ctypes.CDLL(str(out))
             assert libraries[source].args_size() == kernels.ARGS.size  # the packed struct is it
@@ -321,18 +371,29 @@ def emulated(tmp_path_factory):
 
     def launch_named(source, name, device, grid, block, args):
         assert block == (256, 1, 1) and grid[1:] == (1, 1) and len(args) == kernels.ARGS.size
-        library(source).launch(int("backward" in name), args, grid[0])
+        direction, vector = KERNEL_NAME.match(name).groups()
+        launch_named.names.append(name)
+        kernel = 2 * (vector is not None) + (direction == "backward")
+        library(source).launch(kernel, args, grid[0])
 
+    launch_named.names = []
     return launch_named
+
+
+@pytest.fixture
+def on_kernels(emulated, monkeypatch):
+    """The autograd Function running the emulated cuda kernels; yields their launched names."""
+    monkeypatch.setattr(kernels, "launch_named", emulated)
+    monkeypatch.setattr(op.autograd, "_kernels", lambda t: kernels)
+    emulated.names.clear()
+    return emulated.names
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_the_kernel_source_equals_max_pool2d(emulated, monkeypatch, geometry, channels_last):
+def test_the_kernel_source_equals_max_pool2d(on_kernels, geometry, channels_last):
     """The autograd Function on the cuda kernels (their source run on the CPU): values,
     gradients and layouts equal max_pool2d's, also for a gradient of other strides."""
-    monkeypatch.setattr(kernels, "launch_named", emulated)
-    monkeypatch.setattr(op.autograd, "_kernels", lambda t: kernels)
     x = spikes((3, 5, 9, 11), 0.3, seed=4)
     x[0, 0, 0, :4] = float("nan")
     x[1, 1, 2:5, 2:5] = float("-inf")
@@ -344,3 +405,60 @@ def test_the_kernel_source_equals_max_pool2d(emulated, monkeypatch, geometry, ch
     upstream = torch.randn(want[0].shape[::-1]).permute(3, 2, 1, 0)  # neither layout
     want = run(lambda t: spike_max_pool2d_naive(t, g), x, upstream)
     assert_same(run(lambda t: op.SpikeMaxPool2dFunction.apply(t, g), x, upstream), want)
+    assert all(KERNEL_NAME.match(name).group(2) is None for name in on_kernels)  # C = 5
+
+
+def awkward_map(dtype: torch.dtype, channels: int = 16) -> torch.Tensor:
+    """A channels-last [3, C, 9, 11] map: spikes (ties), all-zero windows, NaN, -inf, and
+    other values tied and not."""
+    x = spikes((3, channels, 9, 11), 0.3, seed=6)
+    x[2, :, :5, :5] = 0.0
+    x[0, 3, 0, :4] = float("nan")
+    x[1, :, 2:5, 2:5] = float("-inf")
+    x[1, 5] = torch.randint(-2, 3, (9, 11), generator=torch.Generator().manual_seed(2)).float()
+    return x.to(dtype).contiguous(memory_format=torch.channels_last)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_vector_kernels_equal_the_scalar_kernels_bit_for_bit(
+    on_kernels, monkeypatch, geometry, dtype
+):
+    """Channels-last maps with C a multiple of VEC run the vector kernels (VEC channels per
+    thread); their values, codes' gradients and layouts equal the scalar kernels' bit for bit,
+    and max_pool2d's computed in float32 and rounded to the dtype."""
+    x = awkward_map(dtype)
+    g = MaxPoolGeometry.of(*geometry)
+    shape = (3, 16, *g.output_size(9, 11))
+    upstream = torch.randn(shape, generator=torch.Generator().manual_seed(8)).to(dtype)
+    upstream = upstream.contiguous(memory_format=torch.channels_last)
+    pair = kernels.kernels_for(dtype, g.window)
+    vector = run(lambda t: op.SpikeMaxPool2dFunction.apply(t, g), x, upstream)
+    assert on_kernels == [pair.name(False, pair.vec), pair.name(True, pair.vec)]
+    on_kernels.clear()
+    monkeypatch.setattr(kernels, "vector_width", lambda *tensors: 1)
+    scalar = run(lambda t: op.SpikeMaxPool2dFunction.apply(t, g), x, upstream)
+    assert on_kernels == [pair.name(False, 1), pair.name(True, 1)]
+    for v, s in zip(vector, scalar, strict=True):
+        assert torch.equal(bits(v), bits(s)) and v.stride() == s.stride()
+    want = run(lambda t: spike_max_pool2d_naive(t, g), x.float(), upstream.float())
+    assert_same(vector, tuple(w.to(dtype) for w in want))
+
+
+def test_a_misaligned_input_takes_the_scalar_forward_and_its_gradient_vectors(on_kernels):
+    """x one float past a 16-byte boundary (channels-last dense): the scalar forward kernel;
+    dL/dx, allocated aligned, the vector backward; both exact."""
+    base = awkward_map(torch.float32)
+    x = torch.empty(base.numel() + 1)[1:].view(3, 9, 11, 16).permute(0, 3, 1, 2).copy_(base)
+    assert x.is_contiguous(memory_format=torch.channels_last) and x.data_ptr() % 16
+    g = MaxPoolGeometry.of(3, 2, 1)
+    pair = kernels.kernels_for(torch.float32, g.window)
+    out = op.SpikeMaxPool2dFunction.apply(x.requires_grad_(), g)  # no clone: x's own address
+    upstream = torch.randn(out.shape).contiguous(memory_format=torch.channels_last)
+    (grad,) = torch.autograd.grad(out, x, upstream)
+    assert on_kernels == [pair.name(False, 1), pair.name(True, 4)]
+    assert_same((out.detach(), grad), run(lambda t: spike_max_pool2d_naive(t, g), base, upstream))

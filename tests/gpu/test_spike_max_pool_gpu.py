@@ -1,8 +1,9 @@
 """spike_max_pool2d on the GPU (the cuda backend's ``max_pool`` kernels): values and gradients
 equal F.max_pool2d's exactly in float32, float16 and bfloat16, NCHW and channels-last, on spike
-maps with ties and all-zero windows, padding, dilation and ceil_mode; a captured CUDA graph
-replays it; and a fused SEW-ResNet-18 step, whose stem max-pools this way, equals the unfused
-one."""
+maps with ties and all-zero windows, padding, dilation and ceil_mode; channels-last maps with C a
+multiple of the vector width run the vector kernels (NaN and -inf too), misaligned ones the
+scalar kernels, both exact; a captured CUDA graph replays it; and a fused SEW-ResNet-18 step,
+whose stem max-pools this way, equals the unfused one."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from conftest import gen, reldiff
 from spikefuse import fuse
 from spikefuse.cuda import spike_max_pool as kernels
 from spikefuse.fused import spike_max_pool2d
+from spikefuse.fused.ops.spike_max_pool import MaxPoolGeometry
 from spikefuse.fused.ops.spike_max_pool import autograd as op_autograd
 
 from .test_fused_gpu import residual_net, training_step
@@ -73,6 +75,86 @@ def test_kernels_equal_max_pool2d(geometry, dtype, channels_last, density, monke
         assert got[0].is_contiguous(memory_format=layout)
         assert got[1].is_contiguous(memory_format=layout)
     assert len(calls) == len(SHAPES)
+
+
+# Channels-last maps whose C is a multiple of every dtype's vector width (8 for 16-bit storage):
+# odd sizes, and the SEW-ResNet stem's map at a smaller batch.
+VECTOR_SHAPES = [(4, 64, 17, 19), (4, 64, 112, 112)]
+
+
+def spy_launches(monkeypatch) -> list[str]:
+    """The names of the kernels launched from now on."""
+    names: list[str] = []
+    launch = kernels.launch_named
+
+    def spy(source, name, *rest):
+        names.append(name)
+        return launch(source, name, *rest)
+
+    monkeypatch.setattr(kernels, "launch_named", spy)
+    return names
+
+
+def assert_equal_to_max_pool2d(got, x: torch.Tensor, geometry, upstream: torch.Tensor) -> None:
+    """(out, dL/dx) equal F.max_pool2d's on NCHW copies (ATen's NCHW kernels), NaN where NaN."""
+    want = pooled_and_grad(
+        lambda t: F.max_pool2d(t, *geometry[:4], ceil_mode=geometry[4]),
+        x.contiguous(),
+        upstream.contiguous(),
+    )
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=GEOMETRY_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vector_kernels_equal_max_pool2d(geometry, dtype, monkeypatch):
+    """Channels-last maps with C % 8 == 0 run the vector kernels in both directions; values and
+    gradients equal max_pool2d's bit for bit with ties, all-zero windows, NaN and -inf."""
+    names = spy_launches(monkeypatch)
+    pair = kernels.kernels_for(dtype, MaxPoolGeometry.of(*geometry).window)
+    for shape in VECTOR_SHAPES:
+        x = spike_map(shape, 0.2, dtype, True)
+        x[0, 3, 0, :4] = float("nan")
+        x[1, :, 2:9, 2:9] = 0.0
+        x[2, 5, :3, :3] = float("-inf")
+        out_shape = F.max_pool2d(x[:1, :1].float(), *geometry[:4], ceil_mode=geometry[4]).shape
+        upstream = torch.randn(
+            (shape[0], shape[1], *out_shape[2:]), device="cuda", generator=gen(3, "cuda")
+        ).to(dtype)
+        upstream = upstream.contiguous(memory_format=torch.channels_last)
+        got = pooled_and_grad(lambda t: spike_max_pool2d(t, *geometry), x, upstream)
+        assert_equal_to_max_pool2d(got, x, geometry, upstream)
+        assert got[0].is_contiguous(memory_format=torch.channels_last)
+        assert got[1].is_contiguous(memory_format=torch.channels_last)
+    vector = [pair.name(False, pair.vec), pair.name(True, pair.vec)]
+    assert names == vector * len(VECTOR_SHAPES)
+
+
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A channels-last dense copy of t one element past a 16-byte boundary."""
+    n, c, h, w = t.shape
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return buffer[1:].view(n, h, w, c).permute(0, 3, 1, 2).copy_(t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_misaligned_tensors_take_the_scalar_kernels_exactly(dtype, monkeypatch):
+    """A channels-last input one element off alignment pools with the scalar forward kernel; a
+    misaligned output gradient takes the scalar backward, an aligned one the vector backward;
+    all equal max_pool2d's bit for bit."""
+    names = spy_launches(monkeypatch)
+    geometry = (3, 2, 1, 1, False)
+    pair = kernels.kernels_for(dtype, MaxPoolGeometry.of(*geometry).window)
+    x = misaligned(spike_map((4, 64, 17, 19), 0.2, dtype, True)).requires_grad_()
+    assert x.is_contiguous(memory_format=torch.channels_last) and x.data_ptr() % 16
+    aligned = torch.randn(4, 64, 9, 10, device="cuda", generator=gen(3, "cuda")).to(dtype)
+    aligned = aligned.contiguous(memory_format=torch.channels_last)
+    for upstream, backward_vec in ((misaligned(aligned), 1), (aligned, pair.vec)):
+        out = spike_max_pool2d(x, *geometry)
+        (grad,) = torch.autograd.grad(out, x, upstream)
+        assert_equal_to_max_pool2d((out.detach(), grad), x.detach(), geometry, upstream)
+        assert names[-2:] == [pair.name(False, 1), pair.name(True, backward_vec)]
 
 
 def test_a_captured_graph_replays_the_pooling():

@@ -6,21 +6,32 @@
 // prelude that defines:
 //   scalar_t, to_float, from_float   storage type (float, __half, __nv_bfloat16) and conversions
 //   BLOCK_THREADS                    threads per block
+//   VEC                              channels per thread of the vector kernels: 16 bytes of values
 //   KH, KW, SH, SW, PH, PW, DH, DW   the window: kernel, stride, padding, dilation (rows, columns);
 //                                    constants, so that dividing by them costs a multiply or shift
-//   FORWARD_KERNEL, BACKWARD_KERNEL  the names of the two entry points (at the end of this file)
+//   FORWARD_KERNEL, BACKWARD_KERNEL  the names of the four entry points (at the end of this file)
+//   FORWARD_VECTOR_KERNEL, BACKWARD_VECTOR_KERNEL
 //
-// FORWARD_KERNEL: one thread per output value, threads in the output's memory order (channels
-// innermost for a channels-last map: a warp reads 32 channels of one position, coalesced). It
-// scans the window in ATen's order (rows, then columns), taking an element where it is greater
-// than the maximum so far or NaN, from -inf and the window's first element inside the map: the
-// first of equal maxima wins (of binary spikes: the first spike, else the first element), padded
-// positions never do, as in ATen's max_pool2d on CPU and CUDA.
+// Each kernel is pool_forward<V> or pool_backward<V>: a thread handles V neighbouring channels of
+// one position. The scalar kernels (V = 1) take any input strides and write NCHW or channels-last
+// tensors; the vector kernels (V = VEC) run where the host found every tensor channels-last with
+// channels adjacent, C and the other strides multiples of VEC, and the base addresses aligned
+// (values: 16 bytes, codes: VEC bytes), so that each window element is one 16-byte load, the
+// values one 16-byte store and the codes one VEC-byte store. Per channel the two compute the
+// same operations in the same order: their results are identical bit for bit.
 //
-// BACKWARD_KERNEL: one thread per input element, in the input gradient's memory order: a gather.
+// FORWARD: one thread per V output values, threads in the output's memory order (channels
+// innermost for a channels-last map: a warp reads neighbouring channels of one position,
+// coalesced). It scans the window in ATen's order (rows, then columns), taking an element where
+// it is greater than the maximum so far or NaN, from -inf and the window's first element inside
+// the map: the first of equal maxima wins (of binary spikes: the first spike, else the first
+// element), padded positions never do, as in ATen's max_pool2d on CPU and CUDA.
+//
+// BACKWARD: one thread per V input elements, in the input gradient's memory order: a gather.
 // The element sums the gradients of the windows that contain it and whose code points at it, in
 // float, windows in ascending (row, column) order, and writes the sum once: ATen's CUDA backward
-// (p_start / p_end bound the windows whose span covers the element), without its int64 reads.
+// (p_start / p_end bound the windows whose span covers the element), without its int64 reads. A
+// window's gradient is read only where its code points at one of the thread's elements.
 // Deterministic, no atomics.
 
 // Division by a divisor fixed at launch: a multiply-high and a shift (the host computes the magic
@@ -41,11 +52,11 @@ struct Args {
     unsigned char* codes;       // forward: written like out (null: not kept); backward: read
     const scalar_t* grad_out;   // backward: dL/dout, any strides (grad_stride)
     scalar_t* grad_x;           // backward: dL/dx, dense in the threads' order
-    long long n;                // threads: out's elements (forward), grad_x's (backward)
+    long long n;                // threads: out's (forward), grad_x's (backward) elements / V
     long long x_stride[4];      // N, C, H, W strides in elements
     long long code_stride[4];
     long long grad_stride[4];
-    Divider walked[3];          // C, H, W of the tensor the threads walk (out, or grad_x)
+    Divider walked[3];          // C / V, H, W of the tensor the threads walk (out, or grad_x)
     int size[2];                // H, W of the input
     int pooled[2];              // OH, OW
     int channels_last;          // the threads' order: N, H, W, C (1) or N, C, H, W (0)
@@ -56,7 +67,8 @@ struct Position {
 };
 
 // The coordinates of element i of a dense [N, C, height, width] tensor in the threads' order
-// (dividers: C, height, width); index_t: unsigned int (fast division) below 2^31 elements.
+// (dividers: C, height, width; C counts groups of V channels where a thread has V);
+// index_t: unsigned int (fast division) below 2^31 elements.
 template <typename index_t>
 __device__ __forceinline__ Position position_of(index_t i, const Divider* d, int channels_last);
 
@@ -126,20 +138,77 @@ __device__ __forceinline__ int first_inside(int start, int dilation)
     return start < 0 ? (-start + dilation - 1) / dilation : 0;
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) FORWARD_KERNEL(const Args a)
+// V neighbouring channels of one position: one load or store (V = 1: one value).
+template <int V>
+struct alignas(sizeof(scalar_t) * V) Values {
+    scalar_t e[V];
+};
+
+template <int V>
+__device__ __forceinline__ Values<V> load_values(const scalar_t* p)
+{
+    return *reinterpret_cast<const Values<V>*>(p);
+}
+
+// The codes of V neighbouring channels as one word, channel k in byte k (little-endian, as the
+// GPU and x86 store words): one load or store of V bytes.
+template <int V>
+struct CodeWord;
+template <>
+struct CodeWord<1> {
+    typedef unsigned char type;
+};
+template <>
+struct CodeWord<4> {
+    typedef unsigned int type;
+};
+template <>
+struct CodeWord<8> {
+    typedef unsigned long long type;
+};
+
+template <int V>
+__device__ __forceinline__ int code_of(const typename CodeWord<V>::type word, const int k)
+{
+    return (int)((word >> (8 * k)) & 0xff);
+}
+
+// Element v of the window (code `at`) replaces the maximum so far of each channel where it is
+// greater or NaN: ATen's rule.
+template <int V>
+__device__ __forceinline__ void take_greater(float (&best)[V], Values<V>& value, int (&code)[V],
+                                             const Values<V>& v, const int at)
+{
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        const float f = to_float(v.e[k]);
+        if (f > best[k] || f != f) {
+            best[k] = f;
+            value.e[k] = v.e[k];
+            code[k] = at;
+        }
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void pool_forward(const Args& a)
 {
     const long long i = (long long)blockIdx.x * BLOCK_THREADS + threadIdx.x;
     if (i >= a.n) return;
-    const Position p = position(i, a);
+    const Position p = position(i, a);  // p.c: the channel group, channels p.c * V + k
     const int h0 = p.h * SH - PH;
     const int w0 = p.w * SW - PW;
     const int i0 = first_inside(h0, DH);
     const int j0 = first_inside(w0, DW);
-    const scalar_t* x = a.x + map_offset(a.x_stride, p.n, p.c);
+    const scalar_t* x = a.x + map_offset(a.x_stride, p.n, p.c * V);
     const float lowest = __int_as_float(0xff800000);  // -inf
-    float best = lowest;
-    scalar_t value = from_float(lowest);
-    int code = i0 * KW + j0;
+    float best[V];
+    Values<V> value;
+    int code[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) best[k] = lowest, value.e[k] = from_float(lowest);
+#pragma unroll
+    for (int k = 0; k < V; ++k) code[k] = i0 * KW + j0;
 #pragma unroll
     for (int ki = 0; ki < KH; ++ki) {
         const int h = h0 + ki * DH;
@@ -148,17 +217,16 @@ extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) FORWARD_KERNEL(const
         for (int kj = 0; kj < KW; ++kj) {
             const int w = w0 + kj * DW;
             if (kj < j0 || w >= a.size[1]) continue;
-            const scalar_t v = x[h * a.x_stride[2] + w * a.x_stride[3]];
-            const float f = to_float(v);
-            if (f > best || f != f) {  // greater, or NaN: ATen's rule
-                best = f;
-                value = v;
-                code = ki * KW + kj;
-            }
+            const Values<V> v = load_values<V>(x + h * a.x_stride[2] + w * a.x_stride[3]);
+            take_greater<V>(best, value, code, v, ki * KW + kj);
         }
     }
-    a.out[i] = value;
-    if (a.codes != nullptr) a.codes[i] = (unsigned char)code;
+    reinterpret_cast<Values<V>*>(a.out)[i] = value;
+    if (a.codes == nullptr) return;
+    typename CodeWord<V>::type word = 0;
+#pragma unroll
+    for (int k = 0; k < V; ++k) word |= (typename CodeWord<V>::type)code[k] << (8 * k);
+    reinterpret_cast<typename CodeWord<V>::type*>(a.codes)[i] = word;
 }
 
 // ATen's range of windows (along one axis) whose span covers input coordinate `at`: [start, end).
@@ -186,26 +254,73 @@ __device__ __forceinline__ int offset_in(int at, int o)
     return d / D;
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) BACKWARD_KERNEL(const Args a)
+// Adds the gradient of one window (at `grad`) to the channels whose code in `word` is `at`, the
+// window's position of the thread's element; reads the gradient only where one is.
+template <int V>
+__device__ __forceinline__ void add_pointed(float (&sum)[V], const typename CodeWord<V>::type word,
+                                            const int at, const scalar_t* grad)
+{
+    bool hit[V], any = false;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        hit[k] = code_of<V>(word, k) == at;
+        any = any || hit[k];
+    }
+    if (!any) return;
+    const Values<V> g = load_values<V>(grad);
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+        if (hit[k]) sum[k] += to_float(g.e[k]);
+}
+
+template <int V>
+__device__ __forceinline__ void pool_backward(const Args& a)
 {
     const long long i = (long long)blockIdx.x * BLOCK_THREADS + threadIdx.x;
     if (i >= a.n) return;
-    const Position p = position(i, a);
+    const Position p = position(i, a);  // p.c: the channel group, channels p.c * V + k
     const int oh_end = window_end<SH, PH>(p.h, a.pooled[0]);
     const int ow_start = window_start<KW, SW, PW, DW>(p.w);
     const int ow_end = window_end<SW, PW>(p.w, a.pooled[1]);
-    const unsigned char* codes = a.codes + map_offset(a.code_stride, p.n, p.c);
-    const scalar_t* grad = a.grad_out + map_offset(a.grad_stride, p.n, p.c);
-    float sum = 0.0f;
+    const unsigned char* codes = a.codes + map_offset(a.code_stride, p.n, p.c * V);
+    const scalar_t* grad = a.grad_out + map_offset(a.grad_stride, p.n, p.c * V);
+    float sum[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) sum[k] = 0.0f;
     for (int oh = window_start<KH, SH, PH, DH>(p.h); oh < oh_end; ++oh) {
         const int ki = offset_in<KH, SH, PH, DH>(p.h, oh);
         if (ki < 0) continue;
         for (int ow = ow_start; ow < ow_end; ++ow) {
             const int kj = offset_in<KW, SW, PW, DW>(p.w, ow);
             if (kj < 0) continue;
-            if (codes[oh * a.code_stride[2] + ow * a.code_stride[3]] == ki * KW + kj)
-                sum += to_float(grad[oh * a.grad_stride[2] + ow * a.grad_stride[3]]);
+            const unsigned char* at = codes + oh * a.code_stride[2] + ow * a.code_stride[3];
+            const auto word = *reinterpret_cast<const typename CodeWord<V>::type*>(at);
+            add_pointed<V>(sum, word, ki * KW + kj,
+                           grad + oh * a.grad_stride[2] + ow * a.grad_stride[3]);
         }
     }
-    a.grad_x[i] = from_float(sum);
+    Values<V> out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) out.e[k] = from_float(sum[k]);
+    reinterpret_cast<Values<V>*>(a.grad_x)[i] = out;
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) FORWARD_KERNEL(const Args a)
+{
+    pool_forward<1>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) FORWARD_VECTOR_KERNEL(const Args a)
+{
+    pool_forward<VEC>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) BACKWARD_KERNEL(const Args a)
+{
+    pool_backward<1>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS) BACKWARD_VECTOR_KERNEL(const Args a)
+{
+    pool_backward<VEC>(a);
 }
