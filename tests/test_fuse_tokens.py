@@ -154,6 +154,42 @@ def test_a_spiking_transformer_fuses_every_chain_and_computes_the_same(memory):
     assert_same_step(ref, fused, images)
 
 
+@pytest.mark.parametrize("memory", ["default", "min", "min-chunked"])
+def test_pointwise_conv1d_blocks_run_as_channels_last_conv2d_and_compute_the_same(
+    memory, monkeypatch
+):
+    """On CUDA a pointwise Conv1d block runs as the channels-last Conv2d of its [N, C, 1, L]
+    view; forced here on the CPU: spikes equal, gradients within rounding, outputs laid out
+    channels innermost, in both memory modes (min also in batch chunks) and in eval."""
+    from spikefuse.fused import chunked
+    from spikefuse.fused.synapse import Synapse
+
+    if memory == "min-chunked":  # every block in chunks of one sample
+        monkeypatch.setattr(chunked, "CHUNKED_FROM", 0)
+        monkeypatch.setattr(chunked, "CHUNK_BYTES", 1)
+        memory = "min"
+
+    cuda_layout = Synapse.runs_channels_last
+    monkeypatch.setattr(
+        Synapse, "runs_channels_last", lambda self, x: self.pointwise or cuda_layout(self, x)
+    )
+    planar = []
+    run = Synapse._pointwise_run
+    monkeypatch.setattr(
+        Synapse, "_pointwise_run", lambda self, m, w: planar.append(m.shape) or run(self, m, w)
+    )
+    ref = randomized(Transformer())
+    fused = fuse(ref, memory=memory)
+    images = torch.rand(T, B, 3, 4, 4, dtype=torch.float64)
+    assert_same_step(ref, fused, images)
+    assert len(planar) >= 4  # qkv, proj, mlp1, mlp2 (and the recomputations of "min")
+    ref.eval()
+    fused.eval()
+    assert_same_step(ref, fused, images)
+    spikes = fused.mlp1(torch.rand(T, B, D, N, dtype=torch.float64).round())
+    assert spikes.flatten(0, 1).transpose(1, 2).is_contiguous()
+
+
 @pytest.mark.parametrize("memory", ["default", "min"])
 def test_token_linear_chains_on_tokens(memory):
     ref = randomized(TokenMLP())

@@ -61,14 +61,21 @@ def identity_block(
     """synapse -> BatchNorm -> neuron whose synapse is the identity in the variant's dtype, so
     that the kernels see the test's synapse output y exactly: BatchNorm with (gamma, beta),
     batch statistics or the running ones (mean 0, variance 1.5)."""
+    eye = torch.eye(channels)
     if synapse_kind is nn.Linear:
         synapse, bn = nn.Linear(channels, channels, bias=False), nn.BatchNorm1d(channels)
+        identity = eye
+    elif synapse_kind is nn.Conv1d:  # not pointwise: it runs channels-first (see Synapse)
+        synapse, bn = (
+            nn.Conv1d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm1d(channels),
+        )
+        identity = torch.stack((torch.zeros_like(eye), eye, torch.zeros_like(eye)), -1)
     else:
-        synapse = synapse_kind(channels, channels, 1, bias=False)
-        bn = nn.BatchNorm2d(channels) if synapse_kind is nn.Conv2d else nn.BatchNorm1d(channels)
-    eye = torch.eye(channels)
+        synapse, bn = nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels)
+        identity = eye.view(synapse.weight.shape)
     with torch.no_grad():
-        synapse.weight.copy_(eye.view(synapse.weight.shape))
+        synapse.weight.copy_(identity)
         bn.weight.copy_(gamma)
         bn.bias.copy_(beta)
         bn.running_var.fill_(1.5)

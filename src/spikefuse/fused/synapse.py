@@ -11,6 +11,7 @@ block.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -22,45 +23,82 @@ from .recompute import Recipe, is_spikes, mark_spikes, recipe_of, saving_recompu
 from .spike_linear import SpikeLinearFunction, takes_split_path
 
 
+def channels_last(t: Tensor) -> Tensor:
+    """A merged batch [N, C, H, W] or [N, C, L] with channels innermost in memory (channels-last;
+    for [N, C, L] the layout of its [N, C, 1, L] view): t itself where it is so already, else
+    one copy."""
+    if t.dim() == 4:
+        return t.contiguous(memory_format=torch.channels_last)
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def is_channels_last(t: Tensor) -> bool:
+    """Whether a merged batch is laid out as :func:`channels_last` makes it."""
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    return t.transpose(1, 2).is_contiguous()
+
+
+def _empty(shape: tuple[int, ...], like: Tensor, cl: bool) -> Tensor:
+    """Uninitialised merged batch of ``shape`` in like's dtype and device, laid out as
+    :func:`channels_last` makes it (``cl``), else contiguous."""
+    if cl and len(shape) == 3:
+        n, c, length = shape
+        return torch.empty((n, length, c), dtype=like.dtype, device=like.device).transpose(1, 2)
+    layout = torch.channels_last if cl else torch.contiguous_format
+    return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=layout)
+
+
 def _channels_last(recipe: Recipe) -> Recipe:
-    return lambda: recipe().contiguous(memory_format=torch.channels_last)
+    return lambda: channels_last(recipe())
+
+
+def _pointwise(module: _ConvNd) -> bool:
+    """Whether a Conv1d is pointwise (kernel 1, stride 1, no padding): a matrix product per
+    position, which cuDNN runs far faster as a channels-last Conv2d over [N, C, 1, L] than as
+    a Conv1d on [N, C, L] (whose weight gradient it reduces in a separate pass, with a
+    workspace about as large as the output)."""
+    return (
+        tuple(module.kernel_size) == (1,)
+        and tuple(module.stride) == (1,)
+        and module.padding in ((0,), 0, "valid")
+        and module.padding_mode == "zeros"
+    )
 
 
 class Synapse:
     """The synapse ``module`` of torch class ``kind`` (what :func:`~.spec.synapse_kind` says)."""
 
-    __slots__ = ("kind", "module")
+    __slots__ = ("kind", "module", "pointwise")
 
     def __init__(self, module: nn.Linear | _ConvNd, kind: type[nn.Module]) -> None:
         self.module, self.kind = module, kind
+        self.pointwise = isinstance(module, _ConvNd) and kind is nn.Conv1d and _pointwise(module)
 
     def runs_channels_last(self, x: Tensor) -> bool:
-        """Whether it runs channels-last: a Conv2d on CUDA (cuDNN's native layout, no
-        transposes around the convolution; the kernels read that layout as it is)."""
-        return self.kind is nn.Conv2d and x.is_cuda
+        """Whether it runs channels-last (:func:`channels_last`): a Conv2d on CUDA (cuDNN's
+        native layout, no transposes around the convolution; the kernels read that layout as
+        it is), and a pointwise Conv1d on CUDA, as the Conv2d of its [N, C, 1, L] view."""
+        return (self.kind is nn.Conv2d or self.pointwise) and x.is_cuda
 
     def merged(self, x: Tensor) -> Tensor:
         """[T, B, ...] as the synapse's [T*B, ...] batch, in the layout it runs in."""
         merged = x.flatten(0, 1)
         if self.runs_channels_last(merged):
-            merged = merged.contiguous(memory_format=torch.channels_last)
+            merged = channels_last(merged)
         return merged
 
     def merged_part(self, x: Tensor, part: slice) -> Tensor:
         """x[:, part] as the synapse's [T*b, ...] batch in the layout it runs in: a view of x
         where it is that already (the whole batch, dense), else a copy."""
         src = x[:, part]
-        layout = torch.channels_last if self.runs_channels_last(x) else torch.contiguous_format
+        cl = self.runs_channels_last(x)
         if src.shape[1] == x.shape[1]:
             view = src.flatten(0, 1)  # a copy (of the logical order) where not viewable
-            if view.is_contiguous(memory_format=layout):
+            if is_channels_last(view) if cl else view.is_contiguous():
                 return view
-        merged = torch.empty(
-            (src.shape[0] * src.shape[1], *src.shape[2:]),
-            dtype=x.dtype,
-            device=x.device,
-            memory_format=layout,
-        )
+        shape = (src.shape[0] * src.shape[1], *src.shape[2:])
+        merged = _empty(shape, x, cl)
         merged.unflatten(0, src.shape[:2]).copy_(src)
         return merged
 
@@ -93,6 +131,8 @@ class Synapse:
         module's, :meth:`weight_in`; a synapse with an explicit backward only): under
         autocast, the same operands, so the same output."""
         module = self.module
+        if self.pointwise and self.runs_channels_last(merged):
+            return self._pointwise_run(merged, module.weight if weight is None else weight)
         if weight is None:
             return self.kind.forward(module, merged)
         if isinstance(module, nn.Linear):
@@ -108,6 +148,16 @@ class Synapse:
             module.dilation,
             module.groups,
         )
+
+    def _pointwise_run(self, merged: Tensor, weight: Tensor) -> Tensor:
+        """A pointwise Conv1d on [N, C, L] as the Conv2d of its [N, C, 1, L] view: channels-last
+        in, channels-last out (cuDNN's implicit matrix product), the same products and sums
+        per output as the Conv1d, so equal to it up to the order of the sums."""
+        module = cast("_ConvNd", self.module)
+        planar = F.conv2d(
+            merged.unsqueeze(2), weight.unsqueeze(2), module.bias, 1, 0, 1, module.groups
+        )
+        return planar.squeeze(2)
 
     def on_merged(self, merged: Tensor, steps: int, weight: Tensor | None = None) -> Tensor:
         """The output [T, b, ...] of a merged batch [T*b, ...] of ``steps`` steps (``weight``:
@@ -148,14 +198,14 @@ class Synapse:
             return self(x)
         if self.runs_channels_last(merged):  # recompute in the conv's layout
             recipe = None if recipe is None else _channels_last(recipe)
-            merged = merged.contiguous(memory_format=torch.channels_last)
+            merged = channels_last(merged)
             if spikes:  # a copy, if one was made, holds the same spikes
                 mark_spikes(merged)
         with saving_recomputed(merged, recipe):  # the very tensor the synapse saves
             if split:
                 y = SpikeLinearFunction.apply(merged, self.module.weight, self.module.bias)
             else:
-                y = self.kind.forward(self.module, merged)
+                y = self._run(merged)
             return y.unflatten(0, x.shape[:2])
 
     def geometry(self, step_shape: torch.Size) -> tuple[int, int]:
@@ -198,19 +248,24 @@ class Synapse:
             g = grad_y.flatten(0, -2)
             grad_w, grad_b = g.t() @ x.flatten(0, -2), (g.sum(0) if need_b else None)
         else:
+            planar = self.pointwise and self.runs_channels_last(x)  # as _pointwise_run
+            if planar:
+                grad_y, x, weight = grad_y.unsqueeze(2), x.unsqueeze(2), weight.unsqueeze(2)
             _, grad_w, grad_b = torch.ops.aten.convolution_backward(
                 grad_y,
                 x,
                 weight,
                 [weight.shape[0]] if need_b else None,
-                module.stride,
-                module.padding,
-                module.dilation,
+                (1, 1) if planar else module.stride,
+                (0, 0) if planar else module.padding,
+                (1, 1) if planar else module.dilation,
                 False,
                 [0] * (grad_y.dim() - 2),
                 module.groups,
                 [False, True, need_b],
             )
+            if planar:
+                grad_w = grad_w.squeeze(2)
         bias = module.bias
         grad_b = None if grad_b is None or bias is None else grad_b.to(bias.dtype)
         return grad_w.to(module.weight.dtype), grad_b
@@ -226,6 +281,9 @@ class Synapse:
         grad_y = grad_y.to(weight.dtype)
         if isinstance(module, nn.Linear):
             return grad_y @ weight
+        if self.pointwise and self.runs_channels_last(grad_y):  # as _pointwise_run
+            planar = grad_y.unsqueeze(2)
+            return F.conv_transpose2d(planar, weight.unsqueeze(2), groups=module.groups).squeeze(2)
         assert not isinstance(module.padding, str)  # explicit_backward
         output_padding = [
             x_shape[2 + d]
