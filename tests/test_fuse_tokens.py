@@ -13,7 +13,7 @@ from torch import nn
 from spikefuse import functional, layer, neuron
 from spikefuse import spike_matmul as sm
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, fuse
+from spikefuse.fused import FusedBlock, MaxPoolCodes, fuse
 from spikefuse.fused.recompute import is_spikes, mark_spikes
 
 T, B, N, D = 3, 2, 6, 8
@@ -288,9 +288,37 @@ def test_a_patch_stem_with_max_pooling_before_the_neuron_is_reported():
         ),
         lif(),
     )
-    _, report = fuse(stem, return_report=True)
+    fused, report = fuse(stem, return_report=True)
     assert report.fused_fraction == 0.0
     assert "pools (MaxPool2d) before the neuron" in report.skipped[0].reason
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_max_pooling_before_the_neuron_keeps_byte_codes_and_computes_the_same(train):
+    """The unfused stem's max pooling runs as spike_max_pool2d: values equal, gradients within
+    rounding (the gather sums a window's gradients in another order than ATen's CPU scatter)."""
+    stem = randomized(
+        nn.Sequential(
+            layer.SeqToANNContainer(
+                nn.Conv2d(3, D, 3, padding=1, bias=False),
+                nn.BatchNorm2d(D),
+                nn.MaxPool2d(3, 2, 1),
+            ),
+            lif(),
+        )
+    )
+    fused, report = fuse(stem, return_report=True)
+    assert isinstance(fused[0][2], MaxPoolCodes)
+    assert report.spike_max_pools == ["0.2"], str(report)
+    stem.train(train)
+    fused.train(train)
+    images = torch.rand(T, B, 3, 6, 6, dtype=torch.float64)
+    out_r, grads_r = step(stem, images)
+    out_f, grads_f = step(fused, images)
+    assert torch.equal(out_f, out_r)
+    assert grads_f.keys() == grads_r.keys()
+    for key, grad in grads_r.items():
+        torch.testing.assert_close(grads_f[key], grad, **FP64_TOL, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_a_tokens_block_takes_tokens_only():

@@ -30,7 +30,7 @@ from .ops.bn_neuron import (
     bn_neuron_naive,
 )
 from .ops.spike_max_pool import spike_max_pool2d
-from .pooling import SpikePool, WindowAvgPool
+from .pooling import MaxPoolCodes, SpikePool, WindowAvgPool
 
 __all__ = [
     "BNNeuronArgs",
@@ -42,6 +42,7 @@ __all__ = [
     "FusedLinearBNNeuron",
     "MemoryPolicy",
     "SkippedCandidate",
+    "MaxPoolCodes",
     "SpikePool",
     "WindowAvgPool",
     "bn_input_grad",

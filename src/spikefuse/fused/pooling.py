@@ -145,3 +145,31 @@ def _spike_max_geometry(pool: nn.Module) -> MaxPoolGeometry | None:
         )
     except SpikefuseError:
         return None
+
+
+class MaxPoolCodes(nn.Module):
+    """A single-step ``nn.MaxPool2d`` (``pool``) on [N, C, H, W] as
+    :func:`~.ops.spike_max_pool.spike_max_pool2d`: the same values and gradient, keeping a
+    byte per output value for backward instead of its input and int64 indices. What
+    :func:`~spikefuse.fused.fuse` puts inside a ``SeqToANNContainer`` that stays unfused because
+    it max-pools BatchNorm's output before the neuron (Spikformer's and QKFormer's patch
+    stems). Under ``torch.compile`` the pooling layer itself runs."""
+
+    def __init__(self, pool: nn.MaxPool2d, geometry: MaxPoolGeometry) -> None:
+        super().__init__()
+        self.pool, self.geometry = pool, geometry
+
+    @staticmethod
+    def of(pool: nn.Module) -> MaxPoolCodes | None:
+        """``pool`` as a MaxPoolCodes, or None where it is not a plain single-step max pooling
+        whose windows fit a byte code."""
+        plain = type(pool) in EXACT[nn.MaxPool2d] and getattr(pool, "step_mode", "s") == "s"
+        geometry = _spike_max_geometry(pool) if plain else None
+        if geometry is None or getattr(pool, "return_indices", False):
+            return None
+        return MaxPoolCodes(pool, geometry)  # type: ignore[arg-type]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling() or not isinstance(x, Tensor) or x.dim() != 4:
+            return self.pool(x)  # (the layer's own checks and errors for other input)
+        return pool_spikes(x, self.geometry)

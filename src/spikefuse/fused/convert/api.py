@@ -95,9 +95,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ... import layer
 from ...errors import SpikefuseError
 from ..memory import memory_modes
-from ..pooling import SpikePool
+from ..pooling import MaxPoolCodes, SpikePool
 from ..recompute import RecomputedInput, flatten_keeps_tags
 from .find import _as_pool, _Chain, _examine, _Findings, _is_synapse_like, _merge
 from .report import FusedChain, FuseReport, SkippedCandidate, _display, _join
@@ -149,6 +150,17 @@ class _Fuser:
             merged.unfolded_pools = {}
         self._apply(module, path, merged)
 
+    def _max_pool_codes(self, container: nn.Module, path: str) -> None:
+        """The max poolings inside an unfused SeqToANNContainer (which pools BatchNorm's
+        output before its neuron) as :class:`MaxPoolCodes`: the same results, less kept."""
+        if type(container) is not layer.SeqToANNContainer:
+            return
+        for name, child in container.named_children():
+            codes = MaxPoolCodes.of(child)
+            if codes is not None:
+                setattr(container, name, codes)
+                self.report.spike_max_pools.append(_join(path, name))
+
     def _unknown_children(self, module: nn.Module, path: str) -> None:
         for name, child in module.named_children():
             if _is_synapse_like(child):
@@ -178,6 +190,7 @@ class _Fuser:
         for name in findings.skipped:  # unfused synapses: their input may be fused spikes
             if RecomputedInput.attach(root.get_submodule(name)):
                 self.report.recomputed_inputs.append(_join(path, name))
+            self._max_pool_codes(root.get_submodule(name), _join(path, name))
         for owner, chains in owners.items():
             self._rewrite(root, path, owner, chains)
         for module in root.modules():  # a flattened copy of fused spikes keeps their tags

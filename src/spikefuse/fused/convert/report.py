@@ -47,7 +47,9 @@ class FuseReport:
 
     ``fused``: the chains now fused; ``skipped``: every other Conv/Linear call, with the reason;
     ``pools``: pooling layers now :class:`SpikePool`; ``spike_max_pools``: those of them that
-    max-pool with :func:`~spikefuse.fused.ops.spike_max_pool.spike_max_pool2d`;
+    max-pool with :func:`~spikefuse.fused.ops.spike_max_pool.spike_max_pool2d`, and the
+    max poolings inside unfused ``SeqToANNContainer`` modules, now
+    :class:`~spikefuse.fused.MaxPoolCodes`;
     ``unfolded_pools``: pooling layers right after a fused chain that were not folded into its
     block (name → why); ``traced``: modules whose forward was traced with torch.fx;
     ``untraced``: modules whose forward could not be traced (name → error), searched as a
