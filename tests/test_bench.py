@@ -120,3 +120,47 @@ def test_bench_variants_follow_the_memory_registry(monkeypatch) -> None:
     net = e2e.build("fused-keep-all", "small", torch.device("cpu"))
     blocks = [m for m in net.modules() if isinstance(m, FusedBlock)]
     assert blocks and all(block.memory == "keep-all" for block in blocks)
+
+
+def test_neuron_bench_rows_match_its_committed_tables() -> None:
+    """The LIF table's variants and the neuron table's neurons, in the order of the committed
+    H200 result set; only "cuda graphed" captures its step; --no-compile drops the compiled."""
+    from spikefuse.bench import neuron
+
+    rows = read_csv(BENCHMARKS / "h200" / "neuron.csv")
+    g = torch.zeros(2, 1, 4)
+    variants = neuron._lif_variants(g, compiled=True)
+    labels = [label for label, _, _ in variants]
+    assert labels == list(dict.fromkeys(r.variant for r in rows if r.bench.startswith("LIF")))
+    assert [label for label, _, graphed in variants if graphed] == ["cuda graphed"]
+    eager = [label for label, _, _ in neuron._lif_variants(g, compiled=False)]
+    compiled = {"torch.compile loop", "cuda compiled", "cuda reduce-overhead", "compiled floor"}
+    assert eager == [label for label in labels if label not in compiled]
+    neurons = [r.variant for r in rows if not r.bench.startswith("LIF")]
+    assert list(dict.fromkeys(neurons)) == list(neuron.NEURONS)
+
+
+def test_neuron_bench_checks_its_arguments_and_writes_its_report(tmp_path: Path) -> None:
+    """Bad arguments end the command line before anything runs; the report and the files
+    written from measured rows hold both tables, and failed rows keep their error."""
+    from spikefuse.bench import neuron
+
+    with pytest.raises(SystemExit):
+        neuron.main(["--rounds", "0"])
+    args, _ = neuron._parse_args(["--T", "8", "--out", str(tmp_path)])
+    assert (args.T, args.batch, args.features, args.rounds) == ([8], 64, 32768, 5)
+    pytest.importorskip("matplotlib")
+    lif = [
+        BenchResult("LIF T=8", "cuda", "float32", 0.5, 0.4, 0.1, 64.0, note="600 GB/s"),
+        BenchResult("LIF T=8", "cuda graphed", "float32", error="RuntimeError: capture"),
+    ]
+    neurons = [BenchResult("T=8", "IF", "float32", 0.6, 0.5, 0.1, 64.0, note="1.20x LIF")]
+    text = neuron._report("LIF forward+backward", 3, lif, neurons)
+    assert "T=8 IF float32: 1.20x LIF" in text and "LIF T=8 cuda float32: 600 GB/s" in text
+    assert "neurons (cuda backend, 3 interleaved rounds)" in text
+    neuron._write(args.out, text, "LIF forward+backward", lif, neurons)
+    assert (tmp_path / "neuron.txt").read_text() == text
+    back = read_csv(tmp_path / "neuron.csv")
+    assert [r.variant for r in back] == ["cuda", "cuda graphed", "IF"]
+    assert back[0] == lif[0] and back[2] == neurons[0] and back[1].error == lif[1].error
+    assert (tmp_path / "neuron.png").stat().st_size > 0

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import io
+import pickletools
+import zipfile
+
 import pytest
 import torch
 from torch import nn
@@ -198,3 +202,29 @@ def test_sew_function():
     assert models.sew_function(x, y, "ADD").tolist() == [0, 1, 1, 2]
     assert models.sew_function(x, y, "AND").tolist() == [0, 0, 0, 1]
     assert models.sew_function(x, y, "IAND").tolist() == [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("name", ["spiking_vgg11_bn", "sew_resnet18_ADD", "spiking_resnet19"])
+def test_saved_model_loads_and_pickles_under_the_public_module(name):
+    """torch.save(model) records each class of spikefuse.models under ``spikefuse.models``, the
+    path users import, not the private submodule defining it; the saved model loads and runs."""
+    model, size, _ = build(name)
+    model.eval()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # pickle protocol 2: a GLOBAL opcode names each class
+    buffer.seek(0)
+    with zipfile.ZipFile(buffer) as archive:
+        (pickled,) = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+        ops = pickletools.genops(archive.read(pickled))
+        classes = {arg for op, arg, _ in ops if op.name == "GLOBAL"}
+    ours = {c for c in classes if c.startswith("spikefuse.models")}
+    assert f"spikefuse.models {type(model).__name__}" in ours
+    assert {c.split()[0] for c in ours} == {"spikefuse.models"}, ours
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded) is type(model)
+    x = torch.rand(T, B, 3, size, size, dtype=torch.float64) * 2
+    with torch.no_grad():
+        expected = model(x)
+        functional.reset_net(model)
+        torch.testing.assert_close(loaded(x), expected, rtol=0, atol=0)

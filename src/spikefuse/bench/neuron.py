@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +49,17 @@ from .common import (
 )
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# the neuron table's rows; the first is the baseline of the ratios
+NEURONS: dict[str, Callable[[], neuron.BaseNode]] = {
+    "LIF": lambda: neuron.LIFNode(step_mode="m", backend="cuda"),
+    "IF": lambda: neuron.IFNode(step_mode="m", backend="cuda"),
+    "PLIF": lambda: neuron.ParametricLIFNode(step_mode="m", backend="cuda"),
+    "QIF": lambda: neuron.QIFNode(step_mode="m", backend="cuda"),
+    "EIF": lambda: neuron.EIFNode(step_mode="m", backend="cuda"),
+    "Izhikevich": lambda: neuron.IzhikevichNode(step_mode="m", backend="cuda"),
+}
+# a LIF table row: its label, the model a step calls, whether the step is CUDA-graphed
+_Variant = tuple[str, Callable[[torch.Tensor], torch.Tensor], bool]
 
 
 class _SigmoidSpike(torch.autograd.Function):
@@ -179,15 +192,31 @@ def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:150]}"
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """One shape's step inputs: ``x`` [T, N, F] (a leaf requiring grad), the fixed upstream
+    gradient ``g`` (like ``x``) and ``floor``, the bytes of five passes over ``x`` (GB/s)."""
+
+    x: torch.Tensor
+    g: torch.Tensor
+    floor: int
+
+
+def _inputs(T: int, args: argparse.Namespace, dtype: str, device: torch.device) -> _Inputs:
+    """Random inputs of ``[T, args.batch, args.features]`` in ``dtype``, around 0.8 so that
+    the neurons fire."""
+    x = torch.randn(T, args.batch, args.features, device=device).add_(0.8)
+    x = x.to(DTYPES[dtype]).requires_grad_(True)
+    return _Inputs(x, torch.randn_like(x), 5 * x.numel() * x.element_size())
+
+
 def _measure(
     bench: str,
     variant: str,
     dtype: str,
     model: Callable[[torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    g: torch.Tensor,
+    inputs: _Inputs,
     device: torch.device,
-    floor_bytes: int,
     *,
     warmup: int,
     iters: int,
@@ -195,12 +224,14 @@ def _measure(
 ) -> BenchResult:
     r = BenchResult(bench=bench, variant=variant, dtype=dtype)
     try:
+        x = inputs.x
         if graphed:  # a leaf of its own: x's gradient node already belongs to the eager runs
             x = x.detach().clone().requires_grad_()
-        step = _step(model, x, g)
+        step = _step(model, x, inputs.g)
         if graphed:
             step = capture_step(step)
-        _record(r, time_step(step, device, warmup=warmup, iters=iters), step, device, floor_bytes)
+        timing = time_step(step, device, warmup=warmup, iters=iters)
+        _record(r, timing, step, device, inputs.floor)
     except Exception as exc:  # one failing variant must not end the run
         r.error = _error(exc)
     return r
@@ -210,10 +241,8 @@ def _compare_neurons(
     makers: dict[str, Callable[[], neuron.BaseNode]],
     dtype: str,
     T: int,
-    x: torch.Tensor,
-    g: torch.Tensor,
+    inputs: _Inputs,
     device: torch.device,
-    floor_bytes: int,
     *,
     warmup: int,
     iters: int,
@@ -234,7 +263,7 @@ def _compare_neurons(
             node.reset()
             return node(x)
 
-        step = _step(run, x, g)
+        step = _step(run, inputs.x, inputs.g)
         try:
             step()  # compiles and loads the kernels: a neuron that cannot run fails alone
         except Exception as exc:
@@ -245,13 +274,14 @@ def _compare_neurons(
     baseline = next(iter(makers))
     for label, step in steps.items():
         r = rows[label]
-        _record(r, timings[label], step, device, floor_bytes)
+        _record(r, timings[label], step, device, inputs.floor)
         if baseline in timings:
             r.note += f", {r.ms / timings[baseline].synced:.2f}x {baseline}"
     return list(rows.values())
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    """The command line (see the module docstring) and its parser, for the errors found later."""
     parser = argparse.ArgumentParser(prog="spikefuse bench neuron", description=__doc__)
     parser.add_argument("--T", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     parser.add_argument("--batch", type=int, default=64)
@@ -270,6 +300,129 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    return args, parser
+
+
+def _print_row(r: BenchResult) -> None:
+    print(format_table([r]).splitlines()[-1], r.note, flush=True)
+
+
+def _resetting(node: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``node`` (a neuron or ``torch.compile``'s wrapper of one) reset before each call: every
+    step starts from the resting state."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        node.reset()
+        return node(x)
+
+    return run
+
+
+def _lif_variants(g: torch.Tensor, compiled: bool) -> list[_Variant]:
+    """The LIF table's rows for one shape, in table order; the ``torch.compile`` ones only if
+    ``compiled``. ``g`` is the upstream gradient the kernels-only row's backward reads."""
+
+    def lif() -> neuron.LIFNode:
+        return neuron.LIFNode(tau=2.0, step_mode="m", backend="cuda")
+
+    node = lif()
+    variants: list[_Variant] = [("torch loop", lif_loop, False)]
+    if compiled:
+        variants.append(("torch.compile loop", torch.compile(lif_loop, dynamic=False), False))
+    variants += [("cuda", _resetting(node), False), ("cuda graphed", _resetting(lif()), True)]
+    if compiled:
+        variants.append(("cuda compiled", _resetting(torch.compile(lif())), False))
+        # inductor's CUDA graphs (cudagraph trees) around the same op
+        reduce_overhead = torch.compile(lif(), mode="reduce-overhead")
+        variants.append(("cuda reduce-overhead", _resetting(reduce_overhead), False))
+    variants.append(("cuda kernels only", _KernelsOnly(node, g), False))
+    variants.append(("autograd floor", autograd_floor, False))
+    if compiled:
+        # PyTorch's host floor for any compiled module's forward + backward
+        variants.append(("compiled floor", torch.compile(autograd_floor), False))
+    return variants
+
+
+def _run_lif(args: argparse.Namespace, device: torch.device) -> list[BenchResult]:
+    """The LIF table: every variant for each dtype and T, each row printed as it is measured."""
+    results: list[BenchResult] = []
+    for dtype in args.dtypes:
+        for T in args.T:
+            # A fresh compilation per shape: dynamo's per-function recompile limit would
+            # otherwise silently fall back to eager after a few shapes.
+            torch._dynamo.reset()
+            inputs = _inputs(T, args, dtype, device)
+            for variant, model, graphed in _lif_variants(inputs.g, not args.no_compile):
+                r = _measure(
+                    f"LIF T={T}",
+                    variant,
+                    dtype,
+                    model,
+                    inputs,
+                    device,
+                    warmup=args.warmup,
+                    iters=args.iters,
+                    graphed=graphed,
+                )
+                results.append(r)
+                _print_row(r)
+            del inputs
+            torch.cuda.empty_cache()
+    return results
+
+
+def _run_neurons(args: argparse.Namespace, device: torch.device) -> list[BenchResult]:
+    """The neuron table: every neuron of :data:`NEURONS` against LIF, T = 8 and 32, each dtype."""
+    results: list[BenchResult] = []
+    for dtype in args.dtypes:
+        for T in (8, 32):
+            inputs = _inputs(T, args, dtype, device)
+            rows = _compare_neurons(
+                NEURONS,
+                dtype,
+                T,
+                inputs,
+                device,
+                warmup=args.warmup,
+                iters=args.iters,
+                rounds=args.rounds,
+            )
+            results += rows
+            for r in rows:
+                _print_row(r)
+            del inputs
+            torch.cuda.empty_cache()
+    return results
+
+
+def _report(
+    header: str, rounds: int, results: list[BenchResult], neuron_results: list[BenchResult]
+) -> str:
+    """The text report: both tables, each followed by its rows' notes (bandwidth, ratios)."""
+
+    def notes(rows: list[BenchResult]) -> str:
+        return "\n".join(f"{r.bench} {r.variant} {r.dtype}: {r.note}" for r in rows if r.ok)
+
+    return (
+        f"{header}\n{format_table(results)}\n\nfloor-traffic bandwidth:\n{notes(results)}\n\n"
+        f"neurons (cuda backend, {rounds} interleaved rounds):\n{format_table(neuron_results)}\n"
+        f"\nfloor-traffic bandwidth, ratio to LIF (synchronised):\n{notes(neuron_results)}\n"
+    )
+
+
+def _write(
+    out: Path, text: str, header: str, results: list[BenchResult], neuron_results: list[BenchResult]
+) -> None:
+    """``neuron.txt`` (the report), ``neuron.csv`` (both tables) and ``neuron.png`` (the LIF
+    table's plot) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "neuron.txt").write_text(text)
+    write_csv(out / "neuron.csv", results + neuron_results)
+    _plot(out / "neuron.png", results, header)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, parser = _parse_args(argv)
     require_plots()
     if not torch.cuda.is_available():
         parser.error("the neuron benchmark needs a CUDA GPU")
@@ -277,130 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device)
     bw = copy_bandwidth_gbs(device)
     print(f"device: {name}; measured copy bandwidth {bw:.0f} GB/s")
-
-    results: list[BenchResult] = []
-    for dtype_name in args.dtypes:
-        dtype = DTYPES[dtype_name]
-        for T in args.T:
-            # A fresh compilation per shape: dynamo's per-function recompile limit would
-            # otherwise silently fall back to eager after a few shapes.
-            torch._dynamo.reset()
-            compiled = torch.compile(lif_loop, dynamic=False)
-            x = torch.randn(T, args.batch, args.features, device=device).add_(0.8).to(dtype)
-            x.requires_grad_(True)
-            g = torch.randn_like(x)
-            floor = 5 * x.numel() * x.element_size()
-            node = neuron.LIFNode(tau=2.0, step_mode="m", backend="cuda")
-
-            def cuda_lif(x, node=node):
-                node.reset()
-                return node(x)
-
-            graph_node = neuron.LIFNode(tau=2.0, step_mode="m", backend="cuda")
-
-            def graphed_lif(x, node=graph_node):
-                node.reset()
-                return node(x)
-
-            variants: list[tuple[str, Callable[[torch.Tensor], torch.Tensor], bool]] = [
-                ("torch loop", lif_loop, False),
-                ("cuda", cuda_lif, False),
-                ("cuda graphed", graphed_lif, True),
-                ("cuda kernels only", _KernelsOnly(node, g), False),
-                ("autograd floor", autograd_floor, False),
-            ]
-            if not args.no_compile:
-                variants.insert(1, ("torch.compile loop", compiled, False))
-                compiled_node = torch.compile(
-                    neuron.LIFNode(tau=2.0, step_mode="m", backend="cuda")
-                )
-
-                def compiled_lif(x, node=compiled_node):
-                    node.reset()
-                    return node(x)
-
-                variants.insert(4, ("cuda compiled", compiled_lif, False))
-                # inductor's CUDA graphs (cudagraph trees) around the same op
-                reduce_overhead_node = torch.compile(
-                    neuron.LIFNode(tau=2.0, step_mode="m", backend="cuda"), mode="reduce-overhead"
-                )
-
-                def reduce_overhead_lif(x, node=reduce_overhead_node):
-                    node.reset()
-                    return node(x)
-
-                variants.insert(5, ("cuda reduce-overhead", reduce_overhead_lif, False))
-                # PyTorch's host floor for any compiled module's forward + backward
-                variants.append(("compiled floor", torch.compile(autograd_floor), False))
-            for variant, model, graphed in variants:
-                r = _measure(
-                    f"LIF T={T}",
-                    variant,
-                    dtype_name,
-                    model,
-                    x,
-                    g,
-                    device,
-                    floor,
-                    warmup=args.warmup,
-                    iters=args.iters,
-                    graphed=graphed,
-                )
-                results.append(r)
-                print(format_table([r]).splitlines()[-1], r.note, flush=True)
-            del x, g
-            torch.cuda.empty_cache()
-
-    neuron_results: list[BenchResult] = []
-    makers: dict[str, Callable[[], neuron.BaseNode]] = {
-        "LIF": lambda: neuron.LIFNode(step_mode="m", backend="cuda"),
-        "IF": lambda: neuron.IFNode(step_mode="m", backend="cuda"),
-        "PLIF": lambda: neuron.ParametricLIFNode(step_mode="m", backend="cuda"),
-        "QIF": lambda: neuron.QIFNode(step_mode="m", backend="cuda"),
-        "EIF": lambda: neuron.EIFNode(step_mode="m", backend="cuda"),
-        "Izhikevich": lambda: neuron.IzhikevichNode(step_mode="m", backend="cuda"),
-    }
-    for dtype_name in args.dtypes:
-        for T in (8, 32):
-            x = torch.randn(T, args.batch, args.features, device=device).add_(0.8)
-            x = x.to(DTYPES[dtype_name]).requires_grad_(True)
-            g = torch.randn_like(x)
-            floor = 5 * x.numel() * x.element_size()
-            rows = _compare_neurons(
-                makers,
-                dtype_name,
-                T,
-                x,
-                g,
-                device,
-                floor,
-                warmup=args.warmup,
-                iters=args.iters,
-                rounds=args.rounds,
-            )
-            neuron_results += rows
-            for r in rows:
-                print(format_table([r]).splitlines()[-1], r.note, flush=True)
-            del x, g
-            torch.cuda.empty_cache()
-
+    results = _run_lif(args, device)
+    neuron_results = _run_neurons(args, device)
     header = f"LIF forward+backward, [T, {args.batch}, {args.features}], {name}, copy {bw:.0f} GB/s"
-    table = format_table(results)
-    table_neurons = format_table(neuron_results)
-    notes = "\n".join(f"{r.bench} {r.variant} {r.dtype}: {r.note}" for r in results if r.ok)
-    neuron_notes = "\n".join(
-        f"{r.bench} {r.variant} {r.dtype}: {r.note}" for r in neuron_results if r.ok
-    )
-    text = (
-        f"{header}\n{table}\n\nfloor-traffic bandwidth:\n{notes}\n\n"
-        f"neurons (cuda backend, {args.rounds} interleaved rounds):\n{table_neurons}\n"
-        f"\nfloor-traffic bandwidth, ratio to LIF (synchronised):\n{neuron_notes}\n"
-    )
+    text = _report(header, args.rounds, results, neuron_results)
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "neuron.txt").write_text(text)
-    write_csv(args.out / "neuron.csv", results + neuron_results)
-    _plot(args.out / "neuron.png", results, header)
+    _write(args.out, text, header, results, neuron_results)
     return 0
 
 

@@ -9,15 +9,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..models import (
-    SEWBasicBlock,
-    SEWResNet,
-    _check_cnf,
-    _neuron,
-    sew_function,
-    sew_resnet18,
-    sew_resnet34,
-)
+from ..models import SEWBasicBlock, SEWResNet, sew_function, sew_resnet18, sew_resnet34
+from ..models._common import _neuron
+from ..models._resnet import _check_cnf
 from ._refuse import refusing
 from .spiking_resnet import Bottleneck as _SpikingBottleneck
 from .spiking_resnet import bottleneck_resnet

@@ -13,18 +13,9 @@ from torch import Tensor, nn
 
 from .. import layer
 from ..errors import SpikefuseError
-from ..models import (
-    BasicBlock,
-    SpikingResNet,
-    _conv1x1,
-    _conv3x3,
-    _neuron,
-    _no_pretrained,
-    _norm,
-    _step_mode,
-    spiking_resnet18,
-    spiking_resnet34,
-)
+from ..models import BasicBlock, SpikingResNet, spiking_resnet18, spiking_resnet34
+from ..models._common import _neuron, _no_pretrained, _norm, _step_mode
+from ..models._resnet import _conv1x1, _conv3x3
 from ._refuse import refusing
 
 __all__ = [

@@ -9,12 +9,12 @@ from typing import Any
 from ..models import (
     VGG_CONFIGS,
     SpikingVGG,
-    _no_pretrained,
     spiking_vgg11,
     spiking_vgg11_bn,
     spiking_vgg16,
     spiking_vgg16_bn,
 )
+from ..models._common import _no_pretrained
 
 __all__ = [
     "SpikingVGG",

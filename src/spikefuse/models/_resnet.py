@@ -1,99 +1,18 @@
-"""Spiking VGG, Spiking ResNet, SEW-ResNet and ResNet-19 with SpikingJelly's names.
-
-As in ``spikingjelly.activation_based.model``: the constructors take the neuron class as
-``spiking_neuron`` and pass every other keyword argument to each neuron (a deep copy per
-neuron), e.g. ``spiking_resnet18(spiking_neuron=neuron.LIFNode, tau=2.0, detach_reset=True)``;
-layers are ``spikefuse.layer`` modules, so ``functional.set_step_mode(net, 'm')`` makes the
-network multi-step (input ``[T, B, 3, H, W]``, output ``[T, B, num_classes]``). Extension: a
-``step_mode`` keyword argument also sets the layers' step mode, so
-``spiking_resnet18(spiking_neuron=neuron.IFNode, step_mode='m')`` is multi-step at once.
-
-Every Conv/Linear → BatchNorm → neuron chain of these networks is fused by
-:func:`spikefuse.fuse`, the residual ones (Conv → BN → + shortcut → neuron, the second half of a
-Spiking ResNet block) too; a Conv → BN downsample branch feeding the addition stays unfused (it
-is that chain's shortcut). No weights are downloaded: ``pretrained=True`` is refused.
-"""
+"""SpikingJelly's Spiking ResNet and SEW-ResNet (basic blocks; ResNet-18 and 34) and the CIFAR
+ResNet-19."""
 
 from __future__ import annotations
 
-import copy
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-import torch
 from torch import Tensor, nn
 
-from . import layer
-from .errors import SpikefuseError
-
-__all__ = [
-    "BasicBlock",
-    "ResNet19",
-    "SEWBasicBlock",
-    "SEWResNet",
-    "SpikingResNet",
-    "SpikingVGG",
-    "sew_function",
-    "sew_resnet18",
-    "sew_resnet34",
-    "spiking_resnet18",
-    "spiking_resnet19",
-    "spiking_resnet34",
-    "spiking_vgg11",
-    "spiking_vgg11_bn",
-    "spiking_vgg16",
-    "spiking_vgg16_bn",
-]
+from .. import layer
+from ..errors import SpikefuseError
+from ._common import _count, _flatten, _neuron, _no_pretrained, _norm, _step_mode
 
 CONNECT_FUNCTIONS = ("ADD", "AND", "IAND")
-VGG_CONFIGS: dict[str, list[int | str]] = {
-    "A": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
-    "D": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
-}
-
-
-def _neuron(spiking_neuron: Callable[..., nn.Module] | None, kwargs: dict[str, Any]) -> nn.Module:
-    if spiking_neuron is None or not callable(spiking_neuron):
-        raise SpikefuseError(
-            "spiking_neuron must be a neuron class (e.g. spikefuse.neuron.LIFNode), got "
-            f"{spiking_neuron!r}"
-        )
-    return spiking_neuron(**copy.deepcopy(kwargs))
-
-
-def _step_mode(kwargs: dict[str, Any]) -> str:
-    """The layers' step mode: the neurons' ``step_mode`` keyword argument, else 's'."""
-    return kwargs.get("step_mode", "s")
-
-
-def _norm(norm_layer: Callable[..., nn.Module], channels: int, step_mode: str) -> nn.Module:
-    """``norm_layer(channels)`` as SpikingJelly calls it (any BatchNorm class or partial), set
-    to the model's step mode where the layer has one."""
-    norm: Any = norm_layer(channels)  # a class of any kind: it may or may not have a step_mode
-    if hasattr(norm, "step_mode"):
-        norm.step_mode = step_mode
-    return norm
-
-
-def _count(name: str, value: Any) -> int:
-    """``value`` as an int >= 1 (numpy integers included, as torch takes them; bools not)."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise SpikefuseError(f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
-    return int(value)
-
-
-def _no_pretrained(pretrained: bool) -> None:
-    if pretrained:
-        raise SpikefuseError(
-            "pretrained=True is not supported: spikefuse downloads no weights; load a "
-            "state_dict yourself (fused and unfused models use the same keys)"
-        )
-
-
-def _flatten(x: Tensor, step_mode: str) -> Tensor:
-    # [N, C, 1, 1] -> [N, C] single-step; [T, N, C, 1, 1] -> [T, N, C] multi-step.
-    return torch.flatten(x, 1 if step_mode == "s" else 2)
 
 
 def _check_cnf(cnf: str | None) -> str:
@@ -132,126 +51,6 @@ def _init_resnet(model: nn.Module) -> None:
             nn.init.constant_(m.bias, 0)
 
 
-# ---- VGG --------------------------------------------------------------------------------------
-class SpikingVGG(nn.Module):
-    """SpikingJelly's spiking VGG: ``features`` (Conv3x3 [→ BN] → neuron, MaxPool 2×2 at "M"),
-    ``avgpool`` (adaptive, 7×7), ``classifier`` (Linear → neuron → Dropout, twice, → Linear).
-
-    Extension: ``classifier_features`` (SpikingJelly: 4096) is the classifier's hidden width.
-    """
-
-    def __init__(
-        self,
-        cfg: Sequence[int | str],
-        batch_norm: bool = False,
-        norm_layer: Callable[..., nn.Module] | None = None,
-        num_classes: int = 1000,
-        init_weights: bool = True,
-        spiking_neuron: Callable[..., nn.Module] | None = None,
-        *,
-        classifier_features: int = 4096,
-        **kwargs: Any,
-    ) -> None:
-        num_classes = _count("num_classes", num_classes)
-        hidden = _count("classifier_features", classifier_features)
-        super().__init__()
-        mode = _step_mode(kwargs)
-        self.features = self.make_layers(cfg, batch_norm, norm_layer, spiking_neuron, **kwargs)
-        channels = [v for v in cfg if v != "M"][-1]
-        self.avgpool = layer.AdaptiveAvgPool2d((7, 7), step_mode=mode)
-        self.classifier = nn.Sequential(
-            layer.Linear(channels * 7 * 7, hidden, step_mode=mode),
-            _neuron(spiking_neuron, kwargs),
-            layer.Dropout(step_mode=mode),
-            layer.Linear(hidden, hidden, step_mode=mode),
-            _neuron(spiking_neuron, kwargs),
-            layer.Dropout(step_mode=mode),
-            layer.Linear(hidden, num_classes, step_mode=mode),
-        )
-        if init_weights:
-            self._initialize_weights()
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.features(x)
-        x = self.avgpool(x)
-        x = _flatten(x, self.avgpool.step_mode)
-        return self.classifier(x)
-
-    def _initialize_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                if m.bias is not None:
-                    nn.init.constant_(m.bias, 0)
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
-            elif isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0, 0.01)
-                nn.init.constant_(m.bias, 0)
-
-    @staticmethod
-    def make_layers(
-        cfg: Sequence[int | str],
-        batch_norm: bool = False,
-        norm_layer: Callable[..., nn.Module] | None = None,
-        neuron: Callable[..., nn.Module] | None = None,
-        **kwargs: Any,
-    ) -> nn.Sequential:
-        mode = _step_mode(kwargs)
-        if norm_layer is None:
-            norm_layer = layer.BatchNorm2d
-        layers: list[nn.Module] = []
-        in_channels = 3
-        for v in cfg:
-            if v == "M":
-                layers.append(layer.MaxPool2d(kernel_size=2, stride=2, step_mode=mode))
-                continue
-            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
-                raise SpikefuseError(f"cfg entries are channel counts or 'M', got {v!r}")
-            v = int(v)
-            layers.append(layer.Conv2d(in_channels, v, kernel_size=3, padding=1, step_mode=mode))
-            if batch_norm:
-                layers.append(_norm(norm_layer, v, mode))
-            layers.append(_neuron(neuron, kwargs))
-            in_channels = v
-        return nn.Sequential(*layers)
-
-
-def _spiking_vgg(cfg: str, batch_norm: bool, pretrained: bool, **kwargs: Any) -> SpikingVGG:
-    _no_pretrained(pretrained)
-    return SpikingVGG(VGG_CONFIGS[cfg], batch_norm=batch_norm, **kwargs)
-
-
-def spiking_vgg11(pretrained=False, progress=True, spiking_neuron=None, **kwargs) -> SpikingVGG:
-    """Spiking VGG-11 (configuration A) without BatchNorm."""
-    return _spiking_vgg("A", False, pretrained, spiking_neuron=spiking_neuron, **kwargs)
-
-
-def spiking_vgg11_bn(
-    pretrained=False, progress=True, norm_layer=None, spiking_neuron=None, **kwargs
-) -> SpikingVGG:
-    """Spiking VGG-11 (configuration A) with BatchNorm after every convolution."""
-    return _spiking_vgg(
-        "A", True, pretrained, norm_layer=norm_layer, spiking_neuron=spiking_neuron, **kwargs
-    )
-
-
-def spiking_vgg16(pretrained=False, progress=True, spiking_neuron=None, **kwargs) -> SpikingVGG:
-    """Spiking VGG-16 (configuration D) without BatchNorm."""
-    return _spiking_vgg("D", False, pretrained, spiking_neuron=spiking_neuron, **kwargs)
-
-
-def spiking_vgg16_bn(
-    pretrained=False, progress=True, norm_layer=None, spiking_neuron=None, **kwargs
-) -> SpikingVGG:
-    """Spiking VGG-16 (configuration D) with BatchNorm after every convolution."""
-    return _spiking_vgg(
-        "D", True, pretrained, norm_layer=norm_layer, spiking_neuron=spiking_neuron, **kwargs
-    )
-
-
-# ---- ResNets ----------------------------------------------------------------------------------
 class BasicBlock(nn.Module):
     """Spiking ResNet's basic block: ``sn2(bn2(conv2(sn1(bn1(conv1(x))))) + shortcut(x))``;
     the shortcut is ``downsample`` (Conv1x1 → BN) or the identity."""
