@@ -122,3 +122,15 @@ def test_spikingjelly_files_run_as_drop_ins(harness, monkeypatch):
     table = harness.table(rows)
     assert table.count("\n") == 6 and "| examples/lif_fc_mnist.py:SNN | yes | yes |" in table
     assert harness.summary(rows).startswith("5 of 5 rows")
+
+
+def test_dsqn_with_its_non_spiking_readout_is_a_drop_in(harness, monkeypatch):
+    sj = pytest.importorskip("spikingjelly.activation_based")
+    root = Path(sj.__file__).resolve().parents[2]
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from sj_dropin_units import UNITS
+
+    (unit,) = [u for u in UNITS if u.relpath == "examples/dsqn/utils/model.py"]
+    (row,) = harness.run_unit(root, unit)
+    assert row.sj_runs and row.sf_runs and not row.cause, row
+    assert row.difference is not None and row.difference < 1e-12, row

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from .errors import SpikefuseError
-from .neuron import MemoryModule, StepModeMixin
+from .neuron import MemoryModule, MultiStepModule, SingleStepModule, StepModeMixin
 
 __all__ = [
     "MemoryModule",
@@ -30,41 +30,6 @@ __all__ = [
 ]
 
 StepModule = StepModeMixin
-
-
-class _OneStepMode(StepModeMixin):
-    """A module that supports one step mode only: ``step_mode`` reads it before any
-    assignment (SpikingJelly's subclasses rarely set it) and refuses the other mode."""
-
-    _only_mode: str
-
-    @property
-    def step_mode(self) -> str:
-        return self.__dict__.get("_step_mode", self._only_mode)
-
-    @step_mode.setter
-    def step_mode(self, mode: str) -> None:
-        if mode != self._only_mode:
-            raise SpikefuseError(
-                f"{type(self).__name__}: step_mode must be {self._only_mode!r} (it is a "
-                f"{'multi' if self._only_mode == 'm' else 'single'}-step module), got {mode!r}"
-            )
-        self.__dict__["_step_mode"] = mode
-
-    def supported_step_mode(self) -> tuple[str, ...]:
-        return (self._only_mode,)
-
-
-class SingleStepModule(_OneStepMode):
-    """Mixin of a module that takes one step ``[N, *]`` only (``step_mode`` is 's')."""
-
-    _only_mode = "s"
-
-
-class MultiStepModule(_OneStepMode):
-    """Mixin of a module that takes sequences ``[T, N, *]`` only (``step_mode`` is 'm')."""
-
-    _only_mode = "m"
 
 
 def named_memories(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, Any]]:
