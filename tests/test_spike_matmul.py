@@ -17,7 +17,7 @@ from spikefuse.spike_matmul import (
     spike_matmul_naive,
     spike_matmul_plan,
 )
-from spikefuse.spike_matmul.autograd import SpikeMatmulChainFunction, product
+from spikefuse.spike_matmul.autograd import SpikeMatmulChainFunction, compact, product
 from spikefuse.spike_matmul.rules import plan
 
 
@@ -128,3 +128,23 @@ def test_double_backward_is_refused():
     a, b = spikes(3, 4), spikes(4, 2, seed=1)
     with pytest.raises(SpikefuseError, match="double backward"):
         torch.autograd.grad(spike_matmul(a, b).sum(), (a,), create_graph=True)
+
+
+def test_heads_of_channels_innermost_tokens_are_copied_along_their_channels():
+    """Spikformer's q, k, v cut from a fused block's output [T, B, 3C, L] with the channels at
+    stride 1: each operand is copied once, column-major where its rows are the channels, and
+    the tensor-core product (emulated) and the chain equal the reference."""
+    t, b, heads, d, length = 2, 3, 2, 4, 9
+    rows = spikes(t, b, length, 3 * heads * d, dtype=torch.float32).detach()
+    qkv = rows.transpose(-2, -1).requires_grad_()  # [T, B, 3C, L], channels innermost
+    q, k, v = qkv.unflatten(2, (3 * heads, d)).chunk(3, dim=2)
+    dense = compact(v, torch.bfloat16)
+    assert dense.stride()[-2:] == (1, d) and torch.equal(dense.float(), v)
+    assert compact(k.transpose(-2, -1), torch.bfloat16).is_contiguous()
+    got = product(v, k.transpose(-2, -1), Plan(torch.bfloat16, ""))
+    assert torch.equal(got, v.detach() @ k.detach().transpose(-2, -1))
+    out = spike_matmul_chain(v, k.transpose(-2, -1), q, 0.125)
+    want = spike_matmul_chain_naive(v, k.transpose(-2, -1), q, 0.125)
+    assert torch.equal(out, want)
+    for got_g, ref in zip(grads(out, (qkv,)), grads(want, (qkv,)), strict=True):
+        torch.testing.assert_close(got_g, ref)

@@ -188,7 +188,9 @@ class SpikformerBlock(nn.Module):
         tokens = x_seq.flatten(3)
         tokens = tokens + self.attn(tokens)
         tokens = tokens + self.mlp(tokens)
-        return tokens.reshape(x_seq.shape).contiguous()
+        # in the tokens' layout (SpikingJelly makes it contiguous): fused pointwise blocks
+        # write channels innermost, which the next block's blocks then read without a copy
+        return tokens.reshape(x_seq.shape)
 
 
 class Spikformer(nn.Module):

@@ -21,14 +21,26 @@ from ..ops import forbid_double_backward
 from .rules import Plan, plan
 
 
+def compact(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t [..., M, K] in ``dtype``, dense: row-major, or column-major (a transposed view of
+    row-major memory) where t's stride-1 dimension is its rows, e.g. a head of tokens laid out
+    channels innermost, [.., C/heads, L] with the channels at stride 1. One copy, whose reads
+    run along that dimension (a row-major copy of such a view reads with a stride of the
+    channel count: several times slower); matmuls take either order as it is."""
+    if t.dim() >= 2 and t.stride(-2) == 1 and t.stride(-1) != 1:
+        dense = t.transpose(-2, -1).to(dtype, memory_format=torch.contiguous_format)
+        return dense.transpose(-2, -1)
+    return t.to(dtype, memory_format=torch.contiguous_format)
+
+
 def product(a: Tensor, b: Tensor, how: Plan) -> Tensor:
     """``a @ b`` ([..., M, K] @ [..., K, N], equal batch dims) as ``how`` says, in a's dtype:
     on tensor cores over ``how.operands`` with float32 sums, or the plain matmul."""
     if how.operands is None:
         return a @ b
     batch, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-1]
-    left = a.reshape(-1, m, k).to(how.operands)
-    right = b.reshape(-1, k, n).to(how.operands)
+    left = compact(a, how.operands).reshape(-1, m, k)  # views of the dense copies
+    right = compact(b, how.operands).reshape(-1, k, n)
     if a.is_cuda:
         # autocast would recast the operands (fp16 counts to bf16, which does not hold them)
         with torch.autocast("cuda", enabled=False):
@@ -47,7 +59,7 @@ class SpikeMatmulFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
-        ctx.save_for_backward(a.to(torch.bool), b.to(torch.bool))
+        ctx.save_for_backward(compact(a, torch.bool), compact(b, torch.bool))
         return product(a, b, plan(a, a.shape[-1]))
 
     @staticmethod
@@ -65,7 +77,7 @@ class SpikeMatmulChainFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: Tensor, b: Tensor, c: Tensor, scale: float) -> Tensor:
-        ctx.save_for_backward(a.to(torch.bool), b.to(torch.bool), c.to(torch.bool))
+        ctx.save_for_backward(*(compact(t, torch.bool) for t in (a, b, c)))
         ctx.dtype, ctx.scale = a.dtype, scale
         counts = _counts(a, b, a.dtype)
         out = product(counts, c, plan(a, c.shape[-2], count=a.shape[-1]))
@@ -92,5 +104,5 @@ class SpikeMatmulChainFunction(torch.autograd.Function):
 
 def _counts(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """``a @ b`` of spikes (bool or float) in ``dtype``: the same values in forward and backward."""
-    a, b = a.to(dtype), b.to(dtype)
+    a, b = compact(a, dtype), compact(b, dtype)
     return product(a, b, plan(a, a.shape[-1]))
