@@ -202,6 +202,49 @@ def max_rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
 
 
+class Comparison:
+    """The largest relative error seen on this rank; errors over the network's tolerance are
+    printed (and fail the run), a quantity one side lacks ends it."""
+
+    def __init__(self, rank: int, tolerance: float) -> None:
+        self.rank, self.tolerance, self.worst = rank, tolerance, 0.0
+
+    def __call__(self, name: str, got: torch.Tensor | None, want: torch.Tensor | None) -> None:
+        if got is None or want is None:  # a gradient that one side lacks
+            raise SystemExit(f"rank {self.rank}: {name}: missing on one side ({got=}, {want=})")
+        err = max_rel_error(got, want)
+        self.worst = max(self.worst, err)
+        if err > self.tolerance:
+            print(f"rank {self.rank}: {name}: relative error {err:.3e}", file=sys.stderr)
+
+
+def compare_step(
+    check: Comparison,
+    step: int,
+    pair: tuple[nn.Module, nn.Module],
+    outputs: tuple[torch.Tensor, torch.Tensor],
+    inputs: tuple[torch.Tensor, torch.Tensor] | None,
+    spikes: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None,
+    local: slice,
+) -> None:
+    """One step's output, spikes (unless None), input gradients (unless None: a repeated
+    input needs none), parameter gradients and buffers: the DDP model's (first of each pair)
+    against the whole-batch reference's rows of this rank."""
+    (model, reference), (out, out_ref) = pair, outputs
+    check(f"step {step} output", out, out_ref[:, local])
+    for name, s_ref in spikes[1].items() if spikes is not None else ():  # 0/1: a flip errs by 1
+        check(f"step {step} spikes {name}", spikes[0][name], s_ref[:, local])
+    if inputs is not None:
+        grad_local, grad_full = inputs[0].grad, inputs[1].grad
+        assert grad_local is not None and grad_full is not None  # both inputs require grad
+        world = grad_full.shape[1] // grad_local.shape[1]
+        check(f"step {step} input grad", grad_local / world, grad_full[:, local])
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        check(f"step {step} grad {name}", p.grad, p_ref.grad)
+    for (name, b), b_ref in zip(model.named_buffers(), reference.buffers(), strict=True):
+        check(f"step {step} buffer {name}", b.double(), b_ref.double())
+
+
 def run_check(
     network: str,
     memory: str,
@@ -224,17 +267,7 @@ def run_check(
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     local = slice(rank * batch, (rank + 1) * batch)
-    worst = 0.0
-
-    def check(name: str, got: torch.Tensor | None, want: torch.Tensor | None) -> None:
-        nonlocal worst
-        if got is None or want is None:  # a gradient that one side lacks
-            raise SystemExit(f"rank {rank}: {name}: missing on one side ({got=}, {want=})")
-        err = max_rel_error(got, want)
-        worst = max(worst, err)
-        if err > spec.tolerance(dtype):
-            print(f"rank {rank}: {name}: relative error {err:.3e}", file=sys.stderr)
-
+    check = Comparison(rank, spec.tolerance(dtype))
     for step in range(steps):
         shape = (world * batch, 3, spec.image_size, spec.image_size)
         images = torch.randn(shape, generator=gen).to(device, dtype) * 2
@@ -244,25 +277,19 @@ def run_check(
         if not repeated:  # materialised sequences, whose input gradients are compared too
             x_full = x_full.clone().requires_grad_()
             x_local = x_local.clone().requires_grad_()
-
         out_ref = reference(x_full)
         F.cross_entropy(out_ref.mean(0), labels).backward()
         out = model(x_local)
         F.cross_entropy(out.mean(0), labels[local]).backward()
-
-        check(f"step {step} output", out, out_ref[:, local])
-        for name, s_ref in spikes_ref.items() if not graphed else ():  # 0/1: a flip errs by 1
-            check(f"step {step} spikes {name}", spikes[name], s_ref[:, local])
-        if not repeated:
-            grad_local, grad_full = x_local.grad, x_full.grad
-            assert grad_local is not None and grad_full is not None  # both inputs require grad
-            check(f"step {step} input grad", grad_local / world, grad_full[:, local])
-        for (name, p), p_ref in zip(
-            model.module.named_parameters(), reference.parameters(), strict=True
-        ):
-            check(f"step {step} grad {name}", p.grad, p_ref.grad)
-        for (name, b), b_ref in zip(model.module.named_buffers(), reference.buffers(), strict=True):
-            check(f"step {step} buffer {name}", b.double(), b_ref.double())
+        compare_step(
+            check,
+            step,
+            (model.module, reference),
+            (out, out_ref),
+            None if repeated else (x_local, x_full),
+            None if graphed else (spikes, spikes_ref),
+            local,
+        )
         for optimizer, net in ((opt_ref, reference), (opt, model)):
             optimizer.step()
             optimizer.zero_grad()
@@ -274,7 +301,7 @@ def run_check(
     graphs = model_graphs(inner)
     if graphed and (graphs is None or graphs.captured == 0):
         raise SystemExit(f"rank {rank}: --model-graphs: no graph was captured in {steps} steps")
-    return worst
+    return check.worst
 
 
 def build_parser() -> argparse.ArgumentParser:
