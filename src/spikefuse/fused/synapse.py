@@ -131,7 +131,7 @@ class Synapse:
         module's, :meth:`weight_in`; a synapse with an explicit backward only): under
         autocast, the same operands, so the same output."""
         module = self.module
-        if self.pointwise and self.runs_channels_last(merged):
+        if self._planar(merged):
             return self._pointwise_run(merged, module.weight if weight is None else weight)
         if weight is None:
             return self.kind.forward(module, merged)
@@ -148,6 +148,11 @@ class Synapse:
             module.dilation,
             module.groups,
         )
+
+    def _planar(self, t: Tensor) -> bool:
+        """Whether a call on merged ``t`` runs as :meth:`_pointwise_run` (and its gradients on
+        the same [N, C, 1, L] view)."""
+        return self.pointwise and self.runs_channels_last(t)
 
     def _pointwise_run(self, merged: Tensor, weight: Tensor) -> Tensor:
         """A pointwise Conv1d on [N, C, L] as the Conv2d of its [N, C, 1, L] view: channels-last
@@ -248,7 +253,7 @@ class Synapse:
             g = grad_y.flatten(0, -2)
             grad_w, grad_b = g.t() @ x.flatten(0, -2), (g.sum(0) if need_b else None)
         else:
-            planar = self.pointwise and self.runs_channels_last(x)  # as _pointwise_run
+            planar = self._planar(x)
             if planar:
                 grad_y, x, weight = grad_y.unsqueeze(2), x.unsqueeze(2), weight.unsqueeze(2)
             _, grad_w, grad_b = torch.ops.aten.convolution_backward(
@@ -281,7 +286,7 @@ class Synapse:
         grad_y = grad_y.to(weight.dtype)
         if isinstance(module, nn.Linear):
             return grad_y @ weight
-        if self.pointwise and self.runs_channels_last(grad_y):  # as _pointwise_run
+        if self._planar(grad_y):
             planar = grad_y.unsqueeze(2)
             return F.conv_transpose2d(planar, weight.unsqueeze(2), groups=module.groups).squeeze(2)
         assert not isinstance(module.padding, str)  # explicit_backward

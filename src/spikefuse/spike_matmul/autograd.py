@@ -103,6 +103,9 @@ class SpikeMatmulChainFunction(torch.autograd.Function):
 
 
 def _counts(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
-    """``a @ b`` of spikes (bool or float) in ``dtype``: the same values in forward and backward."""
-    a, b = compact(a, dtype), compact(b, dtype)
+    """``a @ b`` of spikes (bool or float) in ``dtype``: the same values in forward and backward.
+    Operands already in ``dtype`` go to :func:`product` as they are (one copy each there, to
+    the tensor cores' dtype, not two)."""
+    if a.dtype != dtype or b.dtype != dtype:
+        a, b = compact(a, dtype), compact(b, dtype)
     return product(a, b, plan(a, a.shape[-1]))
