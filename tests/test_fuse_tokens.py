@@ -290,7 +290,23 @@ def test_a_patch_stem_with_max_pooling_before_the_neuron_is_reported():
     )
     fused, report = fuse(stem, return_report=True)
     assert report.fused_fraction == 0.0
-    assert "pools (MaxPool2d) before the neuron" in report.skipped[0].reason
+    assert "MaxPool2d pools the neuron's input" in report.skipped[0].reason
+
+
+def test_separate_conv_bn_pool_neuron_modules_are_reported_as_an_unfused_chain():
+    """QKFormer's patch embedding: Conv2d → BatchNorm2d → MaxPool2d → LIF as four modules is
+    the same chain as the stem above, reported with the pooling and the same reason."""
+    stem = nn.Sequential(
+        layer.Conv2d(3, D, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(D, step_mode="m"),
+        layer.MaxPool2d(3, 2, 1, step_mode="m"),
+        lif(),
+    )
+    _, report = fuse(stem, return_report=True)
+    assert (report.chains, report.fused_fraction) == (1, 0.0)
+    (skipped,) = report.skipped
+    assert skipped.is_chain and skipped.modules == ("0", "1", "2", "3")
+    assert "'2' pools the neuron's input" in skipped.reason
 
 
 @pytest.mark.parametrize("train", [True, False])

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 from .. import functional, layer
 from ..errors import SpikefuseError
 from ..layer.attention import SpikeDrivenSelfAttention
 from ._tokens import NeuronClass, lif, to_sequence
+
+# fuse() traces the forward with torch.fx: the image-or-sequence branch is one opaque call
+fx.wrap("to_sequence")
 
 __all__ = ["SpikeDrivenTransformer", "sdt_8_384"]
 

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 from .. import functional, layer
 from ..errors import SpikefuseError
 from ..layer.attention import SpikingSelfAttention
 from ._tokens import NeuronClass, lif, to_sequence
+
+# fuse() traces the forward with torch.fx: the image-or-sequence branch is one opaque call
+fx.wrap("to_sequence")
 
 __all__ = ["Spikformer", "spikformer_cifar10", "spikformer_s", "spikformer_ti"]
 
@@ -182,7 +185,9 @@ class SpikformerBlock(nn.Module):
         self.mlp = SpikformerMLP(dim, int(dim * mlp_ratio), dim, spiking_neuron, **kwargs)
 
     def forward(self, x_seq: Tensor) -> Tensor:
-        if not isinstance(x_seq, Tensor) or x_seq.dim() != 5:
+        # a torch.fx proxy passes: fuse() traces the forward to find its chains
+        proxy = isinstance(x_seq, fx.Proxy)
+        if not proxy and (not isinstance(x_seq, Tensor) or x_seq.dim() != 5):
             got = tuple(x_seq.shape) if isinstance(x_seq, Tensor) else type(x_seq).__name__
             raise SpikefuseError(f"expected 5D input with shape [T, N, C, H, W], but got {got}")
         tokens = x_seq.flatten(3)

@@ -27,8 +27,13 @@ from .layout import (
 )
 from .report import SkippedCandidate, _join
 
-
 # ---- recognising modules --------------------------------------------------------------------
+# Why a pooling between the BatchNorm and the neuron keeps a chain unfused.
+POOLS_NEURON_INPUT = (
+    "pools the neuron's input (BatchNorm's output), not spikes, which a block cannot fold"
+)
+
+
 def _multi_step(module: nn.Module) -> bool:
     # Plain torch layers have no step_mode; only Linear accepts [T, B, F] as it is.
     mode = getattr(module, "step_mode", None)
@@ -109,10 +114,7 @@ def _synapse_problem(module: nn.Module) -> str:
             return f"the {name} inside SeqToANNContainer must be single-step"
         pools = [type(m).__name__ for m in list(module.children())[1:] if isinstance(m, POOLS)]
         if pools:  # Spikformer's stem: Conv2d, BatchNorm2d, MaxPool2d, then the neuron
-            return (
-                f"the SeqToANNContainer pools ({pools[0]}) before the neuron: it pools the "
-                "neuron's input, not spikes, which a block cannot fold"
-            )
+            return f"the SeqToANNContainer's {pools[0]} {POOLS_NEURON_INPUT}"
         return "the SeqToANNContainer holds more than the synapse and its matching BatchNorm"
     if not hasattr(inner, "step_mode"):
         return f"a plain torch {name} is single-step; use layer.{name}(step_mode='m')"
@@ -361,7 +363,17 @@ class _Examiner:
         return transposed_bn(call, 4, lambda n: _is_bn_like(self.modules[str(n.target)]))
 
     def _no_neuron(self, call: fx.Node, chain_nodes: list[fx.Node], last: fx.Node) -> None:
-        """Record a synapse call whose data flow reaches no neuron as a chain would."""
+        """Record a synapse call whose data flow reaches no neuron as a chain would; a pooling
+        between it and a neuron makes it a chain that cannot fuse."""
+        names = tuple(self.full(str(n.target)) for n in chain_nodes)
+        pool = _sole_user(last)
+        pools = pool is not None and _as_pool(self.node_of(pool)) is not None
+        neuron = _sole_user(pool) if pool is not None and pools else None
+        if pool is not None and neuron is not None and isinstance(self.node_of(neuron), BaseNode):
+            pooled = (self.full(str(pool.target)), self.full(str(neuron.target)))
+            reason = f"'{pooled[0]}' {POOLS_NEURON_INPUT}"
+            self.found.skipped[str(call.target)] = SkippedCandidate(names + pooled, reason, True)
+            return
         users = list(last.users)
         where = ", ".join(self.describe(u) for u in users) or "nothing"
         goes_to = f"the output of '{self.full(str(last.target))}' goes to {where}"
@@ -369,7 +381,6 @@ class _Examiner:
             u.op == "call_module" and isinstance(self.modules[str(u.target)], BaseNode)
             for u in layout_users(last)
         )
-        names = tuple(self.full(str(n.target)) for n in chain_nodes)
         self.found.skipped[str(call.target)] = SkippedCandidate(names, goes_to, reaches)
 
     def _problem(
