@@ -131,6 +131,22 @@ def test_vector_kernels_equal_max_pool2d(geometry, dtype, monkeypatch):
     assert names == vector * len(VECTOR_SHAPES)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_an_nchw_gradient_of_a_channels_last_pooling_takes_the_vector_backward(dtype, monkeypatch):
+    """A neuron after a channels-last pooling hands back an NCHW gradient: it is laid out like
+    the codes first, so the backward reads it coalesced with the vector kernel, exactly."""
+    names = spy_launches(monkeypatch)
+    geometry = (3, 2, 1, 1, False)
+    pair = kernels.kernels_for(dtype, MaxPoolGeometry.of(*geometry).window)
+    x = spike_map((4, 64, 17, 19), 0.2, dtype, True).requires_grad_()
+    upstream = torch.randn(4, 64, 9, 10, device="cuda", generator=gen(3, "cuda")).to(dtype)
+    out = spike_max_pool2d(x, *geometry)
+    (grad,) = torch.autograd.grad(out, x, upstream)
+    assert_equal_to_max_pool2d((out.detach(), grad), x.detach(), geometry, upstream)
+    assert grad.is_contiguous(memory_format=torch.channels_last)
+    assert names == [pair.name(False, pair.vec), pair.name(True, pair.vec)]
+
+
 def misaligned(t: torch.Tensor) -> torch.Tensor:
     """A channels-last dense copy of t one element past a 16-byte boundary."""
     n, c, h, w = t.shape

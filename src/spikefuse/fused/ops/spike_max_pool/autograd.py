@@ -60,6 +60,10 @@ def max_pool_backward(
     kernels = _kernels(grad)
     if kernels is None:
         return pool_backward(grad, codes, geometry, shape, layout)
+    # dL/dout in the codes' layout (a copy where the next layer's backward gave another, e.g.
+    # a neuron's NCHW after a channels-last pooling): the threads walking dL/dx then read it
+    # coalesced, and channels-last maps take the vector kernels
+    grad = grad.contiguous(memory_format=layout)
     grad_x = torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=layout)
     kernels.max_pool_backward(grad, codes, grad_x, geometry.window)
     return grad_x
