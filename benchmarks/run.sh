@@ -27,7 +27,7 @@ done
 # The residual networks at 224² (ResNet-19 at 32²), the spiking transformers at 32², and where
 # the 224² step's time and memory go.
 for model in sew-resnet18 spiking-resnet18 sew-resnet34 spiking-resnet34 resnet19 \
-    spikformer-4-384-cifar qkformer-10-384-cifar; do
+    spikformer-4-384-cifar qkformer-10-384-cifar sdt-2-512-cifar; do
     python3 -m spikefuse bench e2e --model "$model" --iters 12 --out "$out/zoo" --loop bench \
         --variants vanilla spikingjelly spikefuse fused fused-min fused+graph fused-min+graph
 done

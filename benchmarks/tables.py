@@ -26,6 +26,7 @@ ZOO_MODELS = (
     "resnet19",
     "spikformer-4-384-cifar",
     "qkformer-10-384-cifar",
+    "sdt-2-512-cifar",
 )
 #: The variants of the end-to-end tables, in order, with their names on the page.
 E2E_VARIANTS = {

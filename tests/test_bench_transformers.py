@@ -12,7 +12,7 @@ import torch
 from spikefuse.bench import e2e
 from spikefuse.bench.networks import ZOO
 
-TRANSFORMERS = ["spikformer-4-384-cifar", "qkformer-10-384-cifar"]
+TRANSFORMERS = ["spikformer-4-384-cifar", "qkformer-10-384-cifar", "sdt-2-512-cifar"]
 VARIANTS = ["vanilla", "spikefuse", "fused"]
 if importlib.util.find_spec("spikingjelly") is not None:
     VARIANTS.append("spikingjelly")

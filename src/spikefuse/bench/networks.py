@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor, nn
 
 from .. import layer, models, neuron, surrogate
-from ..model import qkformer, spikformer
+from ..model import qkformer, spike_driven_transformer, spikformer
 
 # Paper's LIF (Table I): u[t] = ALPHA u[t-1] (1 - s[t-1]) + x[t]; s = [u >= TH];
 # surrogate derivative ETA inside (TH - HALF_WIDTH, TH + HALF_WIDTH).
@@ -43,6 +43,15 @@ class ZooNet:
     averaged: bool = False  # the output is [B, classes], already averaged over T
 
 
+# the Spike-driven Transformer paper's CIFAR setting: 2 blocks of 512, 8 heads, 8 x 8 tokens
+SDT_CIFAR: dict[str, Any] = {
+    "num_classes": 10,
+    "embed_dims": 512,
+    "num_heads": 8,
+    "depths": 2,
+    "pooling_stat": "0011",
+}
+
 ZOO = {
     "resnet19": ZooNet(models.spiking_resnet19, 32, 10, T=4, batch=64),
     "sew-resnet18": ZooNet(
@@ -58,6 +67,15 @@ ZOO = {
     ),
     "qkformer-10-384-cifar": ZooNet(
         lambda **kw: qkformer.qkformer_10_384(num_classes=10, **kw),
+        32,
+        10,
+        T=4,
+        batch=64,
+        static=True,
+        averaged=True,
+    ),  # fmt: skip
+    "sdt-2-512-cifar": ZooNet(
+        lambda **kw: spike_driven_transformer.SpikeDrivenTransformer(**SDT_CIFAR, **kw),
         32,
         10,
         T=4,

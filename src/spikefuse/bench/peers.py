@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from .networks import SJ_LIF, ZOO, layered_model
+from .networks import SDT_CIFAR, SJ_LIF, ZOO, layered_model
 
-# The SpikingJelly model-zoo function of each residual benchmark network (module, name, kwargs).
+# The SpikingJelly model-zoo function (or class) of each residual benchmark network (module, name, kwargs).
 SJ_ZOO: dict[str, tuple[str, str, dict[str, object]]] = {
     "sew-resnet18": ("sew_resnet", "sew_resnet18", {"cnf": "ADD"}),
     "sew-resnet34": ("sew_resnet", "sew_resnet34", {"cnf": "ADD"}),
@@ -23,6 +23,7 @@ SJ_ZOO: dict[str, tuple[str, str, dict[str, object]]] = {
     "spiking-resnet34": ("spiking_resnet", "spiking_resnet34", {}),
     "spikformer-4-384-cifar": ("spikformer", "spikformer_cifar10", {}),
     "qkformer-10-384-cifar": ("qkformer", "qkformer_10_384", {"num_classes": 10}),
+    "sdt-2-512-cifar": ("spike_driven_transformer", "SpikeDrivenTransformer", SDT_CIFAR),
 }
 
 
