@@ -123,21 +123,22 @@ def test_spiking_self_attention_is_scaled_v_kt_q() -> None:
     torch.testing.assert_close(seen["proj_conv_bn.in"], seen["attn_lif"].reshape(2, 3, 8, 5))
 
 
-def test_spiking_self_attention_multiplies_its_spikes_with_spike_matmul_chain(
+def test_spiking_self_attention_multiplies_its_spikes_with_spike_matmul_chain_heads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Q, K, V are neuron outputs, so the product goes through the exact spike-product path
-    (tensor cores on CUDA), on the same operands and scale as SpikingJelly's expression."""
+    (tensor cores on CUDA), on qkv_lif's spikes whole, with SpikingJelly's heads and scale."""
     calls = []
 
-    def chain(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float) -> torch.Tensor:
-        calls.append(scale)
-        assert all(set(t.unique().tolist()) <= {0.0, 1.0} for t in (a, b, c))
-        return ((a @ b) @ c) * scale
+    def chain(qkv: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+        calls.append((tuple(qkv.shape), num_heads, scale))
+        assert set(qkv.unique().tolist()) <= {0.0, 1.0}
+        q, k, v = qkv.unflatten(2, (3 * num_heads, -1)).chunk(3, dim=2)
+        return ((v @ k.transpose(-2, -1)) @ q) * scale
 
-    monkeypatch.setattr(attention, "spike_matmul_chain", chain)
+    monkeypatch.setattr(attention, "spike_matmul_chain_heads", chain)
     randomised(attention.SpikingSelfAttention(8, 2))(spikes(2, 3, 8, 5))
-    assert calls == [0.125]
+    assert calls == [((2, 3, 24, 5), 2, 0.125)]
 
 
 @pytest.mark.parametrize("qka_type", ["token", "channel"])

@@ -12,11 +12,14 @@ from spikefuse.spike_matmul import (
     Plan,
     spike_matmul,
     spike_matmul_chain,
+    spike_matmul_chain_heads,
+    spike_matmul_chain_heads_naive,
     spike_matmul_chain_naive,
     spike_matmul_chain_plan,
     spike_matmul_naive,
     spike_matmul_plan,
 )
+from spikefuse.spike_matmul import autograd as sm_autograd
 from spikefuse.spike_matmul.autograd import SpikeMatmulChainFunction, compact, product
 from spikefuse.spike_matmul.rules import plan
 
@@ -148,3 +151,62 @@ def test_heads_of_channels_innermost_tokens_are_copied_along_their_channels():
     assert torch.equal(out, want)
     for got_g, ref in zip(grads(out, (qkv,)), grads(want, (qkv,)), strict=True):
         torch.testing.assert_close(got_g, ref)
+
+
+def channels_innermost_qkv(heads: int, d: int, length: int, dtype=torch.float64) -> torch.Tensor:
+    """qkv [T, B, 3C, L] as a fused block lays its spikes out: the channels at stride 1."""
+    rows = spikes(2, 3, length, 3 * heads * d, dtype=dtype).detach()
+    return rows.transpose(-2, -1).requires_grad_()
+
+
+@pytest.mark.parametrize("layout", ["channels-innermost", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_heads_chain_equals_the_reference(layout, dtype):
+    """One qkv tensor in, the chain of its heads out: the reference's values exactly, its
+    gradient, and that gradient in qkv's own layout."""
+    qkv = channels_innermost_qkv(2, 4, 9, dtype)
+    if layout == "contiguous":
+        qkv = qkv.detach().contiguous().requires_grad_()
+    out = spike_matmul_chain_heads(qkv, 2, 0.125)
+    want = spike_matmul_chain_heads_naive(qkv, 2, 0.125)
+    assert out.shape == (2, 3, 2, 4, 9) and torch.equal(out, want)
+    ((got,), (ref,)) = grads(out, (qkv,)), grads(want, (qkv,))
+    torch.testing.assert_close(got, ref)
+    assert got.stride() == qkv.stride()
+
+
+def test_the_heads_chain_on_emulated_tensor_cores(monkeypatch):
+    """The tensor-core path (bfloat16 operands converted from the saved bool spikes, float32
+    sums; emulated on CPU) gives the reference's values and gradient."""
+    bf16 = Plan(torch.bfloat16, "emulated")
+    monkeypatch.setattr(sm_autograd, "plan_for", lambda *_, **__: bf16)
+    monkeypatch.setattr(sm_autograd, "plan", lambda *_, **__: bf16)
+    qkv = channels_innermost_qkv(2, 4, 9, torch.float32)
+    out = spike_matmul_chain_heads(qkv, 2, 0.5)
+    want = spike_matmul_chain_heads_naive(qkv, 2, 0.5)
+    assert torch.equal(out, want)
+    for got, ref in zip(grads(out, (qkv,)), grads(want, (qkv,)), strict=True):
+        torch.testing.assert_close(got, ref)
+
+
+def test_the_heads_chain_keeps_one_bool_tensor():
+    qkv = channels_innermost_qkv(2, 4, 9)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        spike_matmul_chain_heads(qkv, 2, 0.125)
+    assert [(t.dtype, t.stride()) for t in saved] == [(torch.bool, qkv.stride())]
+
+
+@pytest.mark.parametrize(
+    ("qkv", "heads", "scale", "match"),
+    [
+        (torch.zeros(2, 12, 5), 3, 1.0, "3 x num_heads must divide"),
+        (torch.zeros(2, 12, 5), 0, 1.0, "num_heads must be an int"),
+        (torch.zeros(12, 5, dtype=torch.int64), 2, 1.0, "floating spikes"),
+        (torch.zeros(12), 2, 1.0, "floating spikes"),
+        (torch.zeros(2, 12, 5), 2, float("nan"), "finite number"),
+    ],
+)
+def test_bad_heads_chain_inputs_are_refused(qkv, heads, scale, match):
+    with pytest.raises(SpikefuseError, match=match):
+        spike_matmul_chain_heads(qkv, heads, scale)

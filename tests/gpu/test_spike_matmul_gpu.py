@@ -71,3 +71,23 @@ def test_bf16_inputs_and_autocast():
         out = sm.spike_matmul(a32, b32)
     assert out.dtype is torch.float32
     assert torch.equal(out, (a32.double() @ b32.double()).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [64, 1024])
+def test_the_heads_chain_is_exact_and_returns_qkv_gradients_in_its_layout(dtype, tokens):
+    """Spikformer's product of one qkv tensor [T, B, 3C, L] with the channels innermost (a fused
+    block's spikes): out equals the chain of its heads bit for bit; the gradient is the
+    reference's, in qkv's layout."""
+    rows = spikes(2, 4, tokens, 3 * 8 * 48, p=0.8, dtype=dtype).detach()
+    qkv = rows.transpose(-2, -1).requires_grad_()  # [T, B, 3C, L], channels innermost
+    out = sm.spike_matmul_chain_heads(qkv, 8, 0.125)
+    want = sm.spike_matmul_chain_heads_naive(qkv, 8, 0.125)
+    q, k, v = qkv.unflatten(2, (24, 48)).chunk(3, dim=2)
+    assert torch.equal(out, sm.spike_matmul_chain(v, k.transpose(-2, -1), q, 0.125))
+    g = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(9))
+    (got,) = torch.autograd.grad(out, qkv, g.to(dtype))
+    (ref,) = torch.autograd.grad(want.float(), qkv, g)
+    assert got.stride() == qkv.stride()
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)

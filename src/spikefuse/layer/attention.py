@@ -29,7 +29,7 @@ from torch import Tensor, fx, nn
 from .._neuron import _make_multi_step_neuron
 from ..base import MultiStepModule
 from ..errors import SpikefuseError
-from ..spike_matmul import spike_matmul_chain
+from ..spike_matmul import spike_matmul_chain_heads
 from ._base import BatchNorm2d, Conv2d, SeqToANNContainer
 
 __all__ = [
@@ -112,7 +112,7 @@ class SpikingSelfAttention(_HeadedAttention):
     ``out = LIF_p(BN(Conv1x1(LIF_a(0.125 · (V Kᵀ) Q))))``, ``LIF_a`` firing at 0.5. No softmax:
     ``V Kᵀ`` and its product with ``Q`` are integer sums of spikes (evaluated in this order,
     as SpikingJelly does), computed by
-    :func:`~spikefuse.spike_matmul.spike_matmul_chain` (exact on CUDA tensor cores).
+    :func:`~spikefuse.spike_matmul.spike_matmul_chain_heads` (exact on CUDA tensor cores).
 
     Modules: ``qkv_conv_bn`` (Conv1d dim → 3·dim, BatchNorm1d), ``qkv_lif``, ``attn_lif``,
     ``proj_conv_bn``, ``proj_lif``; ``scale`` is 0.125."""
@@ -135,12 +135,10 @@ class SpikingSelfAttention(_HeadedAttention):
     def forward(self, x_seq: Tensor) -> Tensor:
         _check_input("SpikingSelfAttention", x_seq, "[T, N, C, L]", self.dim)
         qkv = self.qkv_lif(self.qkv_conv_bn(x_seq))  # [T, N, 3C, L]
-        # [T, N, 3, heads, C/heads, L] -> q, k, v of [T, N, heads, C/heads, L] (no shape is
-        # unpacked, so that torch.fx traces the forward)
-        q, k, v = qkv.unflatten(2, (3 * self.num_heads, self.head_dim)).chunk(3, dim=2)
-        # q, k, v are qkv_lif's outputs, spikes by construction: their products are integer
-        # counts, exact on tensor cores on CUDA (the plain matmul elsewhere, SpikingJelly's order)
-        x_seq = spike_matmul_chain(v, k.transpose(-2, -1), q, self.scale)
+        # q, k, v: the heads [T, N, heads, C/heads, L] of qkv's three thirds, qkv_lif's spikes
+        # by construction: their products are integer counts, exact on tensor cores on CUDA
+        # (the plain matmul elsewhere, SpikingJelly's order); qkv's gradient comes back whole
+        x_seq = spike_matmul_chain_heads(qkv, self.num_heads, self.scale)
         x_seq = self.attn_lif(x_seq).flatten(2, 3)  # [T, N, C, L]
         return self.proj_lif(self.proj_conv_bn(x_seq))
 

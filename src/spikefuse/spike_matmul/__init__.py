@@ -33,14 +33,16 @@ from typing import Any
 from torch import Tensor, fx
 
 from ..errors import SpikefuseError
-from .autograd import SpikeMatmulChainFunction, SpikeMatmulFunction
-from .naive import spike_matmul_chain_naive, spike_matmul_naive
+from .autograd import SpikeHeadsChainFunction, SpikeMatmulChainFunction, SpikeMatmulFunction
+from .naive import spike_matmul_chain_heads_naive, spike_matmul_chain_naive, spike_matmul_naive
 from .rules import Plan, plan
 
 __all__ = [
     "Plan",
     "spike_matmul",
     "spike_matmul_chain",
+    "spike_matmul_chain_heads",
+    "spike_matmul_chain_heads_naive",
     "spike_matmul_chain_naive",
     "spike_matmul_chain_plan",
     "spike_matmul_naive",
@@ -107,6 +109,41 @@ def spike_matmul_chain(a: Tensor, b: Tensor, c: Tensor, scale: float = 1.0) -> T
     if isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
         raise SpikefuseError(f"spike_matmul_chain: scale must be a finite number, got {scale!r}")
     return SpikeMatmulChainFunction.apply(a, b, c, float(scale))
+
+
+def spike_matmul_chain_heads(qkv: Tensor, num_heads: int, scale: float = 1.0) -> Tensor:
+    """Spikformer's self-attention product of one Q/K/V spike tensor: ``qkv`` [..., 3C, L]
+    holds q, k and v in its channels 0..C, C..2C, 2C..3C, each split into ``num_heads`` heads
+    [..., heads, C/heads, L]; returns ``spike_matmul_chain(v, kᵀ, q, scale)`` [..., heads,
+    C/heads, L] (the same values) and, in backward, one gradient of qkv in qkv's own layout:
+    where qkv is a fused block's spikes (channels innermost) the block reads it without a
+    copy, and no concatenation of three head gradients runs."""
+    traced = _traced(spike_matmul_chain_heads, qkv, num_heads, scale)
+    if traced is not None:
+        return traced
+    _check_heads(qkv, num_heads)
+    if isinstance(scale, bool) or not isinstance(scale, Real) or not math.isfinite(scale):
+        raise SpikefuseError(
+            f"spike_matmul_chain_heads: scale must be a finite number, got {scale!r}"
+        )
+    return SpikeHeadsChainFunction.apply(qkv, num_heads, float(scale))
+
+
+def _check_heads(qkv: Tensor, num_heads: int) -> None:
+    if not isinstance(qkv, Tensor) or qkv.dim() < 2 or not qkv.dtype.is_floating_point:
+        got = f"{tuple(qkv.shape)} {qkv.dtype}" if isinstance(qkv, Tensor) else type(qkv)
+        raise SpikefuseError(
+            f"spike_matmul_chain_heads: qkv must be floating spikes [..., 3C, L], got {got}"
+        )
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise SpikefuseError(
+            f"spike_matmul_chain_heads: num_heads must be an int >= 1, got {num_heads!r}"
+        )
+    if qkv.shape[-2] % (3 * num_heads):
+        raise SpikefuseError(
+            f"spike_matmul_chain_heads: {qkv.shape[-2]} channels do not split into q, k, v of "
+            f"{num_heads} heads each (3 x num_heads must divide them)"
+        )
 
 
 def spike_matmul_plan(a: Tensor, b: Tensor) -> Plan:

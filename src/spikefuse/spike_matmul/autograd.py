@@ -8,6 +8,10 @@ are those of the plain matmuls, computed in the output gradient's dtype::
     out = a @ b:                 da = g bᵀ,        db = aᵀ g
     out = ((a @ b) @ c) s:       P = a @ b,  g' = g s,  dc = Pᵀ g',
                                  dP = g' cᵀ,  da = dP bᵀ,  db = aᵀ dP
+
+The heads' chain (:class:`SpikeHeadsChainFunction`) takes q, k, v as one tensor and returns
+their gradients as one tensor in its layout; it scales the small [C/heads, C/heads] matrices
+instead of g and writes each gradient from a product laid out as its slot of that tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..ops import forbid_double_backward
-from .rules import Plan, plan
+from .rules import Plan, plan, plan_for
 
 
 def compact(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -33,9 +37,10 @@ def compact(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.to(dtype, memory_format=torch.contiguous_format)
 
 
-def product(a: Tensor, b: Tensor, how: Plan) -> Tensor:
-    """``a @ b`` ([..., M, K] @ [..., K, N], equal batch dims) as ``how`` says, in a's dtype:
-    on tensor cores over ``how.operands`` with float32 sums, or the plain matmul."""
+def product(a: Tensor, b: Tensor, how: Plan, dtype: torch.dtype | None = None) -> Tensor:
+    """``a @ b`` ([..., M, K] @ [..., K, N], equal batch dims) as ``how`` says, in ``dtype``
+    (None: a's): on tensor cores over ``how.operands`` with float32 sums (a and b of any dtype,
+    bool spikes too, converted once), or the plain matmul (a and b in ``dtype`` already)."""
     if how.operands is None:
         return a @ b
     batch, (m, k), n = a.shape[:-2], a.shape[-2:], b.shape[-1]
@@ -47,7 +52,7 @@ def product(a: Tensor, b: Tensor, how: Plan) -> Tensor:
             out = torch.bmm(left, right, out_dtype=torch.float32)
     else:  # the same products and float32 sums (torch has no such bmm on CPU), for tests
         out = left.float() @ right.float()
-    return out.view(*batch, m, n).to(a.dtype)
+    return out.view(*batch, m, n).to(a.dtype if dtype is None else dtype)
 
 
 def _float(t: Tensor, like: Tensor) -> Tensor:
@@ -104,8 +109,53 @@ class SpikeMatmulChainFunction(torch.autograd.Function):
 
 def _counts(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """``a @ b`` of spikes (bool or float) in ``dtype``: the same values in forward and backward.
-    Operands already in ``dtype`` go to :func:`product` as they are (one copy each there, to
-    the tensor cores' dtype, not two)."""
-    if a.dtype != dtype or b.dtype != dtype:
-        a, b = compact(a, dtype), compact(b, dtype)
-    return product(a, b, plan(a, a.shape[-1]))
+    On tensor cores the operands are converted once, straight to the cores' dtype; the plain
+    matmul runs in ``dtype``."""
+    how = plan_for(a.device, dtype, a.shape[-1])
+    if how.operands is None:
+        return _float_as(a, dtype) @ _float_as(b, dtype)
+    return product(a, b, how, dtype)
+
+
+def _float_as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else compact(t, dtype)
+
+
+def heads(qkv: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v [..., heads, C/heads, L]: views of the channels 0..C, C..2C and 2C..3C of qkv
+    [..., 3C, L] (SpikingJelly's split of Spikformer's one Q/K/V convolution)."""
+    q, k, v = qkv.unflatten(-2, (3 * num_heads, -1)).chunk(3, dim=-3)
+    return q, k, v
+
+
+class SpikeHeadsChainFunction(torch.autograd.Function):
+    """``((v @ kᵀ) @ q) * scale`` of the heads of qkv spikes [..., 3C, L] (see
+    :func:`spikefuse.spike_matmul.spike_matmul_chain_heads`): out [..., heads, C/heads, L]."""
+
+    @staticmethod
+    def forward(ctx: Any, qkv: Tensor, num_heads: int, scale: float) -> Tensor:
+        q, k, v = heads(qkv, num_heads)
+        ctx.save_for_backward(qkv.to(torch.bool))  # one copy, in qkv's layout
+        ctx.num_heads, ctx.dtype, ctx.scale = num_heads, qkv.dtype, scale
+        counts = _counts(v, k.transpose(-2, -1), qkv.dtype)
+        out = product(counts, q, plan(qkv, q.shape[-2], count=v.shape[-1]))
+        return out.mul_(scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        """Each gradient [.., C/heads, L] is computed as its transpose [.., L, C/heads], so that
+        it lies as its slot of qkv does where qkv has the channels innermost (a fused block's
+        spikes): the copies into that slot read and write along the channels."""
+        forbid_double_backward("spike_matmul_chain_heads")
+        (spikes,) = ctx.saved_tensors
+        q, k, v = heads(spikes, ctx.num_heads)
+        counts = _counts(v, k.transpose(-2, -1), ctx.dtype)  # P = v kᵀ, recomputed
+        q, k, v = (compact(t, grad.dtype) for t in (q, k, v))
+        grad_qkv = torch.empty_like(spikes, dtype=grad.dtype)
+        grad_q, grad_k, grad_v = heads(grad_qkv, ctx.num_heads)
+        scaled = counts.to(grad.dtype).mul_(ctx.scale)  # P s
+        grad_q.copy_((grad.transpose(-2, -1) @ scaled).transpose(-2, -1))  # (g s)ᵀ P, transposed
+        grad_counts = (grad @ q.transpose(-2, -1)).mul_(ctx.scale)  # dP = g s qᵀ
+        grad_v.copy_((k.transpose(-2, -1) @ grad_counts.transpose(-2, -1)).transpose(-2, -1))
+        grad_k.copy_((v.transpose(-2, -1) @ grad_counts).transpose(-2, -1))  # (vᵀ dP)ᵀ
+        return grad_qkv, None, None

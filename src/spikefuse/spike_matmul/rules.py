@@ -48,10 +48,15 @@ def plan(like: Tensor, inner: int, count: int = 1) -> Plan:
     """The path of a product whose left operand holds integers 0..``count`` (1: spikes) and
     whose right operand holds spikes, with inner dimension ``inner``, on ``like``'s device and
     dtype (both operands share them)."""
-    if like.device.type != "cuda":
-        return Plan(None, f"on {like.device.type}, not CUDA: the plain matmul")
-    if like.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return Plan(None, f"{like.dtype} inputs: the plain matmul keeps their precision")
+    return plan_for(like.device, like.dtype, inner, count)
+
+
+def plan_for(device: torch.device, dtype: torch.dtype, inner: int, count: int = 1) -> Plan:
+    """:func:`plan` of operands in ``dtype`` on ``device``."""
+    if device.type != "cuda":
+        return Plan(None, f"on {device.type}, not CUDA: the plain matmul")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return Plan(None, f"{dtype} inputs: the plain matmul keeps their precision")
     if inner * count > FLOAT32_EXACT_SUM:
         return Plan(
             None,
