@@ -15,7 +15,7 @@ from torch import nn
 
 from .networks import SDT_CIFAR, SJ_LIF, ZOO, layered_model
 
-# The SpikingJelly model-zoo function (or class) of each residual benchmark network (module, name, kwargs).
+# The SpikingJelly model-zoo function (or class) of each zoo network (module, name, kwargs).
 SJ_ZOO: dict[str, tuple[str, str, dict[str, object]]] = {
     "sew-resnet18": ("sew_resnet", "sew_resnet18", {"cnf": "ADD"}),
     "sew-resnet34": ("sew_resnet", "sew_resnet34", {"cnf": "ADD"}),
