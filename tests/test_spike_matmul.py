@@ -210,3 +210,13 @@ def test_the_heads_chain_keeps_one_bool_tensor():
 def test_bad_heads_chain_inputs_are_refused(qkv, heads, scale, match):
     with pytest.raises(SpikefuseError, match=match):
         spike_matmul_chain_heads(qkv, heads, scale)
+
+
+def test_the_heads_chain_scales_before_summing_so_float16_gradients_stay_finite():
+    """Large float16 output gradients (a GradScaler's) sum to the plain matmuls' magnitudes:
+    the scale multiplies a factor of each sum, never an already overflowed sum."""
+    qkv = torch.ones(1, 1, 12, 1024, dtype=torch.float16, requires_grad=True)
+    g = torch.full((1, 1, 1, 4, 1024), 100.0, dtype=torch.float16)
+    (got,) = torch.autograd.grad(spike_matmul_chain_heads(qkv, 1, 0.125), (qkv,), g)
+    (ref,) = torch.autograd.grad(spike_matmul_chain_heads_naive(qkv, 1, 0.125), (qkv,), g)
+    assert torch.isfinite(ref).all() and torch.equal(got, ref)

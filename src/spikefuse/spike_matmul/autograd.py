@@ -10,8 +10,8 @@ are those of the plain matmuls, computed in the output gradient's dtype::
                                  dP = g' cᵀ,  da = dP bᵀ,  db = aᵀ dP
 
 The heads' chain (:class:`SpikeHeadsChainFunction`) takes q, k, v as one tensor and returns
-their gradients as one tensor in its layout; it scales the small [C/heads, C/heads] matrices
-instead of g and writes each gradient from a product laid out as its slot of that tensor.
+their gradients as one tensor in its layout; it scales P and q (factors of g's sums) instead of
+g and writes each gradient from a product laid out as its slot of that tensor.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ class SpikeHeadsChainFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, qkv: Tensor, num_heads: int, scale: float) -> Tensor:
         q, k, v = heads(qkv, num_heads)
-        ctx.save_for_backward(qkv.to(torch.bool))  # one copy, in qkv's layout
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(qkv.to(torch.bool))  # one copy, in qkv's layout
         ctx.num_heads, ctx.dtype, ctx.scale = num_heads, qkv.dtype, scale
         counts = _counts(v, k.transpose(-2, -1), qkv.dtype)
         out = product(counts, q, plan(qkv, q.shape[-2], count=v.shape[-1]))
@@ -150,12 +151,15 @@ class SpikeHeadsChainFunction(torch.autograd.Function):
         (spikes,) = ctx.saved_tensors
         q, k, v = heads(spikes, ctx.num_heads)
         counts = _counts(v, k.transpose(-2, -1), ctx.dtype)  # P = v kᵀ, recomputed
-        q, k, v = (compact(t, grad.dtype) for t in (q, k, v))
+        # the scale multiplies a factor of each sum, not the sum: float16 sums stay as far
+        # from overflow as the plain matmuls' (g s)
+        scaled_q = compact(q, grad.dtype).mul_(ctx.scale)
+        k, v = compact(k, grad.dtype), compact(v, grad.dtype)
         grad_qkv = torch.empty_like(spikes, dtype=grad.dtype)
         grad_q, grad_k, grad_v = heads(grad_qkv, ctx.num_heads)
         scaled = counts.to(grad.dtype).mul_(ctx.scale)  # P s
         grad_q.copy_((grad.transpose(-2, -1) @ scaled).transpose(-2, -1))  # (g s)ᵀ P, transposed
-        grad_counts = (grad @ q.transpose(-2, -1)).mul_(ctx.scale)  # dP = g s qᵀ
+        grad_counts = grad @ scaled_q.transpose(-2, -1)  # dP = g s qᵀ
         grad_v.copy_((k.transpose(-2, -1) @ grad_counts.transpose(-2, -1)).transpose(-2, -1))
         grad_k.copy_((v.transpose(-2, -1) @ grad_counts).transpose(-2, -1))  # (vᵀ dP)ᵀ
         return grad_qkv, None, None
