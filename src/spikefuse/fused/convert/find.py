@@ -29,9 +29,7 @@ from .report import SkippedCandidate, _join
 
 # ---- recognising modules --------------------------------------------------------------------
 # Why a pooling between the BatchNorm and the neuron keeps a chain unfused.
-POOLS_NEURON_INPUT = (
-    "pools the neuron's input (BatchNorm's output), not spikes, which a block cannot fold"
-)
+POOLS_NEURON_INPUT = "pools the neuron's input, not spikes, which a block cannot fold"
 
 
 def _multi_step(module: nn.Module) -> bool:
