@@ -43,6 +43,12 @@ class ZooNet:
     averaged: bool = False  # the output is [B, classes], already averaged over T
 
 
+def cifar_transformer(build: Callable[..., nn.Module], averaged: bool = True) -> ZooNet:
+    """A SpikingJelly spiking transformer at CIFAR size (T=4, B=64): 32 x 32 images that it
+    repeats over T itself, 10 classes; ``averaged``: it returns time-averaged logits."""
+    return ZooNet(build, 32, 10, T=4, batch=64, static=True, averaged=averaged)
+
+
 # the Spike-driven Transformer paper's CIFAR setting: 2 blocks of 512, 8 heads, 8 x 8 tokens
 SDT_CIFAR: dict[str, Any] = {
     "num_classes": 10,
@@ -62,27 +68,13 @@ ZOO = {
     ),
     "spiking-resnet18": ZooNet(models.spiking_resnet18, 224, 1000, T=4, batch=32),
     "spiking-resnet34": ZooNet(models.spiking_resnet34, 224, 1000, T=4, batch=32),
-    "spikformer-4-384-cifar": ZooNet(
-        spikformer.spikformer_cifar10, 32, 10, T=4, batch=64, static=True
+    "spikformer-4-384-cifar": cifar_transformer(spikformer.spikformer_cifar10, averaged=False),
+    "qkformer-10-384-cifar": cifar_transformer(
+        lambda **kw: qkformer.qkformer_10_384(num_classes=10, **kw)
     ),
-    "qkformer-10-384-cifar": ZooNet(
-        lambda **kw: qkformer.qkformer_10_384(num_classes=10, **kw),
-        32,
-        10,
-        T=4,
-        batch=64,
-        static=True,
-        averaged=True,
-    ),  # fmt: skip
-    "sdt-2-512-cifar": ZooNet(
-        lambda **kw: spike_driven_transformer.SpikeDrivenTransformer(**SDT_CIFAR, **kw),
-        32,
-        10,
-        T=4,
-        batch=64,
-        static=True,
-        averaged=True,
-    ),  # fmt: skip
+    "sdt-2-512-cifar": cifar_transformer(
+        lambda **kw: spike_driven_transformer.SpikeDrivenTransformer(**SDT_CIFAR, **kw)
+    ),
 }
 
 

@@ -55,10 +55,6 @@ def product(a: Tensor, b: Tensor, how: Plan, dtype: torch.dtype | None = None) -
     return out.view(*batch, m, n).to(a.dtype if dtype is None else dtype)
 
 
-def _float(t: Tensor, like: Tensor) -> Tensor:
-    return t.to(like.dtype)
-
-
 class SpikeMatmulFunction(torch.autograd.Function):
     """``a @ b`` of spike tensors (see :func:`spikefuse.spike_matmul.spike_matmul`)."""
 
@@ -71,8 +67,12 @@ class SpikeMatmulFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         forbid_double_backward("spike_matmul")
         a, b = ctx.saved_tensors
-        grad_a = grad @ _float(b, grad).transpose(-2, -1) if ctx.needs_input_grad[0] else None
-        grad_b = _float(a, grad).transpose(-2, -1) @ grad if ctx.needs_input_grad[1] else None
+        grad_a = (
+            grad @ _float_as(b, grad.dtype).transpose(-2, -1) if ctx.needs_input_grad[0] else None
+        )
+        grad_b = (
+            _float_as(a, grad.dtype).transpose(-2, -1) @ grad if ctx.needs_input_grad[1] else None
+        )
         return grad_a, grad_b
 
 
@@ -96,14 +96,14 @@ class SpikeMatmulChainFunction(torch.autograd.Function):
         grad = grad * ctx.scale
         grad_a = grad_b = grad_c = None
         if needs_c:
-            counts = _float(_counts(a, b, ctx.dtype), grad)  # recomputed: never kept
+            counts = _float_as(_counts(a, b, ctx.dtype), grad.dtype)  # recomputed: never kept
             grad_c = counts.transpose(-2, -1) @ grad
         if needs_a or needs_b:
-            grad_counts = grad @ _float(c, grad).transpose(-2, -1)
+            grad_counts = grad @ _float_as(c, grad.dtype).transpose(-2, -1)
             if needs_a:
-                grad_a = grad_counts @ _float(b, grad).transpose(-2, -1)
+                grad_a = grad_counts @ _float_as(b, grad.dtype).transpose(-2, -1)
             if needs_b:
-                grad_b = _float(a, grad).transpose(-2, -1) @ grad_counts
+                grad_b = _float_as(a, grad.dtype).transpose(-2, -1) @ grad_counts
         return grad_a, grad_b, grad_c, None
 
 
@@ -118,6 +118,7 @@ def _counts(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _float_as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t in ``dtype``: itself, or a copy along its stride-1 dimension (:func:`compact`)."""
     return t if t.dtype == dtype else compact(t, dtype)
 
 
