@@ -22,6 +22,7 @@ from spikefuse.fused.ops.bn_neuron import (
     bn_neuron_naive,
     traced_bn_neuron,
 )
+from spikefuse.fused.ops.spike_max_pool.geometry import MaxPoolGeometry
 from spikefuse.fused.statistics import BNSpec, bn_statistics
 
 EPS = 1e-5
@@ -172,3 +173,43 @@ def test_traced_op_matches_the_reference_on_a_channels_last_map():
         return traced_bn_neuron(case.y, stats, case.bn(), case.neuron, None)
 
     _assert_matches(case, run)
+
+
+# max_pool2d windows (kernel, stride, padding): Spikformer's 3/2/1, plain 2 x 2, ceil_mode
+INPUT_POOLS = [((3, 3), (2, 2), (1, 1), False), ((2, 2), (2, 2), (0, 0), False)]
+INPUT_POOLS += [((2, 3), (2, 1), (1, 0), True)]
+
+
+@pytest.mark.parametrize("window", INPUT_POOLS, ids=str)
+@pytest.mark.parametrize("running", [False, True], ids=["batch-stats", "running-stats"])
+@pytest.mark.parametrize("repeat", [1, 3], ids=["sequence", "repeated-step"])
+def test_eager_op_max_pools_the_neuron_input(window, running, repeat):
+    """input_pool: spikes = neuron(maxpool(BN(y))) with BN's statistics over all of y. Channels
+    with gamma < 0 (their windows take y's minimum) and overlapping windows (a position's
+    gradient sums the windows it wins) included; a repeated step too."""
+    kernel, stride, padding, ceil_mode = window
+    geometry = MaxPoolGeometry.of(kernel, stride, padding, 1, ceil_mode)
+    case = Case((1 if repeat > 1 else 3, 2, 4, 7, 6), node_kind="plif", running=running)
+    with torch.no_grad():
+        case.weight[::2] *= -1
+    y = case.y.detach()
+    seen = y if repeat == 1 else y.expand(repeat, *y.shape[1:])
+
+    def fused() -> torch.Tensor:
+        stats = bn_statistics(seen, case.bn())
+        args = BNNeuronArgs(case.neuron, stats, case.bn(), 1, repeat, input_pool=geometry)
+        return BNNeuronFunction.apply(args, case.y, case.weight, case.bias, case.learnable, None)[0]
+
+    def naive() -> torch.Tensor:
+        expanded = case.y if repeat == 1 else case.y.expand(repeat, *case.y.shape[1:])
+        return bn_neuron_naive(
+            expanded, case.neuron, case.learnable, case.weight, case.bias, EPS, case.running,
+            input_pool=geometry,
+        )  # fmt: skip
+
+    got, got_grads = _outputs_and_grads(case, fused)
+    want, want_grads = _outputs_and_grads(case, naive)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert 0.05 < want.mean() < 0.95  # neither silent nor saturated
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, **TOL)

@@ -6,6 +6,8 @@ and the report says what fused and why the rest did not."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -277,53 +279,84 @@ def test_other_transposes_stay_unfused_with_a_reason():
     assert skipped.modules == ("fc",) and ".transpose()" in skipped.reason
 
 
-def test_a_patch_stem_with_max_pooling_before_the_neuron_is_reported():
-    """Spikformer's stem: SeqToANNContainer(Conv2d, BatchNorm2d, MaxPool2d) → LIF: the pooling
-    of the BatchNorm output (not of spikes) keeps it unfused, with the reason."""
-    stem = nn.Sequential(
-        layer.SeqToANNContainer(
-            nn.Conv2d(3, D, 3, padding=1, bias=False),
-            nn.BatchNorm2d(D),
-            nn.MaxPool2d(3, 2, 1),
-        ),
-        lif(),
-    )
-    fused, report = fuse(stem, return_report=True)
-    assert report.fused_fraction == 0.0
-    assert "MaxPool2d pools the neuron's input" in report.skipped[0].reason
-
-
-def test_separate_conv_bn_pool_neuron_modules_are_reported_as_an_unfused_chain():
-    """QKFormer's patch embedding: Conv2d → BatchNorm2d → MaxPool2d → LIF as four modules is
-    the same chain as the stem above, reported with the pooling and the same reason."""
-    stem = nn.Sequential(
-        layer.Conv2d(3, D, 3, padding=1, bias=False, step_mode="m"),
-        layer.BatchNorm2d(D, step_mode="m"),
-        layer.MaxPool2d(3, 2, 1, step_mode="m"),
-        lif(),
-    )
-    _, report = fuse(stem, return_report=True)
-    assert (report.chains, report.fused_fraction) == (1, 0.0)
-    (skipped,) = report.skipped
-    assert skipped.is_chain and skipped.modules == ("0", "1", "2", "3")
-    assert "'2' pools the neuron's input" in skipped.reason
-
-
-@pytest.mark.parametrize("train", [True, False])
-def test_a_max_pooling_before_the_neuron_keeps_byte_codes_and_computes_the_same(train):
-    """The unfused stem's max pooling runs as spike_max_pool2d: values equal, gradients within
-    rounding (the gather sums a window's gradients in another order than ATen's CPU scatter)."""
-    stem = randomized(
-        nn.Sequential(
+def pooled_stem(form: str, node: neuron.LIFNode | None = None) -> nn.Sequential:
+    """Conv2d → BatchNorm2d → MaxPool2d(3, 2, 1) → LIF: Spikformer's stem ("container":
+    SeqToANNContainer(Conv2d, BatchNorm2d, MaxPool2d), then the neuron) or QKFormer's patch
+    embedding ("separate": four multi-step modules)."""
+    node = lif() if node is None else node
+    if form == "container":
+        return nn.Sequential(
             layer.SeqToANNContainer(
                 nn.Conv2d(3, D, 3, padding=1, bias=False),
                 nn.BatchNorm2d(D),
                 nn.MaxPool2d(3, 2, 1),
             ),
-            lif(),
+            node,
         )
+    return nn.Sequential(
+        layer.Conv2d(3, D, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(D, step_mode="m"),
+        layer.MaxPool2d(3, 2, 1, step_mode="m"),
+        node,
     )
+
+
+@pytest.mark.parametrize("memory", ["default", "min"])
+@pytest.mark.parametrize("form", ["container", "separate"])
+def test_a_stem_that_max_pools_the_neuron_input_fuses_and_computes_the_same(form, memory):
+    """The pooling of the BatchNorm output joins the block: spikes equal, gradients and running
+    statistics within rounding, in training and eval; channels with gamma < 0 (their windows
+    take the smallest synapse output) included."""
+    ref = randomized(pooled_stem(form))
+    bn = next(m for m in ref.modules() if isinstance(m, nn.BatchNorm2d))
+    with torch.no_grad():
+        bn.weight[::3] *= -1
+    fused, report = fuse(ref, return_report=True, memory=memory)
+    names = ("0", "1") if form == "container" else ("0", "1", "2", "3")
+    assert [c.modules for c in report.fused] == [names] and report.fused_fraction == 1.0
+    assert isinstance(fused[0], FusedBlock) and fused[0].spec.input_pool is not None
+    images = torch.rand(T, B, 3, 7, 6, dtype=torch.float64)
+    assert_same_step(ref, fused, images)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(fused.state_dict()[key], value, **FP64_TOL)
+    ref.eval()
+    fused.eval()
+    assert_same_step(ref, fused, images)
+
+
+def test_a_block_that_pools_the_neuron_input_compiles_whole_and_computes_the_same():
+    """Under torch.compile the block runs torch's BatchNorm and max pooling before the
+    neuron's op: no graph break, the eager block's spikes."""
+    fused = fuse(randomized(pooled_stem("container")))
+    images = torch.rand(T, B, 3, 7, 6, dtype=torch.float64)
+    compiled = torch.compile(copy.deepcopy(fused), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(images), fused(images))
+
+
+def test_a_pooling_of_the_neuron_input_that_cannot_join_is_reported():
+    """An average pooling between BatchNorm and the neuron stays unfused, with the reason."""
+    stem = pooled_stem("separate")
+    stem[2] = layer.AvgPool2d(2, step_mode="m")
+    _, report = fuse(stem, return_report=True)
+    assert (report.chains, report.fused_fraction) == (1, 0.0)
+    (skipped,) = report.skipped
+    assert skipped.is_chain and skipped.modules == ("0", "1", "2", "3")
+    assert "'2': AvgPool2d pools the neuron's input" in skipped.reason
+    with pytest.raises(SpikefuseError, match="only Conv2d blocks with BatchNorm"):
+        FusedBlock(nn.Conv2d(3, D, 3), None, lif(), input_pool=nn.MaxPool2d(2))
+    with pytest.raises(SpikefuseError, match="neither pools its spikes nor adds a residual"):
+        conv, bn = nn.Conv2d(3, D, 3), nn.BatchNorm2d(D)
+        FusedBlock(conv, bn, lif(), pool=nn.AvgPool2d(2), input_pool=nn.MaxPool2d(2))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_max_pooling_before_an_unfused_neuron_keeps_byte_codes_and_computes_the_same(train):
+    """Where the chain stays unfused (a neuron that stores V), the stem's max pooling runs as
+    spike_max_pool2d: values equal, gradients within rounding (the gather sums a window's
+    gradients in another order than ATen's CPU scatter)."""
+    stem = randomized(pooled_stem("container", lif(store_v_seq=True)))
     fused, report = fuse(stem, return_report=True)
+    assert report.fused_fraction == 0.0
     assert isinstance(fused[0][2], MaxPoolCodes)
     assert report.spike_max_pools == ["0.2"], str(report)
     stem.train(train)

@@ -1,6 +1,6 @@
-"""fuse() on spikefuse.model's spiking transformers (tiny configurations): every chain inside
-the attention layers and MLPs fuses, the report says which stem chains stay unfused and why,
-and fused equals unfused (float64: the head's input equal bit for bit, gradients within 1e-9)."""
+"""fuse() on spikefuse.model's spiking transformers (tiny configurations): every chain fuses,
+the stems' chains that max-pool the neuron's input included, and fused equals unfused
+(float64: the head's input equal bit for bit, gradients within 1e-9)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from spikefuse.model import qkformer, spike_driven_transformer, spikformer
 from test_fuse_tokens import FP64_TOL, lif, randomized, seq_conv1d_bn, step
 from test_transformers import TINY_QKFORMER, TINY_SDT, TINY_SPIKFORMER
 
-# (model, configuration, fused chains, the report's chains). The unfused chains: Spikformer's
-# stem and QKFormer's patch embeddings pool the neuron's input. No chain: SDT's relative
+# (model, configuration, fused chains, the report's chains): all fused. No chain: SDT's relative
 # position encoding and residual branches (Conv -> BN -> addition) and the heads (a Linear: the
 # models' forwards are traced, their image-or-sequence branch being one opaque call).
 CASES = [
-    (spikformer.Spikformer, TINY_SPIKFORMER, 7, 9),
+    (spikformer.Spikformer, TINY_SPIKFORMER, 9, 9),
     (spike_driven_transformer.SpikeDrivenTransformer, TINY_SDT, 7, 7),
-    (qkformer.QKFormer, TINY_QKFORMER, 18, 22),
+    (qkformer.QKFormer, TINY_QKFORMER, 22, 22),
 ]
 
 

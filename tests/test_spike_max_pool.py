@@ -24,6 +24,7 @@ from spikefuse.errors import SpikefuseError
 from spikefuse.fused import SpikePool, spike_max_pool2d
 from spikefuse.fused.ops import spike_max_pool as op
 from spikefuse.fused.ops.spike_max_pool import MaxPoolGeometry, spike_max_pool2d_naive
+from spikefuse.fused.ops.spike_max_pool.passes import memory_format_of, pool_backward, pool_forward
 from test_codegen import assert_compiles_without_spills, needs_nvcc
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -284,6 +285,7 @@ static Dim3 threadIdx, blockIdx;
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 inline float __int_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __ldg(const float* p) { return *p; }
 inline unsigned int __umulhi(unsigned int a, unsigned int b)
 {
     return (unsigned int)(((unsigned long long)a * b) >> 32);
@@ -462,3 +464,33 @@ def test_a_misaligned_input_takes_the_scalar_forward_and_its_gradient_vectors(on
     (grad,) = torch.autograd.grad(out, x, upstream)
     assert on_kernels == [pair.name(False, 1), pair.name(True, 4)]
     assert_same((out.detach(), grad), run(lambda t: spike_max_pool2d_naive(t, g), base, upstream))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
+def test_the_kernel_source_flips_channels_and_adds_batchnorm_terms(
+    on_kernels, dtype, channels_last
+):
+    """The options of a fused block that max-pools its BatchNorm output: ``flip`` (channels
+    whose windows take their minimum) and the backward's ``terms`` (coef_x x + coef_0 at every
+    element), on the kernels' source against the torch passes."""
+    x = awkward_map(dtype)
+    x = x if channels_last else x.contiguous()
+    flip = torch.ones(16)
+    flip[::3] = -1
+    g = MaxPoolGeometry.of(3, 2, 1)
+    want, want_codes = pool_forward(x, g, True, flip)
+    got, codes = op.autograd.max_pool_forward(x, g, True, flip)
+    assert want_codes is not None and codes is not None
+    assert_same((got, codes), (want, want_codes))
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    values = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    values = torch.empty_like(x).copy_(values)  # x's layout
+    terms = (values, torch.linspace(-1, 2, 16), torch.linspace(0.5, -0.5, 16))
+    layout = memory_format_of(x)
+    want_grad = pool_backward(grad, want_codes, g, x.shape, layout, terms)
+    got_grad = op.autograd.max_pool_backward(grad, codes, g, x.shape, layout, terms)
+    assert got_grad.stride() == want_grad.stride()
+    torch.testing.assert_close(got_grad, want_grad)  # within rounding: the dtype's defaults
+    vector = any(KERNEL_NAME.match(name).group(2) for name in on_kernels)
+    assert vector == channels_last  # the vector kernels ran on channels-last maps

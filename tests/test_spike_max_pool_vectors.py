@@ -70,9 +70,13 @@ def test_vector_kernels_access_memory_in_16_byte_vectors(tmp_path, dtype):
     def accesses(backward: bool, vec: int) -> set[str]:
         return set(re.findall(r"\b(?:ld|st)\.global\.[\w.]+", ptx[pair.name(backward, vec)]))
 
+    # per-channel float vectors (a fused block's flip and BatchNorm terms) through the
+    # read-only cache: ld.global.nc.f32
+    vectors = "ld.global.nc.f32"
     forward, backward = accesses(False, pair.vec), accesses(True, pair.vec)
-    assert {a for a in forward if ".v4." not in a} == {f"st.global.{word}"}
-    assert {a for a in backward if ".v4." not in a} == {f"ld.global.{word}"}
+    assert {a for a in forward if ".v4." not in a} == {f"st.global.{word}", vectors}
+    assert {a for a in backward if ".v4." not in a} == {f"ld.global.{word}", vectors}
     for direction in (forward, backward):
         assert {a[:12] for a in direction if ".v4." in a} == {"ld.global.v4", "st.global.v4"}
     assert not any(".v" in a for a in accesses(False, 1) | accesses(True, 1))
+    assert vectors in accesses(False, 1) and vectors in accesses(True, 1)

@@ -326,7 +326,9 @@ class MaxPoolKernels(Protocol):
     (NCHW or channels-last), writing each window's argmax code (uint8, out's layout; None:
     not kept), and its backward from those codes into a dense ``grad_x`` (see
     :mod:`spikefuse.fused.ops.spike_max_pool`). ``window``: (k_h, k_w, stride_h, stride_w,
-    pad_h, pad_w, dilation_h, dilation_w)."""
+    pad_h, pad_w, dilation_h, dilation_w). ``flip``: float32 [C] of 1 and -1, the channels
+    whose windows take their minimum (None: none); ``terms``: (x, coef_x, coef_0), adding
+    ``coef_x[c] x + coef_0[c]`` (float32 [C]) to every element of dL/dx (None: nothing)."""
 
     def max_pool_forward(
         self,
@@ -334,6 +336,7 @@ class MaxPoolKernels(Protocol):
         out: torch.Tensor,
         codes: torch.Tensor | None,
         window: tuple[int, ...],
+        flip: torch.Tensor | None = None,
     ) -> None: ...
 
     def max_pool_backward(
@@ -342,6 +345,7 @@ class MaxPoolKernels(Protocol):
         codes: torch.Tensor,
         grad_x: torch.Tensor,
         window: tuple[int, ...],
+        terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None: ...
 
 

@@ -23,6 +23,7 @@ from spikefuse.fused.ops.bn_neuron import (
     kernel_pool,
     traced_bn_neuron,
 )
+from spikefuse.fused.ops.spike_max_pool.geometry import MaxPoolGeometry
 from spikefuse.fused.statistics import BNSpec, bn_statistics
 
 pytestmark = pytest.mark.gpu
@@ -95,3 +96,37 @@ def test_kernels_match_the_reference(shape, running, residual):
             return traced_bn_neuron(y, stats, spec, call, learnable, pool)
 
         _compare(_run(traced, leaves), want, f"library op (pool {pool})")
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 16, 9, 8), (4, 8, 64, 32, 32)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernels_max_pool_the_neuron_input_like_the_reference(shape, dtype):
+    """input_pool (Spikformer's MaxPool2d(3, 2, 1) of the BN output) on a channels-last y,
+    channels with gamma < 0 included: the BN-folded kernels on the pooled map against BatchNorm,
+    max_pool2d and the reference neuron as torch ops."""
+    node = neuron.ParametricLIFNode(init_tau=1.7, step_mode="m", backend="cuda").cuda()
+    y, weight, bias, _ = _leaves(shape, 11, False, True)
+    with torch.no_grad():
+        weight[::3] *= -1
+    y = y.detach().to(dtype).requires_grad_()
+    learnable = node.learnable_values(y.device).detach().requires_grad_()
+    call = NeuronCall.from_node(node, y)
+    assert call.affine is not None  # the BN-folded kernels run
+    spec = BNSpec(weight, bias, None, None, True, 0.1, EPS)
+    stats = bn_statistics(y.detach(), spec)
+    geometry = MaxPoolGeometry.of(3, 2, 1)
+    leaves = [y, weight, bias, learnable]
+
+    def fused():
+        args = BNNeuronArgs(call, stats, spec, input_pool=geometry)
+        return BNNeuronFunction.apply(args, y, weight, bias, learnable, None)[0]
+
+    def naive():
+        return bn_neuron_naive(y, call, learnable, weight, bias, EPS, input_pool=geometry)
+
+    (out, grads), (ref, ref_grads) = _run(fused, leaves), _run(naive, leaves)
+    pooled = tuple((size - 1) // 2 + 1 for size in shape[3:])  # (H + 2 - 3) // 2 + 1
+    assert out.dtype == dtype and out.shape == (*shape[:3], *pooled)
+    assert differ(out, ref).float().mean().item() <= (0 if dtype == torch.float32 else 1e-3)
+    for g, w in zip(grads, ref_grads, strict=True):
+        assert_close(g, w, dtype, grad=True, what=f"input-pooled {dtype} gradient")

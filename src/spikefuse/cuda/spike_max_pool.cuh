@@ -33,6 +33,12 @@
 // (p_start / p_end bound the windows whose span covers the element), without its int64 reads. A
 // window's gradient is read only where its code points at one of the thread's elements.
 // Deterministic, no atomics.
+//
+// Two options serve a fused block that max-pools its BatchNorm output (x = y) before the neuron
+// (spikefuse/fused/ops/bn_neuron/passes.py): forward's per-channel `flip` makes the windows of
+// channels whose BatchNorm scale is negative take their minimum (what the maximum of the BN
+// output picks there), and backward's `coef_x`, `coef_0` add BatchNorm's batch-statistics terms
+// at every element, so that one pass writes the block's dL/dy.
 
 // Division by a divisor fixed at launch: a multiply-high and a shift (the host computes the magic
 // number m and the shift s, as PyTorch's IntDivider does), exact for dividends below 2^31.
@@ -52,6 +58,10 @@ struct Args {
     unsigned char* codes;       // forward: written like out (null: not kept); backward: read
     const scalar_t* grad_out;   // backward: dL/dout, any strides (grad_stride)
     scalar_t* grad_x;           // backward: dL/dx, dense in the threads' order
+    const float* flip;          // forward: per channel, 1 or -1: windows of -1 take their
+                                // minimum (the maximum of -x; null: none)
+    const float* coef_x;        // backward: per channel, dL/dx += coef_x x + coef_0 at every
+    const float* coef_0;        // element (x read at x_stride; null: nothing added)
     long long n;                // threads: out's (forward), grad_x's (backward) elements / V
     long long x_stride[4];      // N, C, H, W strides in elements
     long long code_stride[4];
@@ -177,11 +187,12 @@ __device__ __forceinline__ int code_of(const typename CodeWord<V>::type word, co
 // greater or NaN: ATen's rule.
 template <int V>
 __device__ __forceinline__ void take_greater(float (&best)[V], Values<V>& value, int (&code)[V],
-                                             const Values<V>& v, const int at)
+                                             const Values<V>& v, const int at,
+                                             const unsigned int flipped)
 {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-        const float f = to_float(v.e[k]);
+        const float f = (flipped >> k) & 1u ? -to_float(v.e[k]) : to_float(v.e[k]);
         if (f > best[k] || f != f) {
             best[k] = f;
             value.e[k] = v.e[k];
@@ -209,6 +220,11 @@ __device__ __forceinline__ void pool_forward(const Args& a)
     for (int k = 0; k < V; ++k) best[k] = lowest, value.e[k] = from_float(lowest);
 #pragma unroll
     for (int k = 0; k < V; ++k) code[k] = i0 * KW + j0;
+    unsigned int flipped = 0;  // bit k: channel k's windows take their minimum
+    if (a.flip != nullptr) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) flipped |= (__ldg(a.flip + p.c * V + k) < 0.0f ? 1u : 0u) << k;
+    }
 #pragma unroll
     for (int ki = 0; ki < KH; ++ki) {
         const int h = h0 + ki * DH;
@@ -218,7 +234,7 @@ __device__ __forceinline__ void pool_forward(const Args& a)
             const int w = w0 + kj * DW;
             if (kj < j0 || w >= a.size[1]) continue;
             const Values<V> v = load_values<V>(x + h * a.x_stride[2] + w * a.x_stride[3]);
-            take_greater<V>(best, value, code, v, ki * KW + kj);
+            take_greater<V>(best, value, code, v, ki * KW + kj, flipped);
         }
     }
     reinterpret_cast<Values<V>*>(a.out)[i] = value;
@@ -297,6 +313,15 @@ __device__ __forceinline__ void pool_backward(const Args& a)
             const auto word = *reinterpret_cast<const typename CodeWord<V>::type*>(at);
             add_pointed<V>(sum, word, ki * KW + kj,
                            grad + oh * a.grad_stride[2] + ow * a.grad_stride[3]);
+        }
+    }
+    if (a.coef_x != nullptr) {  // a BatchNorm's batch-statistics terms, at every element
+        const Values<V> x = load_values<V>(a.x + map_offset(a.x_stride, p.n, p.c * V) +
+                                           p.h * a.x_stride[2] + p.w * a.x_stride[3]);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const int c = p.c * V + k;
+            sum[k] += __ldg(a.coef_x + c) * to_float(x.e[k]) + __ldg(a.coef_0 + c);
         }
     }
     Values<V> out;

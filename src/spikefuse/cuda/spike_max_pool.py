@@ -33,10 +33,10 @@ from .runtime import launch_named
 SOURCE_PATH = Path(__file__).with_name("spike_max_pool.cuh")
 SOURCE_NAME = "spikefuse/cuda/spike_max_pool.cuh"
 
-#: The kernels' one argument, ``Args`` in spike_max_pool.cuh: five pointers, the threads'
+#: The kernels' one argument, ``Args`` in spike_max_pool.cuh: eight pointers, the threads'
 #: count, three sets of four strides, three dividers (divisor, magic, shift), then five ints
 #: (H, W, OH, OW, channels_last).
-ARGS = struct.Struct("=5Qq12q9I5i")
+ARGS = struct.Struct("=8Qq12q9I5i")
 _WINDOW_NAMES = ("KH", "KW", "SH", "SW", "PH", "PW", "DH", "DW")
 #: Bytes of values per thread of the vector kernels: one load per window element.
 VECTOR_BYTES = 16
@@ -164,7 +164,7 @@ class Walk:
 
 
 def _args(
-    pointers: tuple[int, int, int, int, int],
+    pointers: tuple[int, ...],
     walk: Walk,
     strides: tuple[tuple[int, ...], ...],
     sizes: tuple[int, ...],
@@ -187,34 +187,71 @@ def _launch(name: str, source: str, walk: Walk, args: bytes) -> None:
 _NO_STRIDES = (0, 0, 0, 0)
 
 
+def _channel_vector(t: torch.Tensor | None, channels: int, name: str) -> int:
+    """The address of a float32 [C] vector (0 for None), checked."""
+    if t is None:
+        return 0
+    if t.dtype != torch.float32 or t.shape != (channels,) or not t.is_contiguous():
+        raise ValueError(f"spikefuse max_pool: {name} must be a dense float32 [{channels}]")
+    return t.data_ptr()
+
+
 def max_pool_forward(
-    x: torch.Tensor, out: torch.Tensor, codes: torch.Tensor | None, window: tuple[int, ...]
+    x: torch.Tensor,
+    out: torch.Tensor,
+    codes: torch.Tensor | None,
+    window: tuple[int, ...],
+    flip: torch.Tensor | None = None,
 ) -> None:
     """Pool x [N, C, H, W] (CUDA, float32/float16/bfloat16, any strides) into ``out`` [N, C,
     OH, OW] (dense, NCHW or channels-last, x's dtype) and, unless None, each window's code into
-    ``codes`` (uint8, out's strides)."""
+    ``codes`` (uint8, out's strides); ``flip`` (float32 [C] of 1 and -1): the channels whose
+    windows take their minimum (None: none)."""
     if codes is not None and codes.stride() != out.stride():
         raise ValueError("spikefuse max_pool: codes must have the output's strides")
     kernels = kernels_for(x.dtype, window)
     walk = Walk(out, vector_width(out, x, codes))
-    pointers = (x.data_ptr(), out.data_ptr(), 0 if codes is None else codes.data_ptr(), 0, 0)
+    flips = _channel_vector(flip, x.shape[1], "flip")
+    code_pointer = 0 if codes is None else codes.data_ptr()
+    pointers = (x.data_ptr(), out.data_ptr(), code_pointer, 0, 0, flips, 0, 0)
     strides = (x.stride(), _NO_STRIDES, _NO_STRIDES)
     args = _args(pointers, walk, strides, (*x.shape[2:], *out.shape[2:]))
     _launch(kernels.name(False, walk.vec), kernels.source, walk, args)
 
 
 def max_pool_backward(
-    grad: torch.Tensor, codes: torch.Tensor, grad_x: torch.Tensor, window: tuple[int, ...]
+    grad: torch.Tensor,
+    codes: torch.Tensor,
+    grad_x: torch.Tensor,
+    window: tuple[int, ...],
+    terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write dL/dx into ``grad_x`` [N, C, H, W] (dense, NCHW or channels-last, grad's dtype)
-    from dL/dout ``grad`` [N, C, OH, OW] (any strides) and the forward's ``codes``."""
+    from dL/dout ``grad`` [N, C, OH, OW] (any strides) and the forward's ``codes``; ``terms``
+    (x like grad_x, any strides; coef_x, coef_0 float32 [C]): also ``coef_x[c] x + coef_0[c]``
+    at every element, added to the gathered sum in float32."""
     if grad.shape != codes.shape:
         raise ValueError(
             f"spikefuse max_pool: gradient {tuple(grad.shape)} and codes {tuple(codes.shape)}"
         )
     kernels = kernels_for(grad.dtype, window)
-    walk = Walk(grad_x, vector_width(grad_x, grad, codes))
-    pointers = (0, 0, codes.data_ptr(), grad.data_ptr(), grad_x.data_ptr())
-    strides = (_NO_STRIDES, codes.stride(), grad.stride())
+    vec = vector_width(grad_x, grad, codes)
+    x_pointer, coefs = 0, (0, 0)
+    x_strides: tuple[int, ...] = _NO_STRIDES
+    if terms is not None:
+        x, coef_x, coef_0 = terms
+        if x.shape != grad_x.shape or x.dtype != grad_x.dtype:
+            raise ValueError("spikefuse max_pool: the terms' x must be shaped like dL/dx")
+        if vec > 1 and not _vectors_fit(x, vec, VECTOR_BYTES):
+            vec = 1
+        x_pointer, x_strides = x.data_ptr(), x.stride()
+        channels = x.shape[1]
+        coefs = (
+            _channel_vector(coef_x, channels, "coef_x"),
+            _channel_vector(coef_0, channels, "coef_0"),
+        )
+    walk = Walk(grad_x, vec)
+    pointers = (x_pointer, 0, codes.data_ptr(), grad.data_ptr(), grad_x.data_ptr(), 0, *coefs)
+    strides = (x_strides, codes.stride(), grad.stride())
     args = _args(pointers, walk, strides, (*grad_x.shape[2:], *grad.shape[2:]))
     _launch(kernels.name(True, walk.vec), kernels.source, walk, args)

@@ -12,13 +12,7 @@ Build blocks directly (:class:`FusedConvBNNeuron`, :class:`FusedLinearBNNeuron`,
 :class:`FusedBlock`) or convert a model made of spikefuse layers with :func:`fuse`.
 """
 
-from .blocks import (
-    FusedBlock,
-    FusedConvBNNeuron,
-    FusedLinearBNNeuron,
-    match_optimizer_state,
-    paper_lif,
-)
+from .blocks import FusedBlock, FusedConvBNNeuron, FusedLinearBNNeuron, paper_lif
 from .convert import FusedChain, FuseReport, SkippedCandidate, fuse
 from .memory import MemoryPolicy, memory_modes, register_memory
 from .ops.bn_neuron import (
@@ -31,6 +25,7 @@ from .ops.bn_neuron import (
 )
 from .ops.spike_max_pool import spike_max_pool2d
 from .pooling import MaxPoolCodes, SpikePool, WindowAvgPool
+from .synapse import match_optimizer_state
 
 __all__ = [
     "BNNeuronArgs",

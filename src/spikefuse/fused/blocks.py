@@ -64,7 +64,13 @@ def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
 Child = TypeVar("Child")
 
 
-_ROLES = ("synapse", "bn", "node", "pool")  # a block's submodules, registered under these names
+_ROLES = (
+    "synapse",
+    "bn",
+    "node",
+    "pool",
+    "input_pool",
+)  # a block's submodules, registered under these names
 
 
 class _Submodule(Generic[Child]):
@@ -150,6 +156,9 @@ class FusedBlock(MultiStepOnly, nn.Module):
             ``[T, B, N, C]`` layout) whose BatchNorm1d normalises each output feature over all
             tokens, as the unfused ``sn(bn(linear(x).transpose(-1, -2)).transpose(-1, -2))``
             does (``bn`` multi-step on ``[T, B, F_out, N]``); output ``[T, B, N, F_out]``.
+        input_pool: an ``nn.MaxPool2d`` of the BatchNorm output before the neuron (Spikformer's
+            stem; Conv2d blocks with BatchNorm, no ``pool`` or residual): the neuron runs on
+            the pooled map only, and backward keeps no more than without it.
 
     A residual block keeps the shortcut for backward at 1 bit per element when it is the spike
     output of a fused block, else as it is. With the cuda backend the BN-folded kernels add the
@@ -167,6 +176,7 @@ class FusedBlock(MultiStepOnly, nn.Module):
     bn = _Submodule["nn.modules.batchnorm._BatchNorm | None"]()
     node = _Submodule[BaseNode]()
     pool = _Submodule["nn.AvgPool2d | None"]()
+    input_pool = _Submodule["nn.MaxPool2d | None"]()
 
     def __init__(
         self,
@@ -178,10 +188,11 @@ class FusedBlock(MultiStepOnly, nn.Module):
         pool: nn.Module | None = None,
         residual: bool = False,
         tokens: bool = False,
+        input_pool: nn.Module | None = None,
     ) -> None:
         super().__init__()
         policy = memory_policy(memory)
-        spec = BlockSpec.of(synapse, bn, node, pool, residual, tokens)
+        spec = BlockSpec.of(synapse, bn, node, pool, residual, tokens, input_pool)
         assert isinstance(synapse, (nn.Linear, _ConvNd))  # what BlockSpec.of accepts
         # registered even where None, so that the class's _Submodule reads find them
         self.register_module("synapse", synapse)
@@ -190,7 +201,8 @@ class FusedBlock(MultiStepOnly, nn.Module):
         # the mode of what it replaces (an eval model's blocks stay in eval); not train(),
         # which would also set the BatchNorm (one frozen with bn.eval() stays frozen)
         self.training = synapse.training
-        self.register_module("pool", pool)  # BlockSpec.of checked it
+        self.register_module("pool", pool)  # BlockSpec.of checked them
+        self.register_module("input_pool", input_pool)
         self.spec = spec
         # made here, not on the first call: a call under torch.compile writes no module state
         self._synapse_op = Synapse(synapse, spec.kind)
@@ -247,7 +259,7 @@ class FusedBlock(MultiStepOnly, nn.Module):
         moved, before an optimizer or DistributedDataParallel sees the parameter (DDP's
         gradient buckets follow the parameters' layout); the values are unchanged. Optimizer
         state made for the other layout (loaded from an unfused model's checkpoint, or made
-        before ``fuse(model, inplace=True)``): see :func:`match_optimizer_state`. A
+        before ``fuse(model, inplace=True)``): see :func:`~.synapse.match_optimizer_state`. A
         parametrized weight (e.g. weight norm) or a tensor subclass is left as it is."""
         weight = self.synapse.weight
         plain = isinstance(weight, nn.Parameter) and type(weight.data) is torch.Tensor
@@ -416,31 +428,6 @@ def _tokens_joined(run: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 
 def _weight_layout_after_load(block: FusedBlock, incompatible_keys: Any) -> None:
     block._weight_in_run_layout()
-
-
-def match_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
-    """Lay each per-parameter optimizer buffer (momentum, Adam's moments, ...) out like its
-    parameter; returns how many were copied.
-
-    Fused Conv2d blocks keep their weights channels-last on CUDA. Optimizer state loaded from
-    a checkpoint of the unfused model (``optimizer.load_state_dict`` keeps the saved layout),
-    or made before ``fuse(model, inplace=True)``, is then laid out differently from its
-    parameter: foreach optimizers fall back to their slow path and ``fused=True`` Adam/AdamW
-    refuse the mix. Call this after loading. Values are unchanged."""
-    copied = 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param, {})
-            for name, buffer in state.items():
-                if (
-                    isinstance(buffer, Tensor)
-                    and buffer.shape == param.shape
-                    and buffer.dim() > 1
-                    and buffer.stride() != param.stride()
-                ):
-                    state[name] = torch.empty_like(param, dtype=buffer.dtype).copy_(buffer)
-                    copied += 1
-    return copied
 
 
 class FusedConvBNNeuron(FusedBlock):

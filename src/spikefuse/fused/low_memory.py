@@ -81,6 +81,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             args.pool,
             residual,
             pack_spikes=True,
+            input_pool=args.input_pool,
         )
         # repeated: the caller's view of its images
         first = x if args.repeat > 1 else compact(x)
@@ -118,6 +119,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
             pool=ctx.pool,
             residual=residual,
             overwrite_y=weight is not None,  # y is ours: dL/dy may take its memory
+            input_pool=ctx.input_pool,
         )
         del residual
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)

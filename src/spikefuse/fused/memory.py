@@ -86,7 +86,8 @@ class DefaultMemory(MemoryPolicy):
 class MinMemory(MemoryPolicy):
     """Keep only the input (1-bit packed where it is spikes) and recompute y in backward; in
     equal batch chunks where y is large (blocks with BatchNorm whose synapse backward is
-    explicit, on an input not repeated over time, without a residual)."""
+    explicit, on an input not repeated over time, without a residual or a pooling of the
+    neuron's input)."""
 
     name = "min"
 
@@ -98,7 +99,8 @@ class MinMemory(MemoryPolicy):
 
     @staticmethod
     def _chunks(block: Block, x: Tensor, residual: Tensor | None) -> int:
-        if not block.spec.has_bn or block.repeat_of(x) > 1 or residual is not None:
+        spec = block.spec
+        if not spec.has_bn or spec.input_pool or block.repeat_of(x) > 1 or residual is not None:
             return 1
         synapse = block.synapse_op()
         if not synapse.explicit_backward():

@@ -73,6 +73,8 @@ class Block(Protocol):
     def node(self) -> BaseNode: ...
     @property
     def pool(self) -> nn.AvgPool2d | None: ...
+    @property
+    def input_pool(self) -> nn.MaxPool2d | None: ...
     def synapse_op(self) -> Synapse: ...
     def checked_residual(self, residual: Tensor | None, y: Tensor) -> Tensor | None: ...
     def check_anomaly(self, y: Tensor) -> None: ...
@@ -107,7 +109,8 @@ def default_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan) -
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads)
     pool = _kernel_pool(block, y, stats, neuron, residual)
     kept = None if residual is None or not save else compact(residual)
-    args = BNNeuronArgs(neuron, stats, bn, pool, repeat, save, kept)
+    input_pool = block.spec.input_pool
+    args = BNNeuronArgs(neuron, stats, bn, pool, repeat, save, kept, input_pool)
     out, packed = BNNeuronFunction.apply(args, kept_y, weight, bias, learnable, residual)
     if not save:
         return finish(block, out, pool)
@@ -117,7 +120,9 @@ def default_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan) -
 
     def recipe() -> Tensor:  # the kernels' output, recomputed
         shortcut = None if kept is None else expand(kept)
-        return bn_neuron_forward(y, stats, neuron, learnable, False, pool, shortcut)[0]
+        return bn_neuron_forward(
+            y, stats, neuron, learnable, False, pool, shortcut, input_pool=input_pool
+        )[0]
 
     return finish(block, mark_recomputable(out, recipe), pool, recipe=recipe)
 
@@ -134,7 +139,7 @@ def min_memory_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan
     weight, bias = (None, None) if bn is None else (bn.weight, bn.bias)
     pool = _kernel_pool(block, y, stats, neuron, residual)
     kept = None if residual is None else compact(residual)
-    args = BNNeuronArgs(neuron, stats, bn, pool, repeat, True, kept)
+    args = BNNeuronArgs(neuron, stats, bn, pool, repeat, True, kept, block.spec.input_pool)
     params = synapse.params()
     spikes, packed = SynapseRecomputeFunction.apply(
         args, synapse, x, kept_y, weight, bias, learnable, residual, *params
@@ -191,12 +196,17 @@ def traced_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan) ->
         )
     y = block.synapse_op()(x)  # as in eager: the same layout
     residual = block.checked_residual(residual, y)
-    if residual is not None:  # torch's BatchNorm (it updates the running statistics)
-        normed = y
+    if residual is not None or block.input_pool is not None:  # torch's BatchNorm (it updates
+        # the running statistics), and pooling
+        normed = y.flatten(0, 1)
         if block.bn is not None:
-            bn_forward = BN_FOR[block.spec.kind].forward
-            normed = bn_forward(block.bn, y.flatten(0, 1)).unflatten(0, x.shape[:2])
-        return _traced_neuron(block, normed + residual).to(y.dtype)  # as eager: y's dtype
+            normed = BN_FOR[block.spec.kind].forward(block.bn, normed)
+        if block.input_pool is not None:
+            normed = nn.MaxPool2d.forward(block.input_pool, normed)
+        normed = normed.unflatten(0, x.shape[:2])
+        if residual is not None:
+            normed = normed + residual
+        return _traced_neuron(block, normed).to(y.dtype)  # as eager: y's dtype
     neuron, learnable, bn, stats = block.prepare(y)
     if bn is not None and stats is not None:  # the eager block's functions, as ops (the op
         # pools: with the kernels where they can, which the compiler cannot trace)

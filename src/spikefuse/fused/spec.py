@@ -1,6 +1,6 @@
 """What a fused block is, fixed when it is made: :class:`BlockSpec` and its validation.
 
-A block is ``synapse → [BatchNorm] → neuron [→ pooling] [+ residual]``; :meth:`BlockSpec.of`
+A block is ``synapse → [BatchNorm] [→ max pooling] → neuron [→ pooling] [+ residual]``; :meth:`BlockSpec.of`
 checks every part once (the synapse's and BatchNorm's classes, the channel counts, a neuron the
 kernels can run, a pooling the kernels can fold) and records what the block's call paths read:
 the synapse's kind, the input rank, whether there is BatchNorm, the pooling's kind and window,
@@ -18,6 +18,10 @@ from torch.nn.modules.utils import _pair
 from .. import layer
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
+from .ops.spike_max_pool.geometry import MaxPoolGeometry
+
+# Why a pooling between the BatchNorm and the neuron keeps a chain unfused.
+POOLS_NEURON_INPUT = "pools the neuron's input, not spikes"
 
 SYNAPSES = (nn.Conv1d, nn.Conv2d, nn.Linear)
 POOLS = (nn.AvgPool2d, nn.MaxPool2d)
@@ -102,6 +106,33 @@ def pool_fold_problem(pool: nn.Module, kind: type[nn.Module]) -> str | None:
     return None
 
 
+def input_pool_problem(pool: nn.Module, kind: type[nn.Module], has_bn: bool) -> str | None:
+    """Why ``pool``, between a block's BatchNorm and its neuron (a max pooling of the neuron's
+    input), cannot join a block of synapse ``kind``, or None."""
+    if kind is not nn.Conv2d or not has_bn:
+        return (
+            f"only Conv2d blocks with BatchNorm pool the neuron's input, not this {kind.__name__}"
+        )
+    if type(pool) not in EXACT[nn.MaxPool2d] or pool.return_indices:
+        return (
+            f"{type(pool).__name__} {POOLS_NEURON_INPUT}; of the poolings before a neuron, "
+            "only max pooling without return_indices joins a block"
+        )
+    try:
+        input_pool_geometry(pool)
+    except SpikefuseError as error:
+        return str(error).removeprefix("spike_max_pool2d: ")
+    return None
+
+
+def input_pool_geometry(pool: nn.Module) -> MaxPoolGeometry:
+    """The windows of a max pooling of a block's BN output (raises for what max_pool2d refuses
+    and windows of more than 256 elements)."""
+    return MaxPoolGeometry.of(
+        pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode
+    )
+
+
 @dataclass(frozen=True)
 class PoolSpec:
     """The pooling a block folds in: its ``kind`` ("avg": the mean of each window) over
@@ -157,6 +188,20 @@ def _check_node(node: object) -> None:
         raise SpikefuseError("FusedBlock: store_v_seq=True needs V, which fused blocks never keep")
 
 
+def _input_pool(
+    pool: nn.Module, kind: type[nn.Module], bn: object, folded: PoolSpec | None, residual: object
+) -> MaxPoolGeometry:
+    """The checked windows of a block's max pooling of its neuron's input."""
+    problem = input_pool_problem(pool, kind, bn is not None)
+    if problem is None and (folded is not None or residual):
+        problem = (
+            "a block that pools its neuron's input neither pools its spikes nor adds a residual"
+        )
+    if problem is not None:
+        raise SpikefuseError(f"FusedBlock: the input pooling cannot join the block: {problem}")
+    return input_pool_geometry(pool)
+
+
 @dataclass(frozen=True)
 class BlockSpec:
     """A fused block's fixed shape: built once by :meth:`of`, which validates the parts.
@@ -166,7 +211,8 @@ class BlockSpec:
     synapse output; ``pool``: the folded pooling (None: none); ``residual``: the block adds a
     shortcut before the neuron; ``tokens``: a Linear block on tokens [T, B, N, F] whose
     BatchNorm1d normalises each feature over all T·B·N tokens (the unfused
-    ``bn(linear(x).transpose(-1, -2)).transpose(-1, -2)``): the paths run it on [T, B·N, F].
+    ``bn(linear(x).transpose(-1, -2)).transpose(-1, -2)``): the paths run it on [T, B·N, F];
+    ``input_pool``: the windows of a max pooling of the BN output before the neuron (None: none).
     """
 
     kind: type[nn.Module]
@@ -175,6 +221,7 @@ class BlockSpec:
     pool: PoolSpec | None
     residual: bool
     tokens: bool = False
+    input_pool: MaxPoolGeometry | None = None
 
     @classmethod
     def of(
@@ -185,6 +232,7 @@ class BlockSpec:
         pool: nn.Module | None,
         residual: object,
         tokens: object = False,
+        input_pool: nn.Module | None = None,
     ) -> BlockSpec:
         """The spec of a block of these parts; raises :class:`SpikefuseError` naming the first
         part a fused block cannot take."""
@@ -211,7 +259,10 @@ class BlockSpec:
             if problem is not None:
                 raise SpikefuseError(f"FusedBlock: the pooling cannot be folded in: {problem}")
             folded = PoolSpec("avg", _pair(pool.kernel_size)[0])
-        return cls(kind, INPUT_RANK[kind], bn is not None, folded, bool(residual), bool(tokens))
+        pooled = None if input_pool is None else _input_pool(input_pool, kind, bn, folded, residual)
+        return cls(
+            kind, INPUT_RANK[kind], bn is not None, folded, bool(residual), bool(tokens), pooled
+        )
 
     @property
     def window(self) -> int:

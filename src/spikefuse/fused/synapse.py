@@ -311,3 +311,28 @@ class Synapse:
             module.groups,
             module.dilation,
         )
+
+
+def match_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+    """Lay each per-parameter optimizer buffer (momentum, Adam's moments, ...) out like its
+    parameter; returns how many were copied.
+
+    Fused Conv2d blocks keep their weights channels-last on CUDA. Optimizer state loaded from
+    a checkpoint of the unfused model (``optimizer.load_state_dict`` keeps the saved layout),
+    or made before ``fuse(model, inplace=True)``, is then laid out differently from its
+    parameter: foreach optimizers fall back to their slow path and ``fused=True`` Adam/AdamW
+    refuse the mix. Call this after loading. Values are unchanged."""
+    copied = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for name, buffer in state.items():
+                if (
+                    isinstance(buffer, Tensor)
+                    and buffer.shape == param.shape
+                    and buffer.dim() > 1
+                    and buffer.stride() != param.stride()
+                ):
+                    state[name] = torch.empty_like(param, dtype=buffer.dtype).copy_(buffer)
+                    copied += 1
+    return copied

@@ -1,6 +1,7 @@
 """Converting existing models: :func:`fuse` (``api``) and the report it gives (``report``).
 
-``find`` recognises the chains in a traced graph (``trace``), ``rewrite`` patches the model,
+``find`` recognises the chains in a traced graph (``trace``) of the modules ``modules``
+recognises, ``rewrite`` patches the model,
 ``names`` keeps the unfused model's state-dict keys.
 """
 

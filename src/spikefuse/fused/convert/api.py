@@ -100,7 +100,8 @@ from ...errors import SpikefuseError
 from ..memory import memory_modes
 from ..pooling import MaxPoolCodes, SpikePool
 from ..recompute import RecomputedInput, flatten_keeps_tags
-from .find import _as_pool, _Chain, _examine, _Findings, _is_synapse_like, _merge
+from .find import _Chain, _examine, _Findings, _merge
+from .modules import _as_pool, _is_synapse_like
 from .report import FusedChain, FuseReport, SkippedCandidate, _display, _join
 from .rewrite import _common_parent, _replace, _rewrite_forward, _rewritten, _set_submodule
 from .trace import _sequential_graph, _trace, _Tracer
@@ -168,7 +169,7 @@ class _Fuser:
                 self.report.skipped.append(SkippedCandidate((_join(path, name),), reason, None))
 
     def _apply(self, root: nn.Module, path: str, findings: _Findings) -> None:
-        folded = {c.pool for c in findings.chains.values()}
+        folded = {p for c in findings.chains.values() for p in (c.pool, c.input_pool)}
         for name in findings.pools:
             if name in folded:
                 continue

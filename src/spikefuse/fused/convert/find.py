@@ -1,5 +1,5 @@
-"""Finding chains: which modules are synapses, BatchNorms, neurons and poolings a block
-takes, and the ``synapse → [BatchNorm] → neuron`` chains in one traced graph."""
+"""Finding chains: the ``synapse → [BatchNorm] [→ max pooling] → neuron`` chains in one traced
+graph, of the modules :mod:`.modules` recognises."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import operator
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TypeGuard
 
 import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.utils import parametrize
 
 from ... import layer
 from ...neuron import BaseNode
-from ..spec import BN_FOR, EXACT, POOLS, SYNAPSES, hook_kinds, pool_fold_problem, synapse_kind
+from ..spec import (
+    hook_kinds,
+    input_pool_problem,
+    pool_fold_problem,
+    synapse_kind,
+)
 from .layout import (
     is_size,
     layout_users,
@@ -25,124 +28,19 @@ from .layout import (
     through_copies,
     transposed_bn,
 )
+from .modules import (
+    _as_bn,
+    _as_pool,
+    _as_synapse_bn,
+    _bn_problem,
+    _contained_pool,
+    _is_bn_for,
+    _is_bn_like,
+    _is_synapse_like,
+    _node_problem,
+    _synapse_problem,
+)
 from .report import SkippedCandidate, _join
-
-# ---- recognising modules --------------------------------------------------------------------
-# Why a pooling between the BatchNorm and the neuron keeps a chain unfused.
-POOLS_NEURON_INPUT = "pools the neuron's input, not spikes, which a block cannot fold"
-
-
-def _multi_step(module: nn.Module) -> bool:
-    # Plain torch layers have no step_mode; only Linear accepts [T, B, F] as it is.
-    mode = getattr(module, "step_mode", None)
-    return mode == "m" or (mode is None and type(module) is nn.Linear)
-
-
-def _as_synapse_bn(module: nn.Module) -> tuple[nn.Module, _BatchNorm | None] | None:
-    """(synapse, bn or None) if ``module`` applies a synapse (then BN) to [T, B, ...] input."""
-    if type(module) is layer.SeqToANNContainer and len(module) in (1, 2):
-        synapse, *rest = module
-        if synapse_kind(synapse) is None or getattr(synapse, "step_mode", "s") != "s":
-            return None
-        if not rest:
-            return synapse, None
-        bn = rest[0]
-        return (synapse, bn) if _is_bn_for(bn, synapse, step_mode="s") else None
-    if synapse_kind(module) is not None and _multi_step(module):
-        return module, None
-    return None
-
-
-def _is_bn_for(bn: nn.Module, synapse: nn.Module, step_mode: str) -> TypeGuard[_BatchNorm]:
-    kind = synapse_kind(synapse)
-    # Inside SeqToANNContainer a layer must run single-step ('s' or a plain torch layer).
-    mode = getattr(bn, "step_mode", "s")
-    return kind is not None and type(bn) in EXACT[BN_FOR[kind]] and mode == step_mode
-
-
-def _as_bn(module: nn.Module, synapse: nn.Module) -> _BatchNorm | None:
-    if type(module) is layer.SeqToANNContainer and len(module) == 1:
-        inner = module[0]
-        return inner if _is_bn_for(inner, synapse, step_mode="s") else None
-    return module if _is_bn_for(module, synapse, step_mode="m") else None
-
-
-def _as_pool(module: nn.Module) -> nn.Module | None:
-    """The pooling layer if ``module`` pools [T, B, C, H, W] input with a supported pool."""
-    if type(module) is layer.SeqToANNContainer and len(module) == 1:
-        module = module[0]  # the container merges T and B; the pool inside runs single-step
-        multi_step = getattr(module, "step_mode", "s") == "s"
-    else:
-        multi_step = getattr(module, "step_mode", None) == "m"
-    supported = any(type(module) in EXACT[k] for k in POOLS)
-    if supported and multi_step and not getattr(module, "return_indices", False):
-        return module
-    return None
-
-
-def _is_synapse_like(module: nn.Module) -> bool:
-    """A Conv/Linear call, fusable or not (a candidate the report accounts for)."""
-    if type(module) is layer.SeqToANNContainer:
-        return len(module) > 0 and isinstance(module[0], SYNAPSES)
-    return isinstance(module, SYNAPSES)
-
-
-def _is_bn_like(module: nn.Module) -> bool:
-    if type(module) is layer.SeqToANNContainer:
-        return len(module) == 1 and isinstance(module[0], _BatchNorm)
-    return isinstance(module, _BatchNorm)
-
-
-def _subclass_problem(module: nn.Module) -> str:
-    """Why a Conv/Linear/BatchNorm of another class than torch's and spikefuse's is unfused."""
-    name = type(module).__name__
-    if parametrize.is_parametrized(module):  # torch makes it a class of its own
-        return f"{name}'s parameters are parametrized (torch.nn.utils.parametrize)"
-    return f"{name} is a subclass with its own forward; only torch's and spikefuse's fuse"
-
-
-def _synapse_problem(module: nn.Module) -> str:
-    contained = type(module) is layer.SeqToANNContainer
-    inner = module[0] if type(module) is layer.SeqToANNContainer else module
-    name = type(inner).__name__
-    if synapse_kind(inner) is None:
-        return _subclass_problem(inner)
-    if contained:
-        if getattr(inner, "step_mode", "s") != "s":
-            return f"the {name} inside SeqToANNContainer must be single-step"
-        pools = [type(m).__name__ for m in list(module.children())[1:] if isinstance(m, POOLS)]
-        if pools:  # Spikformer's stem: Conv2d, BatchNorm2d, MaxPool2d, then the neuron
-            return f"the SeqToANNContainer's {pools[0]} {POOLS_NEURON_INPUT}"
-        return "the SeqToANNContainer holds more than the synapse and its matching BatchNorm"
-    if not hasattr(inner, "step_mode"):
-        return f"a plain torch {name} is single-step; use layer.{name}(step_mode='m')"
-    return "step_mode='s'; fused blocks take multi-step [T, B, ...] input (use step_mode='m')"
-
-
-def _bn_problem(module: nn.Module, synapse: nn.Module) -> str:
-    inner = module[0] if type(module) is layer.SeqToANNContainer else module
-    kind = synapse_kind(synapse)
-    assert kind is not None  # called for the synapse of a chain
-    expected = BN_FOR[kind]
-    if not isinstance(inner, expected):
-        return f"a {type(synapse).__name__} needs {expected.__name__}, got {type(inner).__name__}"
-    if type(inner) not in EXACT[expected]:
-        return _subclass_problem(inner)
-    return f"the {type(inner).__name__} has step_mode={getattr(inner, 'step_mode', None)!r}"
-
-
-def _node_problem(node: BaseNode) -> str | None:
-    if node.step_mode != "m":
-        return f"the neuron has step_mode={node.step_mode!r}; fused blocks are multi-step"
-    if node.torch_code is not None:
-        return f"{type(node).__name__} runs torch code ({node.torch_code}); fused blocks run NeuronDefs"
-    if node._overridden_forward:
-        return f"{type(node).__name__} overrides {'/'.join(node._overridden_forward)}"
-    if node.definition is not None and node.definition.adaptive:  # None: torch code, above
-        return f"{type(node).__name__} has two states; only one-state neurons fuse"
-    if node.store_v_seq:
-        return "the neuron has store_v_seq=True; fused blocks never keep V"
-    return None
 
 
 def _sole_user(node: fx.Node) -> fx.Node | None:
@@ -178,7 +76,6 @@ def _residual_addition(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     return add, shortcut
 
 
-# ---- examining one traced graph -------------------------------------------------------------
 @dataclass(frozen=True)
 class _Chain:
     synapse: str  # call targets, relative to the traced module
@@ -188,10 +85,12 @@ class _Chain:
     addition: str | None = None  # the graph node adding a shortcut before the neuron
     tokens: bool = False  # a Linear on [T, B, N, C], its BatchNorm1d between two transposes
     reshape: str | None = None  # T and B merged by hand: the graph node of .reshape(T, B, ...)
+    input_pool: str | None = None  # a separate max pooling of the BatchNorm output
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.synapse, self.bn, self.node) if n is not None)
+        parts = (self.synapse, self.bn, self.input_pool, self.node)
+        return tuple(n for n in parts if n is not None)
 
 
 @dataclass
@@ -264,7 +163,7 @@ class _Examiner:
         if self.examine_merged(call):
             return
         chain_nodes, last, bn_call = [call], call, None
-        inside = type(module) is layer.SeqToANNContainer and len(module) == 2
+        inside = type(module) is layer.SeqToANNContainer and len(module) > 1
         nxt = _sole_user(last)
         tokens = None if inside or nxt is not None else self.tokens_bn(call)
         if tokens is not None:  # a Linear on [T, B, N, C], BatchNorm1d over C between transposes
@@ -278,6 +177,10 @@ class _Examiner:
         residual = _residual_addition(last) if nxt is None and tokens is None else None
         if residual is not None:
             nxt = _sole_user(residual[0])
+        pool_call = self.input_pool(nxt) if tokens is None else None
+        if pool_call is not None:  # a pooling of the neuron's input (QKFormer's patch embedding)
+            chain_nodes.append(pool_call)
+            nxt = _sole_user(pool_call)
         if nxt is None or not isinstance(modules[str(nxt.target)], BaseNode):
             self._no_neuron(call, chain_nodes, last)
             return
@@ -290,6 +193,7 @@ class _Examiner:
             return
         synapse_bn = _as_synapse_bn(module)
         reason = self._problem(call, chain_nodes, bn_call, nxt, synapse_bn)
+        reason = reason or self.input_pool_problem(module, pool_call, synapse_bn, bn_call)
         if reason is not None:
             found.skipped[target] = SkippedCandidate(names, reason, True)
             return
@@ -297,7 +201,37 @@ class _Examiner:
         pool = _folded_pool(nxt, synapse_bn, modules, self.shared, found, self.full)
         addition = None if residual is None else residual[0].name
         chain = _Chain(target, bn_name, str(nxt.target), pool, addition, tokens is not None)
+        if pool_call is not None:
+            chain = replace(chain, input_pool=str(pool_call.target))
         found.chains[target] = chain
+
+    def input_pool(self, call: fx.Node | None) -> fx.Node | None:
+        """``call`` where it is a pooling whose output goes to a neuron alone, else None."""
+        if call is None or _as_pool(self.node_of(call)) is None:
+            return None
+        user = _sole_user(call)
+        return call if user is not None and isinstance(self.node_of(user), BaseNode) else None
+
+    def input_pool_problem(
+        self,
+        module: nn.Module,
+        pool_call: fx.Node | None,
+        synapse_bn: tuple[nn.Module, _BatchNorm | None] | None,
+        bn_call: fx.Node | None,
+    ) -> str | None:
+        """Why the pooling of a chain's neuron input (a separate call, or the third layer of
+        its SeqToANNContainer) cannot join the block, or None (also where there is none)."""
+        pool = _contained_pool(module)
+        if pool_call is not None:
+            pool = _as_pool(self.node_of(pool_call))
+        if pool is None or synapse_bn is None:
+            return None
+        kind = synapse_kind(synapse_bn[0])
+        assert kind is not None  # a chain's synapse
+        has_bn = synapse_bn[1] is not None or bn_call is not None
+        problem = input_pool_problem(pool, kind, has_bn)
+        where = f"'{self.full(str(pool_call.target))}'" if pool_call is not None else "its pooling"
+        return None if problem is None else f"{where}: {problem}"
 
     def examine_merged(self, call: fx.Node) -> bool:
         """Record the chain ``neuron(reshape(bn(synapse(x.flatten(0, 1))), T, ...))`` (single-step
@@ -361,17 +295,8 @@ class _Examiner:
         return transposed_bn(call, 4, lambda n: _is_bn_like(self.modules[str(n.target)]))
 
     def _no_neuron(self, call: fx.Node, chain_nodes: list[fx.Node], last: fx.Node) -> None:
-        """Record a synapse call whose data flow reaches no neuron as a chain would; a pooling
-        between it and a neuron makes it a chain that cannot fuse."""
+        """Record a synapse call whose data flow reaches no neuron as a chain would."""
         names = tuple(self.full(str(n.target)) for n in chain_nodes)
-        pool = _sole_user(last)
-        pools = pool is not None and _as_pool(self.node_of(pool)) is not None
-        neuron = _sole_user(pool) if pool is not None and pools else None
-        if pool is not None and neuron is not None and isinstance(self.node_of(neuron), BaseNode):
-            pooled = (self.full(str(pool.target)), self.full(str(neuron.target)))
-            reason = f"'{pooled[0]}' {POOLS_NEURON_INPUT}"
-            self.found.skipped[str(call.target)] = SkippedCandidate(names + pooled, reason, True)
-            return
         users = list(last.users)
         where = ", ".join(self.describe(u) for u in users) or "nothing"
         goes_to = f"the output of '{self.full(str(last.target))}' goes to {where}"

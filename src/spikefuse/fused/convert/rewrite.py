@@ -15,7 +15,8 @@ from ... import layer
 from ...errors import SpikefuseError
 from ...neuron import BaseNode
 from ..blocks import FusedBlock
-from .find import _as_bn, _as_pool, _as_synapse_bn, _Chain, _examine, _merge, _residual_addition
+from .find import _Chain, _examine, _merge, _residual_addition
+from .modules import _as_bn, _as_pool, _as_synapse_bn, _contained_pool
 from .names import _LoadOriginalNames, _SaveUnderOriginalNames
 from .report import _display, _join
 from .trace import _plain_attributes, _trace, _Tracer
@@ -229,7 +230,7 @@ class FusedAway(nn.Identity):
     ``hasattr`` stays False); setting one of that module's attributes raises too (it would
     change nothing; other attributes, e.g. a quantization tag, are stored). ``train()`` /
     ``eval()`` on it reach the module in the block (``model.bn1.eval()`` freezes that BatchNorm,
-    as unfused). ``role``: ``"bn"``, ``"node"`` or ``"pool"``, the block's attribute that now
+    as unfused). ``role``: ``"bn"``, ``"node"``, ``"pool"`` or ``"input_pool"``, the block's attribute that now
     holds the module (``target``)."""
 
     # the module in the block (kept out of the module tree: it is registered in the block) and
@@ -316,11 +317,16 @@ def _replace(
     assert isinstance(node, BaseNode)  # _examine found it
     originals["node"] = chain.node
     pool = None if chain.pool is None else _as_pool(root.get_submodule(chain.pool))
+    input_pool = _contained_pool(container)
+    if chain.input_pool is not None:
+        input_pool = _as_pool(root.get_submodule(chain.input_pool))
     residual = chain.addition is not None
-    fused = FusedBlock(synapse, bn, node, process_group, memory, pool, residual, chain.tokens)
+    fused = FusedBlock(
+        synapse, bn, node, process_group, memory, pool, residual, chain.tokens, input_pool
+    )
     _set_submodule(root, chain.synapse, fused)
     block = _join(path, chain.synapse)
-    roles = {chain.node: "node", chain.pool: "pool"}
+    roles = {chain.node: "node", chain.pool: "pool", chain.input_pool: "input_pool"}
     for name in (*chain.names[1:], *([chain.pool] if chain.pool is not None else [])):
         role = roles.get(name, "bn")
         away = FusedAway(_join(path, name), block, role, getattr(fused, role))

@@ -18,6 +18,7 @@ from ....ops import forbid_double_backward
 from ...neuron_call import Kept, NeuronCall
 from ...recompute import Compact, expand, join, split
 from ...statistics import BNSpec, BNStats
+from ..spike_max_pool.geometry import MaxPoolGeometry
 from .passes import bn_neuron_forward, bn_neuron_grads, repeated
 
 
@@ -33,7 +34,8 @@ class BNNeuronArgs:
     the view y.expand(T, ...), keeps only the one step, and y's gradient is the sum of the
     steps'); ``save``: a backward will follow (keep the neuron's checkpoints);
     ``kept_residual``: what backward keeps of the residual (itself, or its 1-bit packing when
-    it is spikes: :func:`~spikefuse.fused.recompute.compact`).
+    it is spikes: :func:`~spikefuse.fused.recompute.compact`); ``input_pool``: the max pooling
+    of the BN output before the neuron (:func:`~.passes.input_pooled`; None: none).
     """
 
     neuron: NeuronCall
@@ -43,6 +45,7 @@ class BNNeuronArgs:
     repeat: int = 1
     save: bool = True
     kept_residual: Compact | None = None
+    input_pool: MaxPoolGeometry | None = None
 
 
 def _as_dtype(grad: Tensor | None, dtype: torch.dtype | None) -> Tensor | None:
@@ -77,7 +80,7 @@ def save_bn_context(
     ctx.save_for_backward(first_saved, learnable, residual_saved, *vectors, *(saved or ()))
     ctx.kept = saved is not None
     ctx.count = None if stats is None else stats.count
-    ctx.neuron, ctx.bn = args.neuron, args.bn
+    ctx.neuron, ctx.bn, ctx.input_pool = args.neuron, args.bn, args.input_pool
     ctx.param_dtypes = param_dtypes(*params)
 
 
@@ -134,6 +137,7 @@ class BNNeuronFunction(torch.autograd.Function):
             args.pool,
             residual,
             pack_spikes=args.save,
+            input_pool=args.input_pool,
         )
         save_bn_context(ctx, y, learnable, args, saved, (weight, bias))
         ctx.pool, ctx.repeat = args.pool, args.repeat
@@ -161,6 +165,7 @@ class BNNeuronFunction(torch.autograd.Function):
             ctx.needs_input_grad[2:5],
             ctx.pool,
             residual,
+            input_pool=ctx.input_pool,
         )
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         return None, grad_y, grad_weight, grad_bias, grad_learnable, grad_residual

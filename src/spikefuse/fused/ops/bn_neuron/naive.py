@@ -6,7 +6,7 @@ gradients of this function are what the fused op (:mod:`.passes`, :mod:`.autogra
 
     mean, var = per-channel batch statistics of y over every dim but C (biased var),
                 or the running ones
-    x         = (y - mean) / sqrt(var + eps) * gamma + beta  [+ residual]
+    x         = (y - mean) / sqrt(var + eps) * gamma + beta  [+ residual]  [max-pooled]
     spikes    = neuron(x)                    (the reference backend, from the reset state)
     out       = spikes, or their k x k window means (kernel = stride = k, no padding)
 
@@ -23,6 +23,7 @@ from ....backends import compute_dtype
 from ....ops import run_neuron
 from ...neuron_call import NeuronCall
 from ...statistics import reduce_dims
+from ..spike_max_pool.geometry import MaxPoolGeometry
 
 
 def _per_channel(v: Tensor, ndim: int) -> Tensor:
@@ -40,13 +41,15 @@ def bn_neuron_naive(
     running: tuple[Tensor, Tensor] | None = None,
     pool: int = 1,
     residual: Tensor | None = None,
+    input_pool: MaxPoolGeometry | None = None,
 ) -> Tensor:
     """The op's output for the synapse output ``y`` [T, B, C, *] in y's dtype.
 
     ``weight``/``bias``: BatchNorm's gamma/beta (None: 1 and 0); ``running``: (mean, var) [C]
     to normalise with (eval), else the batch statistics; ``pool`` = k > 1: the spikes' means
     over k x k windows of [T, B, C, H, W] (a remainder dropped); ``residual``: added to the BN
-    output, like y. Arithmetic in y's compute dtype (float64 stays, else float32)."""
+    output, like y; ``input_pool``: max-pools the BN output (the neuron's input) of
+    [T, B, C, H, W] with these windows. Arithmetic in y's compute dtype (float64 stays, else float32)."""
     cd, nd = compute_dtype(y.dtype), y.dim()
     yc = y.to(cd)
     if running is None:
@@ -60,6 +63,9 @@ def bn_neuron_naive(
         x = x + _per_channel(bias.to(cd), nd)
     if residual is not None:
         x = x + residual.to(cd)
+    if input_pool is not None:
+        windows = (input_pool.kernel, input_pool.stride, input_pool.padding, input_pool.dilation)
+        x = F.max_pool2d(x.flatten(0, 1), *windows, input_pool.ceil_mode).unflatten(0, x.shape[:2])
     spikes, _, _, _ = run_neuron(
         program=neuron.program,
         backend="torch",

@@ -31,6 +31,10 @@ with the torch backend they are composed from the reference neuron and torch ops
 Residual blocks add a shortcut R to the BN output, x = y * scale[c] + shift[c] + R: the same
 backward with dL/dR = g (the cuda kernels take R of y's dtype; the torch composites any).
 
+Blocks that max-pool the BN output before the neuron (Spikformer's stem) run the neuron on the
+pooled y (:func:`input_pooled`; BN is monotone per channel) with the statistics of the whole y,
+and route the gradient back through the pooling (:func:`input_pool_grads`).
+
 Pooled blocks (``pool`` = k > 1, see :func:`kernel_pool`): the kernels also average the spikes
 over k x k windows, so forward returns the pooled map and backward takes its gradient, giving
 each neuron of a window dL/dS = dL/d(pooled) / k² (the average pooling's backward).
@@ -44,6 +48,9 @@ from torch import Tensor
 from ....backends import AffineKernels, compute_dtype, repeats_one_step
 from ...neuron_call import Kept, NeuronCall
 from ...statistics import BNSpec, BNStats, all_reduce_sums, is_distributed, reduce_dims
+from ..spike_max_pool.autograd import max_pool_backward, max_pool_forward
+from ..spike_max_pool.geometry import MaxPoolGeometry
+from ..spike_max_pool.passes import memory_format_of
 
 
 def _per_channel(v: Tensor, ndim: int) -> Tensor:
@@ -98,6 +105,7 @@ def bn_neuron_forward(
     pool: int = 1,
     residual: Tensor | None = None,
     pack_spikes: bool = False,
+    input_pool: MaxPoolGeometry | None = None,
 ) -> tuple[Tensor, Kept, Tensor | None]:
     """Spikes [T, B, C, *] in y's dtype (and layout, with the cuda backend) from the synapse
     output y (no BN when stats is None), the neuron state backward may reuse (see
@@ -105,7 +113,12 @@ def bn_neuron_forward(
     BN-folded kernels write it (see ``AffineKernels.affine_fptt``; else None). ``pool`` =
     k > 1 (where :func:`kernel_pool` says): the spikes averaged over k x k windows
     [T, B, C, H/k, W/k] instead. ``residual``: a tensor like y added to the BN output (a
-    residual block's shortcut; such a call never pools)."""
+    residual block's shortcut; such a call never pools). ``input_pool``: the max pooling of
+    the BN output before the neuron (:func:`input_pooled`; needs BatchNorm): the spikes are then
+    [T, B, C, OH, OW]."""
+    if input_pool is not None:
+        assert stats is not None  # a block pools the neuron's input only after BatchNorm
+        y = input_pooled(y, stats, input_pool)
     _check_pool(stats, neuron, pool)
     affine = _affine(neuron, y, residual)
     if stats is not None and affine is not None:
@@ -266,13 +279,20 @@ def bn_input_grad(
     grad_y = (
         g.mul_(_per_channel(scale, ndim)) if residual is None else g * _per_channel(scale, ndim)
     )
-    if totals is not None:  # the kernels' formula (codegen's channel loads), per channel
-        mean_g = totals[0] * inv_count
-        mean_gxhat = totals[1] * stats.invstd * inv_count
-        coef_y = -scale * stats.invstd * mean_gxhat
-        coef_0 = -scale * mean_g - stats.mean * coef_y
+    if totals is not None:
+        coef_y, coef_0 = _batch_coefficients(stats, totals, inv_count)
         grad_y.addcmul_(y, _per_channel(coef_y, ndim)).add_(_per_channel(coef_0, ndim))
     return grad_y.to(y.dtype), grad_residual
+
+
+def _batch_coefficients(stats: BNStats, totals: Tensor, inv_count: float) -> tuple[Tensor, Tensor]:
+    """(coef_y, coef_0) [C]: the batch statistics' terms coef_y[c] y + coef_0[c] of dL/dy (the
+    module docstring; the kernels' formula, codegen's channel loads)."""
+    scale = stats.scale
+    mean_g = totals[0] * inv_count
+    mean_gxhat = totals[1] * stats.invstd * inv_count
+    coef_y = -scale * stats.invstd * mean_gxhat
+    return coef_y, -scale * mean_g - stats.mean * coef_y
 
 
 def bn_neuron_grads(
@@ -287,6 +307,7 @@ def bn_neuron_grads(
     pool: int = 1,
     residual: Tensor | None = None,
     overwrite_y: bool = False,
+    input_pool: MaxPoolGeometry | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """The whole backward of spikes = neuron(BN(y) [+ residual]): ``(dL/dy, dL/dgamma,
     dL/dbeta, dL/dlearnable, dL/dresidual)``; gamma's, beta's and learnable's None unless
@@ -297,7 +318,13 @@ def bn_neuron_grads(
     :meth:`NeuronCall.forward`); ``pool``, ``residual``: the forward's (grad_spikes then of
     the pooled map); ``overwrite_y``: y is the caller's temporary, which pass 2 may overwrite
     with dL/dy (see :func:`bn_input_grad`). A y that repeats one step over time (see
-    :func:`repeated`) gets the gradient of that step [1, B, C, *], summed over T."""
+    :func:`repeated`) gets the gradient of that step [1, B, C, *], summed over T.
+    ``input_pool``: the forward's (:func:`input_pool_grads`)."""
+    if input_pool is not None:
+        assert stats is not None and bn is not None  # pooled inputs come with BatchNorm
+        return input_pool_grads(
+            y, stats, bn, neuron, learnable, grad_spikes, saved, needs, input_pool
+        )
     affine = _affine(neuron, y, residual)
     if stats is not None and affine is not None:  # both BN-folded passes: at most one copy
         grad_spikes = affine.laid_out_grad_spikes(neuron.program, y, grad_spikes, pool, residual)
@@ -360,3 +387,65 @@ def _summed_if_repeated(grad_y: Tensor, y: Tensor) -> Tensor:
 def repeated(y: Tensor, repeat: int) -> Tensor:
     """y [T, B, C, *] as it is (``repeat`` 1), or y [1, B, C, *] viewed at ``repeat`` steps."""
     return y if repeat == 1 else y.expand(repeat, *y.shape[1:])
+
+
+def input_pooled(y: Tensor, stats: BNStats, pool: MaxPoolGeometry) -> Tensor:
+    """q: the max pooling of the BN output taken on y, whose BN is that pooling.
+
+    BatchNorm maps each channel by x = y * scale + shift, monotone: a window's largest x is the
+    x of its largest y where scale >= 0 and of its smallest y where scale < 0 (only gamma's
+    sign matters: invstd > 0). q [T, B, C, OH, OW] (y's dtype and memory layout) holds those
+    elements of y (:func:`~..spike_max_pool.autograd.max_pool_forward`: the cuda backend's
+    kernels or torch ops). y [T, B, C, H, W] may repeat one step over time."""
+    return _pooled_merged(y.flatten(0, 1), stats, pool, False)[0].unflatten(0, y.shape[:2])
+
+
+def _pooled_merged(
+    merged: Tensor, stats: BNStats, pool: MaxPoolGeometry, keep_codes: bool
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`input_pooled` of y [T*B, C, H, W], and each window's code where ``keep_codes``."""
+    flip = None  # channels with gamma < 0: their windows take their minimum
+    if stats.weight is not None:
+        flip = torch.where(stats.weight < 0, -1.0, 1.0).to(torch.float32)
+    return max_pool_forward(merged, pool, keep_codes, flip)
+
+
+def input_pool_grads(
+    y: Tensor,
+    stats: BNStats,
+    bn: BNSpec,
+    neuron: NeuronCall,
+    learnable: Tensor | None,
+    grad_spikes: Tensor,
+    saved: Kept,
+    needs: tuple[bool, bool, bool],
+    pool: MaxPoolGeometry,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, None]:
+    """:func:`bn_neuron_grads` of spikes = neuron(maxpool(BN(y))) (:func:`input_pooled`).
+
+    With q the pooled y and g = dL/dx of the neuron's input x = BN(q), the unpooled BN output's
+    gradient is g routed to each window's element (summed where windows overlap). Its
+    per-channel sums over y's positions are g's sums over q's, so pass 1 on q gives them (and
+    gamma's and beta's gradients); pass 2 on q without the batch terms gives scale g, which the
+    pooling's backward routes to y, adding the batch statistics' terms coef_y y + coef_0 (over
+    the count of y's elements, which ``stats`` holds) at every element of y in the same pass."""
+    merged = y.flatten(0, 1)
+    q, codes = _pooled_merged(merged, stats, pool, True)
+    assert codes is not None  # kept
+    q = q.unflatten(0, y.shape[:2])
+    affine = _affine(neuron, q, None)
+    if affine is not None:  # both BN-folded passes: at most one copy
+        grad_spikes = affine.laid_out_grad_spikes(neuron.program, q, grad_spikes, 1, None)
+    g, sums, grad_learnable = bn_neuron_backward(q, stats, neuron, learnable, grad_spikes, saved)
+    assert sums is not None  # with BatchNorm
+    grad_weight, grad_bias = bn_affine_grads(sums, stats, needs)
+    totals, inv_count = batch_totals(sums, stats, bn)
+    grad_q, _ = bn_input_grad(
+        g, q, stats, None, 0.0, neuron, learnable, grad_spikes, saved, overwrite_y=True
+    )
+    terms = None if totals is None else (merged, *_batch_coefficients(stats, totals, inv_count))
+    layout = memory_format_of(merged)
+    grad_y = max_pool_backward(grad_q.flatten(0, 1), codes, pool, merged.shape, layout, terms)
+    grad_learnable = grad_learnable if needs[2] else None
+    grad_y = _summed_if_repeated(grad_y.unflatten(0, y.shape[:2]), y)
+    return grad_y, grad_weight, grad_bias, grad_learnable, None

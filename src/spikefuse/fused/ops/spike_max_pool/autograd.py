@@ -31,13 +31,14 @@ def _kernels(t: Tensor) -> MaxPoolKernels | None:
 
 
 def max_pool_forward(
-    x: Tensor, geometry: MaxPoolGeometry, keep_codes: bool
+    x: Tensor, geometry: MaxPoolGeometry, keep_codes: bool, flip: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """(out [N, C, OH, OW] in x's dtype and layout, each window's code (uint8) or None): by
-    the backend's kernels where one runs x, else by torch ops."""
+    the backend's kernels where one runs x, else by torch ops. ``flip`` (float32 [C] of 1 and
+    -1): the channels whose windows take their minimum (None: none)."""
     kernels = _kernels(x)
     if kernels is None:
-        return pool_forward(x, geometry, keep_codes)
+        return pool_forward(x, geometry, keep_codes, flip)
     n, c, h, w = x.shape
     shape = (n, c, *geometry.output_size(h, w))
     layout = memory_format_of(x)
@@ -45,7 +46,7 @@ def max_pool_forward(
     codes = None
     if keep_codes:
         codes = torch.empty(shape, dtype=torch.uint8, device=x.device, memory_format=layout)
-    kernels.max_pool_forward(x, out, codes, geometry.window)
+    kernels.max_pool_forward(x, out, codes, geometry.window, flip)
     return out, codes
 
 
@@ -55,17 +56,20 @@ def max_pool_backward(
     geometry: MaxPoolGeometry,
     shape: torch.Size,
     layout: torch.memory_format,
+    terms: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """dL/dx (``shape``, ``layout``, grad's dtype) from dL/dout and the forward's codes."""
+    """dL/dx (``shape``, ``layout``, grad's dtype) from dL/dout and the forward's codes;
+    ``terms`` (x, coef_x, coef_0: float32 [C]): plus coef_x[c] x + coef_0[c] at every
+    element, in float32 before dL/dx is rounded to its dtype."""
     kernels = _kernels(grad)
     if kernels is None:
-        return pool_backward(grad, codes, geometry, shape, layout)
+        return pool_backward(grad, codes, geometry, shape, layout, terms)
     # dL/dout in the codes' layout (a copy where the next layer's backward gave another, e.g.
     # a neuron's NCHW after a channels-last pooling): the threads walking dL/dx then read it
     # coalesced, and channels-last maps take the vector kernels
     grad = grad.contiguous(memory_format=layout)
     grad_x = torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=layout)
-    kernels.max_pool_backward(grad, codes, grad_x, geometry.window)
+    kernels.max_pool_backward(grad, codes, grad_x, geometry.window, terms)
     return grad_x
 
 

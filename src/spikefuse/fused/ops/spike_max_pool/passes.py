@@ -57,8 +57,15 @@ def _first_codes(g: MaxPoolGeometry, out: tuple[int, int], device: torch.device)
     return (firsts[0][:, None] * g.kernel[1] + firsts[1][None, :]).to(torch.uint8)
 
 
-def pool_forward(x: Tensor, g: MaxPoolGeometry, keep_codes: bool) -> tuple[Tensor, Tensor | None]:
-    """(out [N, C, OH, OW] in x's dtype and layout, codes (uint8, same shape) or None)."""
+def pool_forward(
+    x: Tensor, g: MaxPoolGeometry, keep_codes: bool, flip: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """(out [N, C, OH, OW] in x's dtype and layout, codes (uint8, same shape) or None);
+    ``flip`` ([C] of 1 and -1): the channels whose windows take their minimum (None: none)."""
+    if flip is not None:  # the maximum of -x: its values times -1 again (exact)
+        signs = flip.to(x.dtype).view(1, -1, 1, 1)
+        out, codes = pool_forward(x * signs, g, keep_codes)
+        return out.mul_(signs), codes
     n, c, h, w = x.shape
     oh, ow = g.output_size(h, w)
     rows = _padded_extent(h, oh, g.kernel[0], g.padding[0], g.stride[0], g.dilation[0])
@@ -79,9 +86,15 @@ def pool_forward(x: Tensor, g: MaxPoolGeometry, keep_codes: bool) -> tuple[Tenso
 
 
 def pool_backward(
-    grad: Tensor, codes: Tensor, g: MaxPoolGeometry, shape: torch.Size, layout: torch.memory_format
+    grad: Tensor,
+    codes: Tensor,
+    g: MaxPoolGeometry,
+    shape: torch.Size,
+    layout: torch.memory_format,
+    terms: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """dL/dx [N, C, H, W] (``shape``, in ``layout``, grad's dtype) from dL/dout and the codes.
+    """dL/dx [N, C, H, W] (``shape``, in ``layout``, grad's dtype) from dL/dout and the codes;
+    ``terms`` (x, coef_x [C], coef_0 [C]): plus coef_x[c] x + coef_0[c] at every element.
 
     Window offsets are visited from the last to the first: an input element lies at offset
     (i, j) of window (oh, ow) with oh decreasing in i and ow in j, so each element receives its
@@ -96,4 +109,7 @@ def pool_backward(
     for code in reversed(range(g.area)):
         views[code] += torch.where(codes == code, upstream, 0.0)
     inside = total[:, :, g.padding[0] : g.padding[0] + h, g.padding[1] : g.padding[1] + w]
+    if terms is not None:
+        x, coef_x, coef_0 = (t.to(total.dtype) for t in terms)
+        inside = inside + torch.addcmul(coef_0.view(1, -1, 1, 1), x, coef_x.view(1, -1, 1, 1))
     return inside.to(grad.dtype, memory_format=layout)
