@@ -15,7 +15,7 @@ from torch import nn
 from spikefuse import functional, layer, neuron
 from spikefuse import spike_matmul as sm
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import FusedBlock, MaxPoolCodes, fuse
+from spikefuse.fused import FusedBlock, MaxPoolCodes, SpikePool, fuse
 from spikefuse.fused.recompute import is_spikes, mark_spikes
 
 T, B, N, D = 3, 2, 6, 8
@@ -347,6 +347,37 @@ def test_a_pooling_of_the_neuron_input_that_cannot_join_is_reported():
     with pytest.raises(SpikefuseError, match="neither pools its spikes nor adds a residual"):
         conv, bn = nn.Conv2d(3, D, 3), nn.BatchNorm2d(D)
         FusedBlock(conv, bn, lif(), pool=nn.AvgPool2d(2), input_pool=nn.MaxPool2d(2))
+
+
+def test_a_stem_that_pools_twice_fuses_the_first_pooling_only():
+    """A pooling of the spikes after a block that pools its neuron's input stays a SpikePool
+    (a block pools one or the other), with the same output."""
+    ref = randomized(nn.Sequential(*pooled_stem("container"), layer.AvgPool2d(2, step_mode="m")))
+    fused, report = fuse(ref, return_report=True)
+    assert report.fused_fraction == 1.0 and report.pools == ["2"], str(report)
+    assert isinstance(fused[2], SpikePool) and fused[0].spec.pool is None
+    assert_same_step(ref, fused, torch.rand(T, B, 3, 8, 8, dtype=torch.float64))
+
+
+class PooledSum(nn.Module):
+    """Conv2d → BatchNorm2d, plus a shortcut, then MaxPool2d → neuron: the pooling takes the
+    sum, not BatchNorm's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = layer.Conv2d(3, D, 3, padding=1, bias=False, step_mode="m")
+        self.bn = layer.BatchNorm2d(D, step_mode="m")
+        self.pool = layer.MaxPool2d(3, 2, 1, step_mode="m")
+        self.lif = lif()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lif(self.pool(self.bn(self.conv(x)) + x.mean(2, keepdim=True)))
+
+
+def test_a_pooling_after_a_residual_addition_stays_unfused_with_the_reason():
+    _, report = fuse(PooledSum(), return_report=True)
+    (skipped,) = report.skipped
+    assert skipped.is_chain and "a block pools or adds, not both" in skipped.reason
 
 
 @pytest.mark.parametrize("train", [True, False])

@@ -476,8 +476,8 @@ def test_the_kernel_source_flips_channels_and_adds_batchnorm_terms(
     element), on the kernels' source against the torch passes."""
     x = awkward_map(dtype)
     x = x if channels_last else x.contiguous()
-    flip = torch.ones(16)
-    flip[::3] = -1
+    flip = torch.linspace(1.0, 2.0, 16)  # e.g. a BatchNorm's gamma
+    flip[::3] *= -1
     g = MaxPoolGeometry.of(3, 2, 1)
     want, want_codes = pool_forward(x, g, True, flip)
     got, codes = op.autograd.max_pool_forward(x, g, True, flip)

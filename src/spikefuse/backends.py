@@ -326,8 +326,8 @@ class MaxPoolKernels(Protocol):
     (NCHW or channels-last), writing each window's argmax code (uint8, out's layout; None:
     not kept), and its backward from those codes into a dense ``grad_x`` (see
     :mod:`spikefuse.fused.ops.spike_max_pool`). ``window``: (k_h, k_w, stride_h, stride_w,
-    pad_h, pad_w, dilation_h, dilation_w). ``flip``: float32 [C] of 1 and -1, the channels
-    whose windows take their minimum (None: none); ``terms``: (x, coef_x, coef_0), adding
+    pad_h, pad_w, dilation_h, dilation_w). ``flip``: float32 [C], the channels where it is
+    negative take their windows' minimum (None: none); ``terms``: (x, coef_x, coef_0), adding
     ``coef_x[c] x + coef_0[c]`` (float32 [C]) to every element of dL/dx (None: nothing)."""
 
     def max_pool_forward(

@@ -144,3 +144,34 @@ def test_a_fused_transformer_matches_unfused(no_tf32):
     errors = {k: reldiff(got[k], w) for k, w in want.items()}
     worst = max(errors, key=errors.get)
     assert errors[worst] < 1e-4, f"{worst}: normalised error {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["container", "separate"])
+def test_a_stem_that_max_pools_the_neuron_input_matches_unfused(no_tf32, separate):
+    """Spikformer's stem (SeqToANNContainer(Conv2d, BatchNorm2d, MaxPool2d) → LIF) and
+    QKFormer's (four modules), channels with gamma < 0 included: the fused block (pooling
+    kernel with the flip and BatchNorm's terms) within 1e-4 of cuDNN's BatchNorm and ATen's
+    max pooling, float32, training."""
+    torch.manual_seed(0)
+    layers = [
+        layer.Conv2d(3, D, 3, padding=1, bias=False, step_mode="m"),
+        layer.BatchNorm2d(D, step_mode="m"),
+        layer.MaxPool2d(3, 2, 1, step_mode="m"),
+    ]
+    if not separate:
+        layers = [
+            layer.SeqToANNContainer(
+                nn.Conv2d(3, D, 3, 1, 1, bias=False), nn.BatchNorm2d(D), nn.MaxPool2d(3, 2, 1)
+            )
+        ]
+    model = batchnorm_fires(nn.Sequential(*layers, lif())).cuda()
+    with torch.no_grad():
+        next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d)).weight[::3] *= -1
+    fused, report = fuse(model, return_report=True)
+    assert report.fused_fraction == 1.0 and fused[0].spec.input_pool is not None, str(report)
+    x = torch.rand(T, B, 3, 17, 16, device="cuda")
+    want, got = step(model, x), step(fused, x)
+    assert got["out"].shape == (T, B, D, 9, 8)
+    errors = {k: reldiff(got[k], w) for k, w in want.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-4, f"{worst}: normalised error {errors[worst]:.2e}"

@@ -58,7 +58,7 @@ struct Args {
     unsigned char* codes;       // forward: written like out (null: not kept); backward: read
     const scalar_t* grad_out;   // backward: dL/dout, any strides (grad_stride)
     scalar_t* grad_x;           // backward: dL/dx, dense in the threads' order
-    const float* flip;          // forward: per channel, 1 or -1: windows of -1 take their
+    const float* flip;          // forward: per channel; where negative, windows take their
                                 // minimum (the maximum of -x; null: none)
     const float* coef_x;        // backward: per channel, dL/dx += coef_x x + coef_0 at every
     const float* coef_0;        // element (x read at x_stride; null: nothing added)

@@ -205,8 +205,8 @@ def max_pool_forward(
 ) -> None:
     """Pool x [N, C, H, W] (CUDA, float32/float16/bfloat16, any strides) into ``out`` [N, C,
     OH, OW] (dense, NCHW or channels-last, x's dtype) and, unless None, each window's code into
-    ``codes`` (uint8, out's strides); ``flip`` (float32 [C] of 1 and -1): the channels whose
-    windows take their minimum (None: none)."""
+    ``codes`` (uint8, out's strides); ``flip`` (float32 [C]): the channels where it is
+    negative take their windows' minimum (None: none)."""
     if codes is not None and codes.stride() != out.stride():
         raise ValueError("spikefuse max_pool: codes must have the output's strides")
     kernels = kernels_for(x.dtype, window)

@@ -64,13 +64,8 @@ def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
 Child = TypeVar("Child")
 
 
-_ROLES = (
-    "synapse",
-    "bn",
-    "node",
-    "pool",
-    "input_pool",
-)  # a block's submodules, registered under these names
+# a block's submodules, registered under these names
+_ROLES = ("synapse", "bn", "node", "pool", "input_pool")
 
 
 class _Submodule(Generic[Child]):

@@ -49,7 +49,8 @@ def bn_neuron_naive(
     to normalise with (eval), else the batch statistics; ``pool`` = k > 1: the spikes' means
     over k x k windows of [T, B, C, H, W] (a remainder dropped); ``residual``: added to the BN
     output, like y; ``input_pool``: max-pools the BN output (the neuron's input) of
-    [T, B, C, H, W] with these windows. Arithmetic in y's compute dtype (float64 stays, else float32)."""
+    [T, B, C, H, W] with these windows. Arithmetic in y's compute dtype (float64 stays, else
+    float32)."""
     cd, nd = compute_dtype(y.dtype), y.dim()
     yc = y.to(cd)
     if running is None:

@@ -397,17 +397,9 @@ def input_pooled(y: Tensor, stats: BNStats, pool: MaxPoolGeometry) -> Tensor:
     sign matters: invstd > 0). q [T, B, C, OH, OW] (y's dtype and memory layout) holds those
     elements of y (:func:`~..spike_max_pool.autograd.max_pool_forward`: the cuda backend's
     kernels or torch ops). y [T, B, C, H, W] may repeat one step over time."""
-    return _pooled_merged(y.flatten(0, 1), stats, pool, False)[0].unflatten(0, y.shape[:2])
-
-
-def _pooled_merged(
-    merged: Tensor, stats: BNStats, pool: MaxPoolGeometry, keep_codes: bool
-) -> tuple[Tensor, Tensor | None]:
-    """:func:`input_pooled` of y [T*B, C, H, W], and each window's code where ``keep_codes``."""
-    flip = None  # channels with gamma < 0: their windows take their minimum
-    if stats.weight is not None:
-        flip = torch.where(stats.weight < 0, -1.0, 1.0).to(torch.float32)
-    return max_pool_forward(merged, pool, keep_codes, flip)
+    # gamma itself marks the channels whose windows take their minimum: no sign vector made
+    q, _ = max_pool_forward(y.flatten(0, 1), pool, False, stats.weight)
+    return q.unflatten(0, y.shape[:2])
 
 
 def input_pool_grads(
@@ -430,7 +422,7 @@ def input_pool_grads(
     pooling's backward routes to y, adding the batch statistics' terms coef_y y + coef_0 (over
     the count of y's elements, which ``stats`` holds) at every element of y in the same pass."""
     merged = y.flatten(0, 1)
-    q, codes = _pooled_merged(merged, stats, pool, True)
+    q, codes = max_pool_forward(merged, pool, True, stats.weight)  # as input_pooled, with codes
     assert codes is not None  # kept
     q = q.unflatten(0, y.shape[:2])
     affine = _affine(neuron, q, None)

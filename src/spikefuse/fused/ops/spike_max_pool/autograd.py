@@ -34,8 +34,9 @@ def max_pool_forward(
     x: Tensor, geometry: MaxPoolGeometry, keep_codes: bool, flip: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """(out [N, C, OH, OW] in x's dtype and layout, each window's code (uint8) or None): by
-    the backend's kernels where one runs x, else by torch ops. ``flip`` (float32 [C] of 1 and
-    -1): the channels whose windows take their minimum (None: none)."""
+    the backend's kernels where one runs x, else by torch ops. ``flip`` (float32 [C], e.g.
+    a BatchNorm's gamma): the channels where it is negative take their windows' minimum (None:
+    none)."""
     kernels = _kernels(x)
     if kernels is None:
         return pool_forward(x, geometry, keep_codes, flip)

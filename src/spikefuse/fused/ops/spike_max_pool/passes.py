@@ -61,9 +61,10 @@ def pool_forward(
     x: Tensor, g: MaxPoolGeometry, keep_codes: bool, flip: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """(out [N, C, OH, OW] in x's dtype and layout, codes (uint8, same shape) or None);
-    ``flip`` ([C] of 1 and -1): the channels whose windows take their minimum (None: none)."""
+    ``flip`` ([C]): the channels where it is negative take their windows' minimum (None:
+    none)."""
     if flip is not None:  # the maximum of -x: its values times -1 again (exact)
-        signs = flip.to(x.dtype).view(1, -1, 1, 1)
+        signs = torch.where(flip < 0, -1.0, 1.0).to(x.dtype).view(1, -1, 1, 1)
         out, codes = pool_forward(x * signs, g, keep_codes)
         return out.mul_(signs), codes
     n, c, h, w = x.shape
