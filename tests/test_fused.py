@@ -890,6 +890,22 @@ def test_a_block_pickled_without_its_spec_unpickles():
     torch.testing.assert_close(again(x), block(x))
 
 
+def test_a_block_pickled_without_an_input_pool_unpickles():
+    """A block pickled before blocks could pool their neuron's input (no ``input_pool``
+    submodule) unpickles, runs and reports its hooks as before."""
+    import pickle
+
+    block = FusedConvBNNeuron(3, 4, 3, padding=1, node=lif())
+    state = dict(block.__dict__)
+    state["_modules"] = {k: v for k, v in state["_modules"].items() if k != "input_pool"}
+    old = FusedBlock.__new__(FusedBlock)
+    old.__setstate__(state)
+    again = pickle.loads(pickle.dumps(old))
+    assert again.input_pool is None
+    x = torch.rand(T, B, 3, 6, 6)
+    torch.testing.assert_close(again(x), block(x))
+
+
 def test_fused_blocks_reach_kernels_through_backend_capabilities():
     """The packing, statistics and split-matmul kernels come from the backend contract: none on
     the CPU (torch ops run), an unknown capability refused; no fused module imports the cuda

@@ -210,8 +210,10 @@ class FusedBlock(MultiStepOnly, nn.Module):
         self.register_load_state_dict_post_hook(_weight_layout_after_load)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickles blocks pickled before the spec and the memory policies existed too."""
+        """Unpickles blocks pickled before the spec, the memory policies or the input pooling
+        existed too."""
         super().__setstate__(state)
+        self._modules.setdefault("input_pool", None)
         if "spec" in self.__dict__:
             return
         synapse, bn, node = self.synapse, self.bn, self.node
