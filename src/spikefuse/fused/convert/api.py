@@ -37,7 +37,9 @@ The rules :func:`fuse` follows. Chains are found in the data flow of the model's
 * whose output is used only by a matching ``layer.BatchNorm*d(step_mode='m')`` (or
   ``SeqToANNContainer(batchnorm)``), whose output is used only by
 * a one-state spikefuse neuron with ``step_mode='m'`` and ``store_v_seq=False``
-  (the BatchNorm may be absent);
+  (the BatchNorm may be absent); a Conv2d chain's BatchNorm output may first go only to a
+  ``MaxPool2d`` (multi-step, or the third layer of ``SeqToANNContainer(conv, bn, pool)``):
+  the block's ``input_pool``;
 * on tokens ``[T, B, N, C]``, a Linear whose output goes only to ``bn(y.transpose(-1,
   -2)).transpose(-1, -2)`` (``permute``, ``torch.transpose`` and ``.contiguous()`` too), the
   BatchNorm1d normalising C, whose output goes only to such a neuron: a block with
