@@ -342,8 +342,10 @@ def test_a_pooling_of_the_neuron_input_that_cannot_join_is_reported():
     (skipped,) = report.skipped
     assert skipped.is_chain and skipped.modules == ("0", "1", "2", "3")
     assert "'2': AvgPool2d pools the neuron's input" in skipped.reason
-    with pytest.raises(SpikefuseError, match="only Conv2d blocks with BatchNorm"):
+    with pytest.raises(SpikefuseError, match="only a block with BatchNorm pools"):
         FusedBlock(nn.Conv2d(3, D, 3), None, lif(), input_pool=nn.MaxPool2d(2))
+    with pytest.raises(SpikefuseError, match="only Conv2d blocks pool the neuron's input"):
+        FusedBlock(nn.Linear(D, D), nn.BatchNorm1d(D), lif(), input_pool=nn.MaxPool2d(2))
     with pytest.raises(SpikefuseError, match="neither pools its spikes nor adds a residual"):
         conv, bn = nn.Conv2d(3, D, 3), nn.BatchNorm2d(D)
         FusedBlock(conv, bn, lif(), pool=nn.AvgPool2d(2), input_pool=nn.MaxPool2d(2))

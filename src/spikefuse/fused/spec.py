@@ -1,11 +1,12 @@
 """What a fused block is, fixed when it is made: :class:`BlockSpec` and its validation.
 
-A block is ``synapse → [BatchNorm] [→ max pooling] → neuron [→ pooling] [+ residual]``; :meth:`BlockSpec.of`
-checks every part once (the synapse's and BatchNorm's classes, the channel counts, a neuron the
-kernels can run, a pooling the kernels can fold) and records what the block's call paths read:
-the synapse's kind, the input rank, whether there is BatchNorm, the pooling's kind and window,
-the residual. :func:`fuse` asks the same questions of a model's modules through the helpers here
-(:func:`synapse_kind`, :func:`pool_fold_problem`).
+A block is ``synapse → [BatchNorm] [→ max pooling] → neuron [→ pooling] [+ residual]``;
+:meth:`BlockSpec.of` checks every part once (the synapse's and BatchNorm's classes, the channel
+counts, a neuron the kernels can run, poolings the block can take) and records what the block's
+call paths read: the synapse's kind, the input rank, whether there is BatchNorm, the poolings'
+kinds and windows, the residual. :func:`fuse` asks the same questions of a model's modules
+through the helpers here (:func:`synapse_kind`, :func:`pool_fold_problem`,
+:func:`input_pool_problem`).
 """
 
 from __future__ import annotations
@@ -109,10 +110,10 @@ def pool_fold_problem(pool: nn.Module, kind: type[nn.Module]) -> str | None:
 def input_pool_problem(pool: nn.Module, kind: type[nn.Module], has_bn: bool) -> str | None:
     """Why ``pool``, between a block's BatchNorm and its neuron (a max pooling of the neuron's
     input), cannot join a block of synapse ``kind``, or None."""
-    if kind is not nn.Conv2d or not has_bn:
-        return (
-            f"only Conv2d blocks with BatchNorm pool the neuron's input, not this {kind.__name__}"
-        )
+    if kind is not nn.Conv2d:
+        return f"only Conv2d blocks pool the neuron's input, not {kind.__name__} blocks"
+    if not has_bn:
+        return "only a block with BatchNorm pools the neuron's input"
     if type(pool) not in EXACT[nn.MaxPool2d] or pool.return_indices:
         return (
             f"{type(pool).__name__} {POOLS_NEURON_INPUT}; of the poolings before a neuron, "
