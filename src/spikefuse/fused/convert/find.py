@@ -193,15 +193,19 @@ class _Examiner:
             return
         synapse_bn = _as_synapse_bn(module)
         reason = self._problem(call, chain_nodes, bn_call, nxt, synapse_bn)
-        input_pooled = pool_call is not None or _contained_pool(module) is not None
-        if reason is None and input_pooled:
-            reason = self.input_pool_problem(module, pool_call, synapse_bn, bn_call, residual)
+        # the pooling of the neuron's input: a separate call, or the container's third layer
+        input_pool = (
+            _contained_pool(module) if pool_call is None else _as_pool(self.node_of(pool_call))
+        )
+        if reason is None and input_pool is not None:
+            where = "its pooling" if pool_call is None else f"'{self.full(str(pool_call.target))}'"
+            reason = _input_pool_problem(input_pool, where, synapse_bn, bn_call, residual)
         if reason is not None:
             found.skipped[target] = SkippedCandidate(names, reason, True)
             return
         bn_name = None if bn_call is None else str(bn_call.target)
         pool = None  # a block pools its neuron's input or its spikes (then as a SpikePool)
-        if not input_pooled:
+        if input_pool is None:
             pool = _folded_pool(nxt, synapse_bn, modules, self.shared, found, self.full)
         addition = None if residual is None else residual[0].name
         chain = _Chain(target, bn_name, str(nxt.target), pool, addition, tokens is not None)
@@ -215,29 +219,6 @@ class _Examiner:
             return None
         user = _sole_user(call)
         return call if user is not None and isinstance(self.node_of(user), BaseNode) else None
-
-    def input_pool_problem(
-        self,
-        module: nn.Module,
-        pool_call: fx.Node | None,
-        synapse_bn: tuple[nn.Module, _BatchNorm | None] | None,
-        bn_call: fx.Node | None,
-        residual: object,
-    ) -> str | None:
-        """Why the pooling of a chain's neuron input (a separate call, or the third layer of
-        its SeqToANNContainer) cannot join the block, or None."""
-        pool = _contained_pool(module)
-        if pool_call is not None:
-            pool = _as_pool(self.node_of(pool_call))
-        assert pool is not None and synapse_bn is not None  # a chain whose neuron input pools
-        kind = synapse_kind(synapse_bn[0])
-        assert kind is not None  # a chain's synapse
-        has_bn = synapse_bn[1] is not None or bn_call is not None
-        problem = input_pool_problem(pool, kind, has_bn)
-        if problem is None and residual is not None:
-            problem = "a residual is added before the neuron; a block pools or adds, not both"
-        where = f"'{self.full(str(pool_call.target))}'" if pool_call is not None else "its pooling"
-        return None if problem is None else f"{where}: {problem}"
 
     def examine_merged(self, call: fx.Node) -> bool:
         """Record the chain ``neuron(reshape(bn(synapse(x.flatten(0, 1))), T, ...))`` (single-step
@@ -334,6 +315,25 @@ class _Examiner:
         if reason is None and (len(call.args) != 1 or call.kwargs):
             reason = f"'{self.full(str(call.target))}' is called with more than one input"
         return reason
+
+
+def _input_pool_problem(
+    pool: nn.Module,
+    where: str,
+    synapse_bn: tuple[nn.Module, _BatchNorm | None] | None,
+    bn_call: fx.Node | None,
+    residual: object,
+) -> str | None:
+    """Why ``pool`` (named ``where`` in the reason), which pools a chain's neuron input, cannot
+    join the block, or None."""
+    assert synapse_bn is not None  # a chain's synapse (its problem was checked first)
+    kind = synapse_kind(synapse_bn[0])
+    assert kind is not None
+    has_bn = synapse_bn[1] is not None or bn_call is not None
+    problem = input_pool_problem(pool, kind, has_bn)
+    if problem is None and residual is not None:
+        problem = "a residual is added before the neuron; a block pools or adds, not both"
+    return None if problem is None else f"{where}: {problem}"
 
 
 def _folded_pool(

@@ -230,8 +230,8 @@ class FusedAway(nn.Identity):
     ``hasattr`` stays False); setting one of that module's attributes raises too (it would
     change nothing; other attributes, e.g. a quantization tag, are stored). ``train()`` /
     ``eval()`` on it reach the module in the block (``model.bn1.eval()`` freezes that BatchNorm,
-    as unfused). ``role``: ``"bn"``, ``"node"``, ``"pool"`` or ``"input_pool"``, the block's attribute that now
-    holds the module (``target``)."""
+    as unfused). ``role``: ``"bn"``, ``"node"``, ``"pool"`` or ``"input_pool"``, the block's
+    attribute that now holds the module (``target``)."""
 
     # the module in the block (kept out of the module tree: it is registered in the block) and
     # its attributes when fused (those a write here would miss); unset in placeholders pickled
