@@ -397,3 +397,59 @@ def test_half_input_saves_float32_h(fptt_calls):
     assert h.dtype == torch.float32
     s.float().sum().backward()
     assert x.grad.dtype == torch.float16
+
+
+# ---- memory layout ------------------------------------------------------------------------------
+def _permuted_inputs():
+    """[T, B, C, H, W] laid out channels-last, [T, B, C, L] with the channels innermost, and two
+    layouts no permutation makes dense with time outermost (run as contiguous copies)."""
+    x = torch.randn(3, 2, 4, 5, 6, generator=gen(2)) * 2
+    tokens = torch.randn(3, 2, 7, 4, generator=gen(3)).transpose(-2, -1) * 2
+    return [
+        ("channels-last", x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3), True),
+        ("channels-innermost", tokens, True),
+        ("time-inside", x.transpose(0, 1).contiguous().transpose(0, 1), False),
+        ("gaps", x[..., ::2], False),
+    ]
+
+
+@pytest.mark.parametrize(("name", "x", "kept"), _permuted_inputs(), ids=lambda v: str(v)[:20])
+@pytest.mark.parametrize("node", [neuron.LIFNode, neuron.ParametricLIFNode, neuron.IzhikevichNode])
+def test_outputs_keep_a_dense_layout_and_equal_the_contiguous_run(name, x, kept, node):
+    """As torch's pointwise ops: the spikes, V and the gradients lie as x does where x is a
+    dense permutation with time outermost, and equal what a contiguous x gives."""
+    del name
+    outputs = []
+    for inp in (x, x.contiguous()):
+        torch.manual_seed(0)
+        n = node(step_mode="m", backend="torch", store_v_seq=True)
+        inp = inp.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+        s = n(inp)
+        second = n(inp)  # V carried over from the first call, in its layout
+        (s + second).sum().backward()
+        outputs.append((s, second, n.v, n.v_seq, inp.grad))
+    for got, want in zip(*outputs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    s, second, v, v_seq, grad = outputs[0]
+    if kept:
+        assert s.stride() == x.stride() and v_seq.stride() == x.stride()
+        assert v.stride() == x[0].stride() and grad.stride() == x.stride()
+    else:
+        assert s.is_contiguous() and v.is_contiguous()
+
+
+def test_a_permuted_input_compiles_without_graph_breaks():
+    """The permutation around the op traces: fullgraph, equal to eager."""
+    torch._dynamo.reset()
+    lif = neuron.LIFNode(step_mode="m", backend="torch")
+
+    def step(x):
+        lif.reset()
+        return lif(x.transpose(-2, -1)) * 2
+
+    x = (torch.randn(3, 2, 5, 4, generator=gen(4)) * 2).requires_grad_()
+    want = step(x)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(got, want) and got.stride() == want.stride()
+    g = torch.randn(want.shape, generator=gen(5))
+    torch.testing.assert_close(torch.autograd.grad(got, x, g), torch.autograd.grad(want, x, g))

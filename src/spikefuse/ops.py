@@ -382,7 +382,17 @@ def run_neuron(
     ``v_seq`` is None unless ``store_v_seq``, ``w_last`` None for one-state neurons (empty
     tensors instead while ``torch.compile`` traces). Saves state for backward only if autograd
     will need it.
+
+    The outputs keep x's memory layout where it is a dense permutation with time outermost
+    (e.g. channels-last maps, or tokens with the channels innermost), as torch's pointwise ops
+    keep it; the states ``v0``, ``w0`` and ``v_last``, ``w_last`` lie as one step of x does.
+    Other layouts are run as a contiguous copy, outputs contiguous.
     """
+    order = memory_order(x_seq)
+    if order is not None:
+        return _run_in_memory_order(
+            order, program, backend, x_seq, v0, w0, learnable, constants, init, store_v_seq
+        )
     save = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x_seq, v0, w0, learnable)
     )
@@ -406,3 +416,55 @@ def run_neuron(
         return out.spikes, out.v_seq, out.v_last, out.w_last
     config = (program, backend, constants, init, store_v_seq)
     return _EagerNeuron.apply(x_seq, v0, w0, learnable, config)
+
+
+def memory_order(x: Tensor) -> tuple[int, ...] | None:
+    """The order of x's dimensions, time (0) first, in which x's memory is contiguous, where it
+    is not x's own order: ``x.permute(order)`` is then a contiguous view. None where x is
+    contiguous, or dense in no such order (gaps, overlaps, time not outermost)."""
+    if x.dim() < 3 or x.is_contiguous():
+        return None
+    rest = sorted(range(1, x.dim()), key=x.stride, reverse=True)
+    order = (0, *rest)
+    return order if x.permute(order).is_contiguous() else None
+
+
+def _run_in_memory_order(
+    order: tuple[int, ...],
+    program: NeuronProgram,
+    backend: str,
+    x_seq: Tensor,
+    v0: Tensor | None,
+    w0: Tensor | None,
+    learnable: Tensor | None,
+    constants: list[float],
+    init: list[float],
+    store_v_seq: bool,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """:func:`run_neuron` on the contiguous view ``x_seq.permute(order)`` (and the states'
+    matching views), the outputs permuted back: views, no copy."""
+    state_order = [d - 1 for d in order[1:]]
+    back = sorted(range(len(order)), key=order.__getitem__)
+    state_back = sorted(range(len(state_order)), key=state_order.__getitem__)
+
+    def permuted(t: Tensor | None, dims: list[int]) -> Tensor | None:
+        # None, or the empty placeholder of an absent output while torch.compile traces
+        return t if t is None or t.dim() != len(dims) else t.permute(dims)
+
+    spikes, v_seq, v_last, w_last = run_neuron(
+        program,
+        backend,
+        x_seq.permute(order),
+        permuted(v0, state_order),
+        permuted(w0, state_order),
+        learnable,
+        constants,
+        init,
+        store_v_seq,
+    )
+    return (
+        spikes.permute(back),
+        permuted(v_seq, back),
+        v_last.permute(state_back),
+        permuted(w_last, state_back),
+    )
