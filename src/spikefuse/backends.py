@@ -253,6 +253,7 @@ _REGISTRY: dict[str, _Registered] = {
             ("channel_stats", "spikefuse.cuda.channel_stats"),
             ("bf16_split", "spikefuse.cuda.bf16_split"),
             ("max_pool", "spikefuse.cuda.spike_max_pool"),
+            ("heads_chain", "spikefuse.cuda.spike_attention"),
         ),
     ),
 }
@@ -293,8 +294,9 @@ def affine_kernels(name: str) -> AffineKernels | None:
 #: Protocol the implementing module satisfies: ``spike_bits`` (:class:`SpikePacking`: 1-bit
 #: packing of spikes), ``channel_stats`` (:class:`ChannelStatsKernels`: BatchNorm's
 #: per-channel statistics), ``bf16_split`` (:class:`SplitKernels`: the split matmul's terms),
-#: ``max_pool`` (:class:`MaxPoolKernels`: max pooling keeping a byte per window).
-CAPABILITIES = ("spike_bits", "channel_stats", "bf16_split", "max_pool")
+#: ``max_pool`` (:class:`MaxPoolKernels`: max pooling keeping a byte per window),
+#: ``heads_chain`` (:class:`HeadsChainKernels`: Spikformer's attention product per head).
+CAPABILITIES = ("spike_bits", "channel_stats", "bf16_split", "max_pool", "heads_chain")
 
 
 class SpikePacking(Protocol):
@@ -346,6 +348,28 @@ class MaxPoolKernels(Protocol):
         grad_x: torch.Tensor,
         window: tuple[int, ...],
         terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None: ...
+
+
+class HeadsChainKernels(Protocol):
+    """``scale (V Kᵀ) Q`` of the heads [D, L] of qkv spikes [R, 3C, L] into out [R, C, L], and
+    dL/dqkv from dL/dout and the spikes kept as ``torch.bool`` (see
+    :mod:`spikefuse.spike_matmul`); any strides. :func:`unsupported` names heads they cannot
+    run (None: they can)."""
+
+    def unsupported(self, head_dim: int, tokens: int) -> str | None: ...
+
+    def heads_chain_forward(
+        self, qkv: torch.Tensor, out: torch.Tensor, heads: int, scale: float
+    ) -> None: ...
+
+    def heads_chain_backward(
+        self,
+        grad: torch.Tensor,
+        spikes: torch.Tensor,
+        grad_qkv: torch.Tensor,
+        heads: int,
+        scale: float,
     ) -> None: ...
 
 

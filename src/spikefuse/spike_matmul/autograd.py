@@ -10,17 +10,19 @@ are those of the plain matmuls, computed in the output gradient's dtype::
                                  dP = g' cᵀ,  da = dP bᵀ,  db = aᵀ dP
 
 The heads' chain (:class:`SpikeHeadsChainFunction`) takes q, k, v as one tensor and returns
-their gradients as one tensor in its layout; it scales P and q (factors of g's sums) instead of
-g and writes each gradient from a product laid out as its slot of that tensor.
+their gradients as one tensor in its layout: on CUDA by the backend's kernels, one launch each
+way; elsewhere by matmuls that scale P and q (factors of g's sums) instead of g and write each
+gradient from a product laid out as its slot of that tensor.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
+from ..backends import HeadsChainKernels, capability
 from ..ops import forbid_double_backward
 from .rules import Plan, plan, plan_for
 
@@ -129,27 +131,58 @@ def heads(qkv: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     return q, k, v
 
 
+def _heads_kernels(like: Tensor, head_dim: int, tokens: int) -> HeadsChainKernels | None:
+    """The backend's heads-chain kernels where they run ``like``'s device and dtype and heads of
+    this size (None: the torch matmuls)."""
+    kernels = cast("HeadsChainKernels | None", capability("heads_chain", like))
+    if kernels is None or kernels.unsupported(head_dim, tokens) is not None:
+        return None
+    return kernels
+
+
 class SpikeHeadsChainFunction(torch.autograd.Function):
     """``((v @ kᵀ) @ q) * scale`` of the heads of qkv spikes [..., 3C, L] (see
-    :func:`spikefuse.spike_matmul.spike_matmul_chain_heads`): out [..., heads, C/heads, L]."""
+    :func:`spikefuse.spike_matmul.spike_matmul_chain_heads`): out [..., heads, C/heads, L].
+
+    Where the backend's ``heads_chain`` kernels run (CUDA), one kernel each way computes every
+    head with its counts in shared memory, and out lies channels innermost (a [..., L, C]
+    tensor's view), as fused blocks lay out their spikes; elsewhere torch matmuls compute the
+    same, out dense."""
 
     @staticmethod
     def forward(ctx: Any, qkv: Tensor, num_heads: int, scale: float) -> Tensor:
-        q, k, v = heads(qkv, num_heads)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(qkv.to(torch.bool))  # one copy, in qkv's layout
         ctx.num_heads, ctx.dtype, ctx.scale = num_heads, qkv.dtype, scale
+        *lead, channels, tokens = qkv.shape
+        head_dim = channels // (3 * num_heads)
+        kernels = _heads_kernels(qkv, head_dim, tokens)
+        if kernels is not None:
+            rows = qkv.reshape(-1, channels, tokens)
+            out = qkv.new_empty((rows.shape[0], tokens, channels // 3)).transpose(1, 2)
+            kernels.heads_chain_forward(rows, out, num_heads, scale)
+            return out.view(*lead, num_heads, head_dim, tokens)
+        q, k, v = heads(qkv, num_heads)
         counts = _counts(v, k.transpose(-2, -1), qkv.dtype)
         out = product(counts, q, plan(qkv, q.shape[-2], count=v.shape[-1]))
         return out.mul_(scale)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
-        """Each gradient [.., C/heads, L] is computed as its transpose [.., L, C/heads], so that
-        it lies as its slot of qkv does where qkv has the channels innermost (a fused block's
-        spikes): the copies into that slot read and write along the channels."""
+        """On the kernels: one launch writing dL/dqkv in the saved spikes' layout. Else each
+        gradient [.., C/heads, L] is computed as its transpose [.., L, C/heads], so that it lies
+        as its slot of qkv does where qkv has the channels innermost (a fused block's spikes):
+        the copies into that slot read and write along the channels."""
         forbid_double_backward("spike_matmul_chain_heads")
         (spikes,) = ctx.saved_tensors
+        *_, channels, tokens = spikes.shape
+        kernels = _heads_kernels(grad, channels // (3 * ctx.num_heads), tokens)
+        if kernels is not None:
+            rows = spikes.reshape(-1, channels, tokens)
+            grad_rows = torch.empty_like(rows, dtype=grad.dtype)
+            grad_out = grad.reshape(rows.shape[0], channels // 3, tokens)
+            kernels.heads_chain_backward(grad_out, rows, grad_rows, ctx.num_heads, ctx.scale)
+            return grad_rows.view(spikes.shape), None, None
         q, k, v = heads(spikes, ctx.num_heads)
         counts = _counts(v, k.transpose(-2, -1), ctx.dtype)  # P = v kᵀ, recomputed
         # the scale multiplies a factor of each sum, not the sum: float16 sums stay as far
