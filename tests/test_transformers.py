@@ -174,3 +174,24 @@ def test_the_training_cli_builds_them_per_step(name: str) -> None:
         for m in plif.modules()
         if isinstance(m, neuron.BaseNode)
     )
+
+
+def test_the_token_mean_gives_the_means_gradient_dense_in_the_inputs_layout():
+    """The transformers' pooling over tokens: the values and gradient of
+    ``x.flatten(3).mean(-1)``, the gradient laid out as x (channels innermost) where autograd's
+    would be an expanded view; fx traces it as one call."""
+    from torch import fx
+
+    from spikefuse.model._tokens import token_mean
+
+    g = torch.randn(2, 3, 8, dtype=torch.float64)
+    rows = torch.randn(2, 3, 4, 5, 8, dtype=torch.float64)
+    for x in (rows.permute(0, 1, 4, 2, 3), rows.permute(0, 1, 4, 2, 3)[..., ::2]):
+        x = x.detach().requires_grad_()
+        (got,) = torch.autograd.grad(token_mean(x), x, g)
+        (want,) = torch.autograd.grad(x.flatten(3).mean(-1), x, g)
+        assert torch.equal(token_mean(x), x.flatten(3).mean(-1)) and torch.equal(got, want)
+        if x.shape[-1] == 5:  # the whole permuted tensor (the slice has gaps)
+            assert got.stride() == x.stride()
+    traced = fx.symbolic_trace(lambda t: token_mean(t) * 2)
+    assert [n.target for n in traced.graph.nodes if n.op == "call_function"][0] is token_mean

@@ -25,7 +25,7 @@ from torch import Tensor, fx, nn
 from .. import functional, layer
 from ..errors import SpikefuseError
 from ..layer.attention import QKAttention, SpikingSelfAttention
-from ._tokens import NeuronClass, lif, to_sequence
+from ._tokens import NeuronClass, lif, to_sequence, token_mean
 
 # fuse() traces the forward with torch.fx: the image-or-sequence branch is one opaque call
 fx.wrap("to_sequence")
@@ -204,7 +204,7 @@ class QKFormer(nn.Module):
             x = getattr(self, f"patch_embed{index}")(x)
             for block in getattr(self, f"stage{index}"):
                 x = block(x)
-        return self.head(x.flatten(3).mean(dim=-1).mean(0))
+        return self.head(token_mean(x).mean(0))
 
 
 def qkformer_10_384(

@@ -24,7 +24,7 @@ from torch import Tensor, fx, nn
 from .. import functional, layer
 from ..errors import SpikefuseError
 from ..layer.attention import SpikeDrivenSelfAttention
-from ._tokens import NeuronClass, lif, to_sequence
+from ._tokens import NeuronClass, lif, to_sequence, token_mean
 
 # fuse() traces the forward with torch.fx: the image-or-sequence branch is one opaque call
 fx.wrap("to_sequence")
@@ -169,7 +169,7 @@ class SpikeDrivenTransformer(nn.Module):
         x = self.patch_embed(to_sequence(x, self.T))
         for block in self.blocks:
             x = block(x)
-        x = self.head_lif(x.flatten(3).mean(-1))
+        x = self.head_lif(token_mean(x))
         return self.head(x.mean(0))
 
 

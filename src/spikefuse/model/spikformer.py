@@ -25,7 +25,7 @@ from torch import Tensor, fx, nn
 from .. import functional, layer
 from ..errors import SpikefuseError
 from ..layer.attention import SpikingSelfAttention
-from ._tokens import NeuronClass, lif, to_sequence
+from ._tokens import NeuronClass, lif, to_sequence, token_mean
 
 # fuse() traces the forward with torch.fx: the image-or-sequence branch is one opaque call
 fx.wrap("to_sequence")
@@ -251,7 +251,7 @@ class Spikformer(nn.Module):
         x_seq = self.patch_embed(x_seq)
         for block in self.blocks:
             x_seq = block(x_seq)
-        return x_seq.flatten(3).mean(dim=-1)
+        return token_mean(x_seq)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.forward_features(to_sequence(x, self.T)))
