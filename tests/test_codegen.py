@@ -594,3 +594,17 @@ def test_a_launch_passes_the_packed_struct_as_its_one_parameter(monkeypatch):
     monkeypatch.setattr(runtime, "_launch_in_context", launch_in_context)
     runtime.launch_named("source", "k", torch.device("cuda", 0), (3, 2, 1), (256, 1, 1), args)
     assert seen == [((1234, 3, 2, 1, 256, 1, 1, 0, 99), 0, 0, args)]
+
+
+def test_the_learnable_partials_live_in_the_gradients_buffer():
+    """The kernel's partial sums and block counter lie after the gradient in one zeroed buffer,
+    which the returned gradient holds: nothing allocated before the launch can take them."""
+    from spikefuse.cuda.runtime import learnable_grad_buffers
+
+    program = neuron.ParametricLIFNode(step_mode="m").program
+    grad, pointers = learnable_grad_buffers(program, torch.zeros(()), blocks=3)
+    start = grad.untyped_storage().data_ptr()
+    assert grad.shape == () and pointers["grad_learnable"] == start == grad.data_ptr()
+    assert pointers["grad_learnable_partial"] == start + 4
+    assert pointers["blocks_done"] == start + 4 * (1 + 3)
+    assert grad.untyped_storage().nbytes() == 4 * (1 + 3 + 1)

@@ -239,22 +239,28 @@ def learnable_grad_buffers(
     """The learnable parameters' gradient of one backward launch of ``blocks`` blocks (in
     ``learnable``'s shape, float32; zeros if ``blocks`` is 0, i.e. nothing is launched) and the
     kernel's pointers for it: each block writes its partial sums, counts itself in a counter
-    after them (zeroed here, in the same fill), and the last block sums the partials into the
-    gradient (see ``sum_learnable_grads`` in neuron_kernels.cuh). (None, {}) without learnable
-    parameters."""
+    after them, and the last block sums the partials into the gradient (see
+    ``sum_learnable_grads`` in neuron_kernels.cuh). (None, {}) without learnable parameters.
+
+    The partials and the counter lie in the gradient's own buffer, after it (zeroed in one
+    fill): the gradient the caller holds keeps them alive until the launch. A separate
+    temporary would go back to the allocator on return, and an allocation made before the
+    launch (a contiguous copy of a state's gradient) could take its memory and overwrite the
+    counter, so that no block would sum the partials."""
     if not program.learnable or learnable is None:
         return None, {}
     P = len(program.learnable)
     if not blocks:
         return learnable.new_zeros(learnable.shape, dtype=torch.float32), {}
-    grad = learnable.new_empty(learnable.shape, dtype=torch.float32)
-    partial = learnable.new_zeros(P * blocks + 1, dtype=torch.float32)  # + the counter (4 bytes)
+    n = learnable.numel()
+    buffer = learnable.new_zeros(n + P * blocks + 1, dtype=torch.float32)  # + the counter
+    start = buffer.data_ptr()
     pointers = {
-        "grad_learnable_partial": partial.data_ptr(),
-        "blocks_done": partial.data_ptr() + 4 * P * blocks,
-        "grad_learnable": grad.data_ptr(),
+        "grad_learnable": start,
+        "grad_learnable_partial": start + 4 * n,
+        "blocks_done": start + 4 * (n + P * blocks),
     }
-    return grad, pointers
+    return buffer[:n].view(learnable.shape), pointers
 
 
 def blocks_for(n: int, vec: int) -> int:
