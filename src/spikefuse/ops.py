@@ -151,8 +151,10 @@ def _neuron_bptt_fake(
     adaptive = lookup(program).definition.adaptive
     out = (
         torch.empty_like(grad_spikes, memory_format=torch.contiguous_format),
-        None if v0 is None else torch.empty_like(v0),
-        None if w0 is None or not adaptive else torch.empty_like(w0),
+        None if v0 is None else torch.empty_like(v0, memory_format=torch.contiguous_format),
+        None
+        if w0 is None or not adaptive
+        else torch.empty_like(w0, memory_format=torch.contiguous_format),
         None if learnable is None else torch.empty_like(learnable),
     )
     return tuple(_or_empty(t, grad_spikes) for t in out)

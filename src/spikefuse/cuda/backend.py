@@ -137,8 +137,10 @@ def bptt(
     grad_spikes = grad_spikes.to(dtype).contiguous()
     grad_v_seq = None if grad_v_seq is None else grad_v_seq.to(dtype).contiguous()
     grad_x = torch.empty_like(x)
-    grad_v0 = None if v0 is None else torch.empty_like(v0)
-    grad_w0 = None if w0 is None or not adaptive else torch.empty_like(w0)
+    # contiguous whatever v0's strides: the kernel writes them as it reads v0, a contiguous copy
+    contiguous = torch.contiguous_format
+    grad_v0 = None if v0 is None else torch.empty_like(v0, memory_format=contiguous)
+    grad_w0 = None if w0 is None or not adaptive else torch.empty_like(w0, memory_format=contiguous)
     vec = vector_width(N, x, grad_spikes, grad_v_seq, vec=BPTT_VEC[dtype])
     blocks = blocks_for(N, vec)
     grad_learnable, learnable_pointers = learnable_grad_buffers(
