@@ -10,6 +10,7 @@ import torch
 from spikefuse.errors import SpikefuseError
 from spikefuse.spike_matmul import (
     Plan,
+    spike_gate,
     spike_matmul,
     spike_matmul_chain,
     spike_matmul_chain_heads,
@@ -220,3 +221,26 @@ def test_the_heads_chain_scales_before_summing_so_float16_gradients_stay_finite(
     (got,) = torch.autograd.grad(spike_matmul_chain_heads(qkv, 1, 0.125), (qkv,), g)
     (ref,) = torch.autograd.grad(spike_matmul_chain_heads_naive(qkv, 1, 0.125), (qkv,), g)
     assert torch.isfinite(ref).all() and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
+def test_the_gate_equals_mul_and_keeps_bytes(needs):
+    """QKFormer's mask * K: mul's values and gradients bit for bit (broadcast summed back), with
+    only the operands backward needs saved, as bool."""
+    mask = spikes(2, 3, 4, 1, 9).detach().requires_grad_(needs[0])
+    k = spikes(2, 3, 4, 6, 9, seed=2).detach().requires_grad_(needs[1])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = spike_gate(mask, k)
+    assert torch.equal(out, mask * k)
+    assert [t.dtype for t in saved] == [torch.bool] * sum(needs)
+    inputs = [t for t in (mask, k) if t.requires_grad]
+    for got, ref in zip(grads(out, inputs), grads(mask * k, inputs), strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_the_gate_traces_as_one_call_and_refuses_integers():
+    traced = torch.fx.symbolic_trace(lambda a, b: spike_gate(a, b) + 1)
+    assert [n.target for n in traced.graph.nodes if n.op == "call_function"][0] is spike_gate
+    with pytest.raises(SpikefuseError, match="floating spikes"):
+        spike_gate(torch.ones(2, dtype=torch.int64), torch.ones(2))

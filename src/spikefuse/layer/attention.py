@@ -29,7 +29,7 @@ from torch import Tensor, fx, nn
 from .._neuron import _make_multi_step_neuron
 from ..base import MultiStepModule
 from ..errors import SpikefuseError
-from ..spike_matmul import spike_matmul_chain_heads
+from ..spike_matmul import spike_gate, spike_matmul_chain_heads
 from ._base import BatchNorm2d, Conv2d, SeqToANNContainer
 
 __all__ = [
@@ -187,7 +187,8 @@ class QKAttention(_HeadedAttention):
         qk = self.qk_lif(self.qk_conv_bn(x_seq))  # [T, N, 2C, L]
         q, k = qk.unflatten(2, (2 * self.num_heads, self.head_dim)).chunk(2, dim=2)
         attn = self.attn_lif(q.sum(dim=self.sum_dim, keepdim=True))
-        x_seq = (attn * k).flatten(2, 3)  # [T, N, C, L]
+        # attn * k; backward keeps both as bytes, not the float Q/K spikes k is a view of
+        x_seq = spike_gate(attn, k).flatten(2, 3)  # [T, N, C, L]
         return self.proj_lif(self.proj_conv_bn(x_seq))
 
     def extra_repr(self) -> str:

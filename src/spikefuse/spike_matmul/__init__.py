@@ -20,7 +20,10 @@ to bfloat16); the plain matmul follows autocast, as in the unfused model.
 The inputs must hold only 0 and 1 (a neuron's spikes); that is the caller's promise, not
 checked (checking would read the data). Under torch.fx symbolic tracing (what
 :func:`~spikefuse.fused.fuse` does to find chains) a call is one graph node. Backward keeps the operands as ``torch.bool``, one
-byte per spike, and the chain recomputes its counts instead of keeping them.
+byte per spike, and the chain recomputes its counts instead of keeping them. On CUDA the
+heads' chain (Spikformer's form) runs as one kernel each way, exact with float32 sums
+(:class:`~.autograd.SpikeHeadsChainFunction`). :func:`spike_gate`, QKFormer's element-wise
+gate, only keeps its operands as ``torch.bool``.
 """
 
 from __future__ import annotations
@@ -33,12 +36,18 @@ from typing import Any
 from torch import Tensor, fx
 
 from ..errors import SpikefuseError
-from .autograd import SpikeHeadsChainFunction, SpikeMatmulChainFunction, SpikeMatmulFunction
+from .autograd import (
+    SpikeGateFunction,
+    SpikeHeadsChainFunction,
+    SpikeMatmulChainFunction,
+    SpikeMatmulFunction,
+)
 from .naive import spike_matmul_chain_heads_naive, spike_matmul_chain_naive, spike_matmul_naive
 from .rules import Plan, plan
 
 __all__ = [
     "Plan",
+    "spike_gate",
     "spike_matmul",
     "spike_matmul_chain",
     "spike_matmul_chain_heads",
@@ -127,6 +136,21 @@ def spike_matmul_chain_heads(qkv: Tensor, num_heads: int, scale: float = 1.0) ->
             f"spike_matmul_chain_heads: scale must be a finite number, got {scale!r}"
         )
     return SpikeHeadsChainFunction.apply(qkv, num_heads, float(scale))
+
+
+def spike_gate(mask: Tensor, spikes: Tensor) -> Tensor:
+    """``mask * spikes`` of spike tensors that broadcast (QKFormer's gate of K by its spiking
+    attention mask): the same values and gradients, but backward keeps the operands as
+    ``torch.bool`` (a byte per spike) where ``mul`` keeps them as they are, e.g. a float32 view
+    that holds a whole Q/K block's output alive."""
+    traced = _traced(spike_gate, mask, spikes)
+    if traced is not None:
+        return traced
+    for name, t in (("mask", mask), ("spikes", spikes)):
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point:
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise SpikefuseError(f"spike_gate: {name} must be floating spikes, got {got}")
+    return SpikeGateFunction.apply(mask, spikes)
 
 
 def _check_heads(qkv: Tensor, num_heads: int) -> None:

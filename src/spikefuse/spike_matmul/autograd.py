@@ -131,6 +131,32 @@ def heads(qkv: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     return q, k, v
 
 
+class SpikeGateFunction(torch.autograd.Function):
+    """``mask * spikes`` of two spike tensors that broadcast (see
+    :func:`spikefuse.spike_matmul.spike_gate`), keeping each operand backward needs as
+    ``torch.bool``: the other's gradient is ``grad * operand`` summed to its shape, as
+    autograd's ``mul`` computes it."""
+
+    @staticmethod
+    def forward(ctx: Any, mask: Tensor, spikes: Tensor) -> Tensor:
+        needs_mask, needs_spikes = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(
+            spikes.to(torch.bool) if needs_mask else None,
+            mask.to(torch.bool) if needs_spikes else None,
+        )
+        ctx.shapes = mask.shape, spikes.shape
+        return mask * spikes
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        forbid_double_backward("spike_gate")
+        spikes, mask = ctx.saved_tensors
+        mask_shape, spikes_shape = ctx.shapes
+        grad_mask = None if spikes is None else (grad * spikes).sum_to_size(mask_shape)
+        grad_spikes = None if mask is None else (grad * mask).sum_to_size(spikes_shape)
+        return grad_mask, grad_spikes
+
+
 def _heads_kernels(like: Tensor, head_dim: int, tokens: int) -> HeadsChainKernels | None:
     """The backend's heads-chain kernels where they run ``like``'s device and dtype and heads of
     this size (None: the torch matmuls)."""
