@@ -6,10 +6,6 @@ is covered by the GPU check (``tests/gpu/test_spike_matmul_gpu.py``)."""
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
-
 import pytest
 import torch
 
@@ -17,7 +13,7 @@ from spikefuse.cuda import spike_attention as kernels
 from spikefuse.spike_matmul import autograd as sm_autograd
 from spikefuse.spike_matmul import spike_matmul_chain_heads, spike_matmul_chain_heads_naive
 from test_codegen import assert_compiles_without_spills, needs_nvcc
-from test_spike_max_pool import HEADERS
+from test_spike_max_pool import emulation_compiler
 
 EMULATION = r"""
 #include <cmath>
@@ -51,38 +47,14 @@ extern "C" void launch(int backward, const void* packed, int blocks)
     }
 }
 """
-GXX = shutil.which("g++")
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     """A ``launch_named`` stand-in running the kernels' source on the CPU."""
-    if GXX is None:
-        pytest.skip("g++ not found on PATH: the kernel source is not run on the CPU")
-    folder = tmp_path_factory.mktemp("heads_chain_emulation")
-    (folder / "emulation.cpp").write_text(EMULATION)
-    for header, text in HEADERS.items():
-        (folder / header).write_text(text)
-    libraries: dict[str, ctypes.CDLL] = {}
-
-    def library(source: str) -> ctypes.CDLL:
-        if source not in libraries:
-            i = len(libraries)
-            (folder / f"source{i}.h").write_text(source)
-            out = folder / f"emulation{i}.so"
-            define = f'-DKERNEL_SOURCE="{folder / f"source{i}.h"}"'
-            cmd = [GXX, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{folder}", define]
-            r = subprocess.run(
-                [*cmd, "-o", str(out), str(folder / "emulation.cpp")],
-                capture_output=True,
-                text=True,
-            )
-            if r.returncode and "_Float16" in r.stderr:
-                pytest.skip(f"g++ lacks _Float16: {r.stderr[:200]}")
-            assert r.returncode == 0, r.stderr[-3000:]
-            libraries[source] = ctypes.CDLL(str(out))
-            assert libraries[source].args_size() == kernels.ARGS.size
-        return libraries[source]
+    library = emulation_compiler(
+        tmp_path_factory, "heads_chain_emulation", EMULATION, kernels.ARGS.size
+    )
 
     def launch_named(source, name, device, grid, block, args):
         assert block == (256, 1, 1) and grid[1:] == (1, 1) and len(args) == kernels.ARGS.size

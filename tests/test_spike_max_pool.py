@@ -340,14 +340,14 @@ GXX = shutil.which("g++")
 KERNEL_NAME = re.compile(r"spikefuse_max_pool_(forward|backward)(_v\d+)?_")
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """A ``launch_named`` stand-in running the kernels' source (each dtype's and window's
-    compiled for the CPU on first use); ``.names`` lists the kernels it launched."""
+def emulation_compiler(tmp_path_factory, name: str, emulation: str, args_size: int):
+    """``library(source)``: the ctypes library of ``emulation`` (C++ including a kernel source
+    as KERNEL_SOURCE, with the stand-in HEADERS) compiled by g++ once per source; its
+    ``args_size()`` must be ``args_size`` (the host's packed struct is the kernels' Args)."""
     if GXX is None:
         pytest.skip("g++ not found on PATH: the kernel source is not run on the CPU")
-    folder = tmp_path_factory.mktemp("max_pool_emulation")
-    (folder / "emulation.cpp").write_text(EMULATION)
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "emulation.cpp").write_text(emulation)
     for header, text in HEADERS.items():
         (folder / header).write_text(text)
     libraries: dict[str, ctypes.CDLL] = {}
@@ -368,8 +368,19 @@ def emulated(tmp_path_factory):
                 pytest.skip(f"g++ lacks _Float16: {r.stderr[:200]}")
             assert r.returncode == 0, r.stderr[-3000:]
             libraries[source] = ctypes.CDLL(str(out))
-            assert libraries[source].args_size() == kernels.ARGS.size  # the packed struct is it
+            assert libraries[source].args_size() == args_size
         return libraries[source]
+
+    return library
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """A ``launch_named`` stand-in running the kernels' source (each dtype's and window's
+    compiled for the CPU on first use); ``.names`` lists the kernels it launched."""
+    library = emulation_compiler(
+        tmp_path_factory, "max_pool_emulation", EMULATION, kernels.ARGS.size
+    )
 
     def launch_named(source, name, device, grid, block, args):
         assert block == (256, 1, 1) and grid[1:] == (1, 1) and len(args) == kernels.ARGS.size
