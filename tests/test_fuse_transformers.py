@@ -4,6 +4,8 @@ the stems' chains that max-pool the neuron's input included, and fused equals un
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -75,3 +77,26 @@ def test_chains_in_a_module_list_fuse() -> None:
     assert report.fused_fraction == 1.0 and len(report.fused) == 3, str(report)
     assert isinstance(fused.blocks[1].conv_bn, FusedBlock)
     assert isinstance(fused.named["last"].conv_bn, FusedBlock)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("cls", "config"), [case[:2] for case in CASES], ids=lambda v: str(v)[:30])
+def test_fused_transformers_compile_whole_and_compute_the_same(cls, config) -> None:
+    """torch.compile(fullgraph=True) traces a fused transformer without a graph break: the
+    attention products, the layout-keeping neurons and the mean over tokens included; its
+    output equals eager bit for bit (float64) and its gradients agree within 1e-9."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    fused = fuse(randomized(cls(**config)))
+    compiled_model = copy.deepcopy(fused)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+    images = torch.rand(3, 3, 8, 8, dtype=torch.float64)
+    outputs = [model(images) for model in (fused, compiled)]
+    assert torch.equal(outputs[0], outputs[1])
+    for out in outputs:
+        out.sum().backward()
+    for (name, eager), graphed in zip(
+        fused.named_parameters(), compiled_model.parameters(), strict=True
+    ):
+        if eager.grad is not None:
+            torch.testing.assert_close(graphed.grad, eager.grad, rtol=1e-9, atol=1e-12, msg=name)
