@@ -431,7 +431,7 @@ def test_outputs_keep_a_dense_layout_and_equal_the_contiguous_run(name, x, kept,
     for got, want in zip(*outputs, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     s, second, v, v_seq, grad = outputs[0]
-    if kept and node is not neuron.ParametricLIFNode:  # learnable: a contiguous copy
+    if kept:
         assert s.stride() == x.stride() and v_seq.stride() == x.stride()
         assert v.stride() == x[0].stride() and grad.stride() == x.stride()
     else:

@@ -388,14 +388,9 @@ def run_neuron(
     The outputs keep x's memory layout where it is a dense permutation with time outermost
     (e.g. channels-last maps, or tokens with the channels innermost), as torch's pointwise ops
     keep it; the states ``v0``, ``w0`` and ``v_last``, ``w_last`` lie as one step of x does.
-    Other layouts, and neurons with learnable parameters, run as a contiguous copy, outputs
-    contiguous.
+    Other layouts are run as a contiguous copy, outputs contiguous.
     """
-    # Neurons with learnable parameters keep the contiguous copy: on the cuda backend their
-    # parameter gradient came out zero for a permuted x (tests/gpu/test_kernels.py), where the
-    # copy of a permuted state gradient took the memory of the kernel's partial sums (fixed in
-    # runtime.learnable_grad_buffers); they join once the GPU check has run that fix.
-    order = None if program.learnable else memory_order(x_seq)
+    order = memory_order(x_seq)
     if order is not None:  # the contiguous view of x's memory (and the states' views)
         state_order = [d - 1 for d in order[1:]]
         outputs = run_neuron(
