@@ -262,13 +262,21 @@ def test_argument_struct_matches_the_packed_bytes(make, affine, residual):
 
 @pytest.mark.parametrize(
     "rows, channels, inner",
-    [(1, 32, 1), (9, 64, 1), (17, 96, 1), (640 * 4, 512, 1), (5, 10, 1), (4, 32, 16)],
+    [
+        (1, 32, 1),
+        (9, 64, 1),
+        (17, 96, 1),
+        (640 * 4, 512, 1),
+        (140_001, 32, 1),
+        (5, 10, 1),
+        (4, 32, 16),
+    ],
 )
 def test_backward_channel_tiles_cover_every_neuron_once(rows, channels, inner):
-    """The backward's thread -> neuron map (the template's bptt_first_neuron, replayed here)
-    gives every neuron to exactly one thread, and pass 1's block_channel_sums writes each
-    block's sums where _per_channel_sum reads that channel: the per-channel totals equal
-    per-neuron ones."""
+    """The backward's thread -> neuron map (the template's bptt_first_neuron and
+    bptt_next_slot, replayed here) gives every neuron to exactly one thread, and pass 1's
+    block_channel_sums writes each block's sums where _per_channel_sum reads that channel: the
+    per-channel totals equal per-neuron ones."""
     n = rows * channels * inner
     tiles, (grid_x, grid_y), per_sum = affine_plan.bptt_grid(n, (channels, inner), vec=1)
     values = torch.rand(n, dtype=torch.float64)
@@ -281,9 +289,14 @@ def test_backward_channel_tiles_cover_every_neuron_once(rows, channels, inner):
         owned = (block_x * BLOCK_THREADS + thread).flatten()
         assert torch.equal(owned[owned < n], torch.arange(n))
         return
-    assert tiles == channels // 32 == grid_x  # block (x, y): channel tile x, row group y
-    row = block_y * affine_plan.TILE_ROWS + thread // 32
-    channel = block_x * 32 + thread % 32
+    assert (
+        tiles == channels // 32 == grid_x
+    )  # block (x, y): channel tile x, row groups y + k grid_y
+    walks = -(-rows // (affine_plan.TILE_ROWS * grid_y))
+    assert walks <= affine_plan.GROUPS_PER_BLOCK
+    row = (block_y + grid_y * torch.arange(walks)[:, None, None, None]) * affine_plan.TILE_ROWS
+    row = row + thread // 32
+    channel = (block_x * 32 + thread % 32).expand_as(row)
     neuron_of = row * channels + channel
     owns = row * channels < n
     assert torch.equal(neuron_of[owns].sort().values, torch.arange(n))
@@ -293,14 +306,25 @@ def test_backward_channel_tiles_cover_every_neuron_once(rows, channels, inner):
     assert torch.allclose(affine.per_channel_sum(partial[None], (channels, inner)), expected)
 
 
+def test_backward_blocks_walk_few_row_groups_and_keep_the_gpu_busy():
+    """A block walks at most GROUPS_PER_BLOCK row groups, fewer where the grid would otherwise
+    have fewer than GRID_BLOCKS blocks (a small map keeps one group per block)."""
+    groups = affine_plan.GROUPS_PER_BLOCK * affine_plan.GRID_BLOCKS * 4
+    _, (_, grid_y), _ = affine_plan.bptt_grid(groups * affine_plan.TILE_ROWS * 32, (32, 1), 1)
+    assert grid_y == groups // affine_plan.GROUPS_PER_BLOCK
+    _, (grid_x, grid_y), _ = affine_plan.bptt_grid(784 * affine_plan.TILE_ROWS * 512, (512, 1), 1)
+    assert grid_x * grid_y == affine_plan.GRID_BLOCKS  # 784 groups over 128 rows of blocks
+    assert affine_plan.bptt_grid(9 * 64, (64, 1), 1)[1] == (2, 2)
+
+
 def test_backward_grid_stays_within_cuda_grid_rows():
-    """More row groups than a grid's 65535 rows: one row of blocks, every neuron its own sums."""
-    rows = affine_plan.TILE_ROWS * affine_plan.MAX_GRID_ROWS
+    """More rows of blocks than a grid's 65535: one row of blocks, every neuron its own sums."""
+    rows = affine_plan.TILE_ROWS * affine_plan.GROUPS_PER_BLOCK * affine_plan.MAX_GRID_ROWS
     assert affine_plan.bptt_grid(rows * 32, (32, 1), vec=1)[:2] == (
         1,
         (1, affine_plan.MAX_GRID_ROWS),
     )
-    n = (rows + 1) * 32
+    n = (rows + affine_plan.TILE_ROWS) * 32
     assert affine_plan.bptt_grid(n, (32, 1), vec=1) == (0, (affine_plan.blocks_for(n, 1), 1), n)
 
 

@@ -30,8 +30,16 @@ pytestmark = pytest.mark.gpu
 
 EPS = 1e-5
 DTYPE = torch.float32
-# [T, B, C, *]: a Linear's, a Conv2d's (odd channel count; T = 1; more steps than a chunk)
-SHAPES = [(4, 8, 33), (3, 2, 5, 6, 6), (1, 4, 16, 4, 2), (40, 2, 8, 4, 4)]
+# [T, B, C, *]: a Linear's, a Conv2d's (odd channel count; T = 1; more steps than a chunk);
+# channels in whole warps, where backward blocks walk several row groups (the last one short)
+SHAPES = [
+    (4, 8, 33),
+    (3, 2, 5, 6, 6),
+    (1, 4, 16, 4, 2),
+    (40, 2, 8, 4, 4),
+    (2, 16, 64, 33, 31),
+    (4, 16, 32, 45, 47),
+]
 
 
 def _leaves(shape, seed: int, residual: bool, channels_last: bool):

@@ -23,6 +23,14 @@ from .runtime import aligned, blocks_for, kernel_for, vector_width
 
 # Rows of a channel-tiled backward block (the template's TILE_ROWS: 32 channels x this many rows).
 TILE_ROWS = BLOCK_THREADS // 32
+# A channel-tiled backward block walks up to this many groups of TILE_ROWS rows: its threads set
+# up their channel's vectors and coefficients, and the block its sums, once for all of them
+# (at small T the set-up is a sizeable share of a backward bound by instruction issue), and
+# pass 1 writes as many times fewer partial sums.
+GROUPS_PER_BLOCK = 8
+# ... but fewer where the grid would then have fewer blocks than this: four waves of an H200's
+# 132 SMs at four resident blocks each, about.
+GRID_BLOCKS = 2048
 MAX_GRID_ROWS = 65535  # CUDA's limit on gridDim.y
 
 Geometry = tuple[torch.Size, tuple[int, ...]]  # (shape, strides)
@@ -106,16 +114,23 @@ def bptt_grid(
     (the neurons, or the pooled kernels' windows).
 
     With channels innermost in whole warps (inner 1, C a multiple of 32, one neuron per thread,
-    no pooling, at most 65535 groups of ``TILE_ROWS`` rows: CUDA's bound on grid rows) block
-    (x, y) owns the 32 channels of tile x in the rows of group y, and pass 1 writes one sum per
-    channel and row group (``channel_tiles`` = C / 32; grid (C / 32, row groups)); otherwise
-    the grid is one row of blocks, every slot writing its own sums (``channel_tiles`` 0).
+    no pooling, at most 65535 rows of blocks: CUDA's bound on grid rows) block (x, y) owns the
+    32 channels of tile x in the groups of ``TILE_ROWS`` rows y, y + grid rows, ..., and pass 1
+    writes one sum per channel and row of blocks (``channel_tiles`` = C / 32; grid (C / 32,
+    rows of blocks)). A block walks up to :data:`GROUPS_PER_BLOCK` groups, fewer where the grid
+    would have fewer than :data:`GRID_BLOCKS` blocks. Otherwise the grid is one row of blocks,
+    every slot writing its own sums (``channel_tiles`` 0).
     """
     c, inner = channels
     row_groups = -(-(n // c) // TILE_ROWS)
-    if inner != 1 or c % 32 or vec != 1 or pool != 1 or not 0 < row_groups <= MAX_GRID_ROWS:
+    tiles = c // 32 if c else 0
+    grid_rows = 0
+    if tiles:
+        walked = -(-row_groups // GROUPS_PER_BLOCK)
+        grid_rows = min(row_groups, max(walked, -(-GRID_BLOCKS // tiles)))
+    if inner != 1 or c % 32 or vec != 1 or pool != 1 or not 0 < grid_rows <= MAX_GRID_ROWS:
         return 0, (blocks_for(n, vec), 1), n
-    return c // 32, (c // 32, row_groups), row_groups * c
+    return tiles, (tiles, grid_rows), grid_rows * c
 
 
 def affine_chunk(y: torch.Tensor) -> int:

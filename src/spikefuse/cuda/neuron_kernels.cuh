@@ -271,12 +271,15 @@ constexpr int TILE_ROWS = BLOCK_THREADS / 32;
 // The slot of a backward thread: the first of its VEC neurons, or (pooled kernels) its output
 // element. Consecutive threads own consecutive slots, except in the unpooled affine kernels
 // with channels innermost (a.channel_tiles > 0, VEC = 1): there block (x, y) of a 2-D grid
-// owns the 32 channels of tile x in the TILE_ROWS rows of group y (row r, channel c: neuron
-// r * channels + c; neighbouring blocks read neighbouring channels). Pass 1 then adds up its
-// rows' per-channel sums itself (block_channel_sums) and writes TILE_ROWS times fewer of
-// them, and no thread divides to find its channel (a 64-bit division is a subroutine of
-// dozens of instructions: at small T, a sizeable share of a backward bound by instruction
-// issue). Threads past the last row own no neuron (slot N).
+// owns the 32 channels of tile x in the row groups y, y + gridDim.y, ... of TILE_ROWS rows
+// each (row r, channel c: neuron r * channels + c; neighbouring blocks read neighbouring
+// channels), a thread one neuron per row group (bptt_next_slot). Pass 1 then adds up its
+// rows' per-channel sums itself (block_channel_sums) and writes TILE_ROWS times the groups
+// per block fewer of them, and no thread divides to find its channel (a 64-bit division is a
+// subroutine of dozens of instructions). A thread's channel vectors, BatchNorm coefficients
+// and block sums are set up once for all its neurons: at small T that set-up is a sizeable
+// share of a backward bound by instruction issue. Threads past the last row own no neuron
+// (slot N).
 template <class Args>
 __device__ __forceinline__ bool channel_tiled(const Args& a)
 {
@@ -295,6 +298,17 @@ __device__ __forceinline__ long long bptt_first_neuron(const Args& a)
                                           : a.N;
         }
     return ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+}
+
+// The slot a backward thread walks after ``slot``: in a channel-tiled block, the same channel
+// in the block's next row group (gridDim.y groups on); otherwise none (N: one slot a thread).
+template <class Args>
+__device__ __forceinline__ long long bptt_next_slot(const Args& a, const long long slot)
+{
+    if constexpr (AFFINE)
+        if (channel_tiled(a))
+            return slot + (long long)gridDim.y * TILE_ROWS * a.channels;
+    return a.N;
 }
 
 // Pass 1 of a channel-tiled block: its TILE_ROWS rows' sums of each of its 32 channels, added
@@ -456,9 +470,10 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     constexpr bool WRITES = !SUMS;  // dL/dX (affine: dL/dY)
     constexpr bool LEARNS = N_LEARNABLE > 0 && (SUMS || !AFFINE);
     const int T = (int)a.T;
-    // The thread's slot: neurons slot .. slot + VEC - 1, or (pooled) output element slot.
-    const long long N = a.N, slot = bptt_first_neuron(a), x_step = x_step_of(a);
-    const bool active = slot < N / WINDOW;
+    // The thread's first slot: neurons first .. first + VEC - 1, or (pooled) output element
+    // first; channel-tiled threads walk more slots of the same channel (bptt_next_slot).
+    const long long N = a.N, first = bptt_first_neuron(a), x_step = x_step_of(a);
+    const bool active = first < N / WINDOW;
     const auto p = load_params(a);
     // Affine kernels: this thread's neurons' channels, and BatchNorm's backward through the
     // batch statistics from the channel totals: dL/dY = scale g + coef_y Y + coef_0
@@ -467,7 +482,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     if constexpr (AFFINE)
         for (int k = 0; k < VEC && active; ++k) {
             const long long c = channel_tiled(a) ? blockIdx.x * 32 + threadIdx.x % 32
-                                                 : (slot + k) / a.inner % a.channels;
+                                                 : (first + k) / a.inner % a.channels;
             channel_affine(a, c, scale[k], shift[k]);
             mean[k] = a.bn_mean[c];
             coef_y[k] = coef_0[k] = sum_g[k] = sum_gy[k] = 0.0f;
@@ -485,128 +500,131 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     float grad_y_total[VEC];
     // Carried from step t+1 to step t: the gradient reaching V[t] (and W[t]) from later steps.
     float grad_v_carry[VEC], grad_w_carry[VEC];
-    // One walk through time per neuron of the slot (pooled kernels: per neuron of the window,
-    // summing BatchNorm's sums and the learnable gradients over them).
-    for (int walk = 0; walk < WINDOW && active; ++walk) {
-        const long long n = walked_neuron(a, slot, walk);
-        for (int k = 0; k < VEC; ++k) {
-            grad_y_total[k] = 0.0f;
-            grad_v_carry[k] = 0.0f;
-            if constexpr (!AFFINE)
-                if (a.grad_v_last)
-                    grad_v_carry[k] = a.grad_v_last[n + k];
-            if constexpr (ADAPTIVE)
-                grad_w_carry[k] = a.grad_w_last ? a.grad_w_last[n + k] : 0.0f;
-        }
-        for (int t0 = (T - 1) / CHUNK * CHUNK; t0 >= 0; t0 -= CHUNK) {
-            // element (t0, n); step j of the chunk is base + j*N (of x_seq: x_base + j*x_step)
-            const long long base = t0 * N + n, x_base = t0 * x_step + n;
-            // State at the chunk's start (V[t0-1], W[t0-1]): the forward's checkpoint, or V[-1].
-            float v_start[VEC], w_start[VEC];
-            const long long c = (t0 / CHUNK - 1) * N + n;
+    for (long long slot = first; slot < N / WINDOW; slot = bptt_next_slot(a, slot)) {
+        // One walk through time per neuron of the slot (pooled kernels: per neuron of the window,
+        // summing BatchNorm's sums and the learnable gradients over them).
+        for (int walk = 0; walk < WINDOW; ++walk) {
+            const long long n = walked_neuron(a, slot, walk);
             for (int k = 0; k < VEC; ++k) {
-                v_start[k] = t0 ? a.v_ckpt[c + k] : initial_v(a, n + k);
+                grad_y_total[k] = 0.0f;
+                grad_v_carry[k] = 0.0f;
+                if constexpr (!AFFINE)
+                    if (a.grad_v_last)
+                        grad_v_carry[k] = a.grad_v_last[n + k];
                 if constexpr (ADAPTIVE)
-                    w_start[k] = t0 ? a.w_ckpt[c + k] : initial_w(a, n + k);
-                else
-                    w_start[k] = 0.0f;
+                    grad_w_carry[k] = a.grad_w_last ? a.grad_w_last[n + k] : 0.0f;
             }
-            // the chunk's steps (all CHUNK but in the last chunk), compared with the constant j
-            const int steps = min(CHUNK, T - t0);
-            // the chunk's loads first: independent, so they overlap
-            pack_t xp[CHUNK], gsp[CHUNK], rp[CHUNK];
-#pragma unroll
-            for (int j = 0; j < CHUNK; ++j) {
-                if (j >= steps)
-                    break;
-                xp[j] = load_pack(a.x_seq, x_base + j * x_step);
-                gsp[j] = grad_spike_pack(a, t0 + j, n, slot);
-                if constexpr (RESIDUAL)
-                    rp[j] = load_pack(a.residual_seq, base + j * N);
-            }
-            // Recompute the chunk as forward did: H[t] (and W[t]) into registers.
-            float hc[CHUNK][VEC], wc[CHUNK][VEC];
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                float v = v_start[k], w = w_start[k];
-#pragma unroll
+            for (int t0 = (T - 1) / CHUNK * CHUNK; t0 >= 0; t0 -= CHUNK) {
+                // element (t0, n); step j of the chunk is base + j*N (of x_seq: x_base + j*x_step)
+                const long long base = t0 * N + n, x_base = t0 * x_step + n;
+                // State at the chunk's start (V[t0-1], W[t0-1]): the forward's checkpoint, or
+                // V[-1].
+                float v_start[VEC], w_start[VEC];
+                const long long c = (t0 / CHUNK - 1) * N + n;
+                for (int k = 0; k < VEC; ++k) {
+                    v_start[k] = t0 ? a.v_ckpt[c + k] : initial_v(a, n + k);
+                    if constexpr (ADAPTIVE)
+                        w_start[k] = t0 ? a.w_ckpt[c + k] : initial_w(a, n + k);
+                    else
+                        w_start[k] = 0.0f;
+                }
+                // the chunk's steps (all CHUNK but in the last chunk), compared with the constant j
+                const int steps = min(CHUNK, T - t0);
+                // the chunk's loads first: independent, so they overlap
+                pack_t xp[CHUNK], gsp[CHUNK], rp[CHUNK];
+    #pragma unroll
                 for (int j = 0; j < CHUNK; ++j) {
                     if (j >= steps)
                         break;
-                    const float x = neuron_input(
-                        to_float(xp[j].e[k]), scale, shift, k, residual_at(rp[j], k));
-                    hc[j][k] = step(v, w, x, p);
-                    wc[j][k] = w;
+                    xp[j] = load_pack(a.x_seq, x_base + j * x_step);
+                    gsp[j] = grad_spike_pack(a, t0 + j, n, slot);
+                    if constexpr (RESIDUAL)
+                        rp[j] = load_pack(a.residual_seq, base + j * N);
                 }
-            }
-            // Walk the chunk backwards (seed 003):
-            //   dL/dH[t] = dL/dS[t] Θ' + dL/dV[t] dV[t]/dH[t]
-            //              (+ dL/dW[t] (∂Z[t]/∂H[t] + jump Θ'))
-#pragma unroll
-            for (int j = CHUNK - 1; j >= 0; --j) {
-                if (j >= steps)
-                    continue;
-                pack_t gxp, gvp, grp;
-                if constexpr (!AFFINE)
-                    if (a.grad_v_seq)
-                        gvp = load_pack(a.grad_v_seq, base + j * N);
-#pragma unroll
+                // Recompute the chunk as forward did: H[t] (and W[t]) into registers.
+                float hc[CHUNK][VEC], wc[CHUNK][VEC];
+    #pragma unroll
                 for (int k = 0; k < VEC; ++k) {
-                    const float h = hc[j][k];
-                    const float y = to_float(xp[j].e[k]);  // X, or Y in the affine kernels
-                    const float x = neuron_input(y, scale, shift, k, residual_at(rp[j], k));
-                    // The state step t started from: the chunk's start, or step t-1's result.
-                    const float v_prev = j == 0 ? v_start[k] : reset(hc[j - 1][k], p);
-                    const float w_prev = j == 0 ? w_start[k] : wc[j - 1][k];
-                    const float spike = h >= p.v_threshold ? 1.0f : 0.0f;
-                    const float sg = surrogate_grad(h - p.v_threshold);
-                    // dL/dV[t]: from step t+1, plus the V sequence's (if v_seq; affine: none)
-                    float grad_v = grad_v_carry[k];
+                    float v = v_start[k], w = w_start[k];
+    #pragma unroll
+                    for (int j = 0; j < CHUNK; ++j) {
+                        if (j >= steps)
+                            break;
+                        const float x = neuron_input(
+                            to_float(xp[j].e[k]), scale, shift, k, residual_at(rp[j], k));
+                        hc[j][k] = step(v, w, x, p);
+                        wc[j][k] = w;
+                    }
+                }
+                // Walk the chunk backwards (seed 003):
+                //   dL/dH[t] = dL/dS[t] Θ' + dL/dV[t] dV[t]/dH[t]
+                //              (+ dL/dW[t] (∂Z[t]/∂H[t] + jump Θ'))
+    #pragma unroll
+                for (int j = CHUNK - 1; j >= 0; --j) {
+                    if (j >= steps)
+                        continue;
+                    pack_t gxp, gvp, grp;
                     if constexpr (!AFFINE)
                         if (a.grad_v_seq)
-                            grad_v += to_float(gvp.e[k]);
-                    // Gradients need not match torch bit for bit (forward's H does): FMAs here
-                    float grad_h = fmaf(grad_v, dv_dh(h, spike, sg, p), to_float(gsp[j].e[k]) * sg);
-                    if constexpr (ADAPTIVE) {
-                        const float grad_w = grad_w_carry[k];  // dL/dW[t]
-                        grad_h += grad_w
-                                * (dz_dh(v_prev, x, w_prev, h, p) + adaptation_jump(p) * sg);
-                        grad_w_carry[k] = grad_h * dh_dw(v_prev, x, w_prev, h, p)
-                                        + grad_w * dz_dw(v_prev, x, w_prev, h, p);
+                            gvp = load_pack(a.grad_v_seq, base + j * N);
+    #pragma unroll
+                    for (int k = 0; k < VEC; ++k) {
+                        const float h = hc[j][k];
+                        const float y = to_float(xp[j].e[k]);  // X, or Y in the affine kernels
+                        const float x = neuron_input(y, scale, shift, k, residual_at(rp[j], k));
+                        // The state step t started from: the chunk's start, or step t-1's result.
+                        const float v_prev = j == 0 ? v_start[k] : reset(hc[j - 1][k], p);
+                        const float w_prev = j == 0 ? w_start[k] : wc[j - 1][k];
+                        const float spike = h >= p.v_threshold ? 1.0f : 0.0f;
+                        const float sg = surrogate_grad(h - p.v_threshold);
+                        // dL/dV[t]: from step t+1, plus the V sequence's (if v_seq; affine: none)
+                        float grad_v = grad_v_carry[k];
+                        if constexpr (!AFFINE)
+                            if (a.grad_v_seq)
+                                grad_v += to_float(gvp.e[k]);
+                        // Gradients need not match torch bit for bit (forward's H does): FMAs here
+                        float grad_h = fmaf(grad_v, dv_dh(h, spike, sg, p),
+                                            to_float(gsp[j].e[k]) * sg);
+                        if constexpr (ADAPTIVE) {
+                            const float grad_w = grad_w_carry[k];  // dL/dW[t]
+                            grad_h += grad_w
+                                    * (dz_dh(v_prev, x, w_prev, h, p) + adaptation_jump(p) * sg);
+                            grad_w_carry[k] = grad_h * dh_dw(v_prev, x, w_prev, h, p)
+                                            + grad_w * dz_dw(v_prev, x, w_prev, h, p);
+                        }
+                        const float grad_x = grad_h * dh_dx(v_prev, x, w_prev, h, p);
+                        if constexpr (SUMS) {
+                            sum_g[k] += grad_x;
+                            sum_gy[k] = fmaf(grad_x, y - mean[k], sum_gy[k]);
+                        } else if constexpr (AFFINE) {
+                            const float grad_y =
+                                fmaf(scale[k], grad_x, fmaf(coef_y[k], y, coef_0[k]));
+                            gxp.e[k] = from_float(grad_y);  // dL/dY
+                            grad_y_total[k] += grad_y;
+                            if constexpr (RESIDUAL)
+                                grp.e[k] = from_float(grad_x);  // dL/dR
+                        } else {
+                            gxp.e[k] = from_float(grad_x);
+                        }
+                        grad_v_carry[k] = grad_h * dh_dv(v_prev, x, w_prev, h, p);  // to V[t-1]
+                        if constexpr (LEARNS)
+                            add_learnable_grads(acc, grad_h, v_prev, x, w_prev, h, p);
                     }
-                    const float grad_x = grad_h * dh_dx(v_prev, x, w_prev, h, p);
-                    if constexpr (SUMS) {
-                        sum_g[k] += grad_x;
-                        sum_gy[k] = fmaf(grad_x, y - mean[k], sum_gy[k]);
-                    } else if constexpr (AFFINE) {
-                        const float grad_y = fmaf(scale[k], grad_x, fmaf(coef_y[k], y, coef_0[k]));
-                        gxp.e[k] = from_float(grad_y);  // dL/dY
-                        grad_y_total[k] += grad_y;
-                        if constexpr (RESIDUAL)
-                            grp.e[k] = from_float(grad_x);  // dL/dR
-                    } else {
-                        gxp.e[k] = from_float(grad_x);
-                    }
-                    grad_v_carry[k] = grad_h * dh_dv(v_prev, x, w_prev, h, p);  // to V[t-1]
-                    if constexpr (LEARNS)
-                        add_learnable_grads(acc, grad_h, v_prev, x, w_prev, h, p);
+                    if constexpr (WRITES)
+                        if (per_step)
+                            store_pack(a.grad_x_seq, base + j * N, gxp);
+                    if constexpr (RESIDUAL && WRITES)
+                        store_pack(a.grad_residual_seq, base + j * N, grp);
                 }
-                if constexpr (WRITES)
-                    if (per_step)
-                        store_pack(a.grad_x_seq, base + j * N, gxp);
-                if constexpr (RESIDUAL && WRITES)
-                    store_pack(a.grad_residual_seq, base + j * N, grp);
             }
+            if constexpr (AFFINE && WRITES && POOL == 1)
+                if (!per_step) {
+                    pack_t total;
+                    for (int k = 0; k < VEC; ++k)
+                        total.e[k] = from_float(grad_y_total[k]);
+                    store_pack(a.grad_x_seq, n, total);
+                }
         }
-        if constexpr (AFFINE && WRITES && POOL == 1)
-            if (!per_step) {
-                pack_t total;
-                for (int k = 0; k < VEC; ++k)
-                    total.e[k] = from_float(grad_y_total[k]);
-                store_pack(a.grad_x_seq, n, total);
-            }
-    }
-    if (active) {
         for (int k = 0; k < VEC; ++k) {
             if constexpr (!AFFINE)
                 if (a.grad_v0)
@@ -614,7 +632,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
             if constexpr (ADAPTIVE)
                 if (a.grad_w0)
                     a.grad_w0[slot + k] = grad_w_carry[k];
-            if constexpr (SUMS)  // pooled kernels: the window's sums
+            if constexpr (SUMS)  // pooled kernels: the window's sums (their only slot)
                 if (!a.channel_tiles) {
                     a.grad_sum[slot + k] = sum_g[k];
                     a.grad_dot[slot + k] = sum_gy[k];
