@@ -21,9 +21,9 @@ import torch
 from spikefuse import backends, fuse, layer
 from spikefuse.cuda import spike_max_pool as kernels
 from spikefuse.errors import SpikefuseError
-from spikefuse.fused import SpikePool, spike_max_pool2d
+from spikefuse.fused import SpikePool, pooling, spike_max_pool2d
 from spikefuse.fused.ops import spike_max_pool as op
-from spikefuse.fused.ops.spike_max_pool import MaxPoolGeometry, spike_max_pool2d_naive
+from spikefuse.fused.ops.spike_max_pool import MaxPoolGeometry, pool_spikes, spike_max_pool2d_naive
 from spikefuse.fused.ops.spike_max_pool.passes import memory_format_of, pool_backward, pool_forward
 from test_codegen import assert_compiles_without_spills, needs_nvcc
 
@@ -207,16 +207,22 @@ def resnet_step(name: str):
 
 
 @pytest.mark.parametrize("name", ["sew_resnet18_ADD", "spiking_resnet18"])
-def test_fuse_runs_the_resnet_stem_max_pool_as_spike_max_pool(name):
+def test_fuse_runs_the_resnet_stem_max_pool_as_spike_max_pool(name, monkeypatch):
     """The stem's conv1 -> bn1 -> sn1 -> maxpool: maxpool becomes a SpikePool running
-    spike_max_pool2d, named in the report; the state dict keys stay; fused equals unfused."""
+    spike_max_pool2d, named in the report; the state dict keys stay; fused equals unfused.
+    The pooled spikes are packed as they are written, and backward unpacks them for the next
+    layers (the convolution's weight gradient, Spiking ResNet's residual) instead of rerunning
+    the stem's neuron and the pooling."""
     model, fused, report, x, step = resnet_step(name)
     assert report.spike_max_pools == ["maxpool"] and "maxpool" in report.pools
     assert "max pooling as spike_max_pool2d: maxpool" in str(report)
     assert isinstance(fused.maxpool, SpikePool) and fused.maxpool.spike_max is not None
     assert list(fused.state_dict()) == list(model.state_dict())
     out_r, gx_r, gp_r = step(model, x)
+    poolings = []
+    monkeypatch.setattr(pooling, "pool_spikes", lambda *a: poolings.append(a) or pool_spikes(*a))
     out_f, gx_f, gp_f = step(fused, x)
+    assert len(poolings) == 1  # forward's: backward reran none
     tol = dict(rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(out_f, out_r, **tol)
     torch.testing.assert_close(gx_f, gx_r, **tol)

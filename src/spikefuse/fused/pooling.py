@@ -13,7 +13,15 @@ from torch.nn.modules.utils import _pair
 from ..errors import SpikefuseError
 from ..ops import forbid_double_backward
 from .ops.spike_max_pool import MAX_WINDOW, MaxPoolGeometry, pool_spikes
-from .recompute import mark_means, mark_recomputable, means_window, recipe_of, saving_recomputed
+from .recompute import (
+    mark_means,
+    mark_packed,
+    mark_recomputable,
+    means_window,
+    pack_now,
+    recipe_of,
+    saving_recomputed,
+)
 from .spec import EXACT, POOLS, MultiStepOnly, window_size
 
 
@@ -62,15 +70,18 @@ def _windows(x: Tensor, kh: int, kw: int) -> Tensor:
 class SpikePool(MultiStepOnly, nn.Module):
     """Average or max pooling of multi-step spikes ``[T, B, C, H, W]`` that stores no spikes.
 
-    On the spike output of a fused block, what the pooling saves (max pooling: its input) is
-    recomputed in backward, and its output is tagged so that the next fused block recomputes
-    it too (the pooling applied to the recomputed spikes) instead of saving it; spikes of a
-    block that keeps no synapse output (``memory="min"``) are saved at 1 bit per element, and
-    max pooling tags its output as spikes; spikes under :data:`~.recompute.RECOMPUTE_MIN_BYTES`
-    are saved as they are. Any other input is pooled plainly. ``pool``: an
-    ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse ``layer`` version); average pooling with
-    kernel = stride and no padding runs as :class:`WindowAvgPool`; max pooling (windows of at
-    most :data:`~.ops.spike_max_pool.MAX_WINDOW` elements) as
+    On the spike output of a fused block, what average pooling saves is recomputed in
+    backward, and its output is tagged so that the next fused block recomputes it too (the
+    pooling applied to the recomputed spikes) instead of saving it; max pooling saves none of
+    its input, tags its output as spikes and, under autograd, packs them at 1 bit per element
+    for the next layer to keep (cheaper than recomputing them, see
+    :func:`~.recompute.pack_now`); spikes of a block that keeps no synapse output
+    (``memory="min"``) are saved at 1 bit per element; spikes under
+    :data:`~.recompute.RECOMPUTE_MIN_BYTES` are saved as they are. Any other input is pooled
+    plainly. ``pool``: an ``nn.AvgPool2d``/``nn.MaxPool2d`` (or spikefuse ``layer``
+    version); average pooling with kernel = stride and no padding runs as
+    :class:`WindowAvgPool`; max pooling (windows of at most
+    :data:`~.ops.spike_max_pool.MAX_WINDOW` elements) as
     :func:`~.ops.spike_max_pool.spike_max_pool2d`, which keeps a byte per output value for
     backward instead of max_pool2d's int64 indices and needs no input in backward.
     """
@@ -121,14 +132,21 @@ class SpikePool(MultiStepOnly, nn.Module):
         saving = nullcontext() if self.spike_max is not None else saving_recomputed(merged, recipe)
         with saving:
             out = self._pool(merged)
-        if recipe is not None:
-            mark_recomputable(out, lambda: self._pool(recipe()))
         window = means_window(merged)  # 1: spikes; k²: means of k² spikes
         if window is not None and self._kind is nn.MaxPool2d:  # the largest: the same kind
             mark_means(out, window)
         elif window is not None and self._window is not None:  # means of k x k of them
             mark_means(out, window * self._window[0] * self._window[1])
-        return out.unflatten(0, x.shape[:2])
+        result = out.unflatten(0, x.shape[:2])
+        # A max pooling's spikes are kept packed: recomputing them would rerun the block's
+        # neuron on every element of its windows and the pooling. The view returned carries
+        # the packing too (a residual block keeps its input as it is given).
+        packing = pack_now(out) if recipe is not None and self.spike_max is not None else None
+        if packing is not None:
+            mark_packed(result, packing.viewed_as(result))
+        elif recipe is not None:
+            mark_recomputable(out, lambda: self._pool(recipe()))
+        return result
 
 
 def _spike_max_geometry(pool: nn.Module) -> MaxPoolGeometry | None:

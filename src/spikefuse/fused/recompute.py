@@ -147,6 +147,22 @@ def packing_of(t: Tensor) -> PackedSpikes | None:
     return None if tags is None else tags.packing
 
 
+def pack_now(t: Tensor) -> PackedSpikes | None:
+    """Tag spikes ``t`` with their packing at 1 bit per element, written now, where autograd
+    may save t and would save it compactly at all (dense, :data:`RECOMPUTE_MIN_BYTES` or
+    more): what keeps t (or a same-memory view of it) for backward then keeps those bits, and
+    unpacking them is t's recipe. For spikes whose recipe costs more than the packing's two
+    passes (a max pooling's output, which it recomputes from k² times as many neurons).
+    Returns the packing, or None where it packed nothing."""
+    if not (torch.is_grad_enabled() and t.requires_grad and is_spikes(t)) or t.is_inference():
+        return None
+    if t.numel() * t.element_size() < RECOMPUTE_MIN_BYTES or not _dense(t):
+        return None
+    packing = PackedSpikes.of(t)
+    mark_packed(t, packing)
+    return packing
+
+
 def _valid_recipe(t: Tensor) -> Recipe | None:
     """t's own recipe: its tag, or unpacking the packing a kernel wrote of it."""
     tags = tags_of(t)

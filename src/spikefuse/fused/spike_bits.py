@@ -190,6 +190,11 @@ class PackedSpikes:
     def unpack(self) -> Tensor:
         return unpack_bits(self.bits, self.shape, self.dtype, self.order, self.window)
 
+    def viewed_as(self, view: Tensor) -> PackedSpikes:
+        """The packing of ``view``, a dense view of the packed tensor's memory in another
+        shape (e.g. unflattened): the same bits, as a packing lies in memory order."""
+        return PackedSpikes(self.bits, view.shape, view.dtype, memory_order(view), self.window)
+
 
 def joined_batch_chunks(parts: list[Tensor], steps: int) -> Tensor:
     """The packing of a [T, B, ...] tensor from the packings the kernels wrote of its equal
