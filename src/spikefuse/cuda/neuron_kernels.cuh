@@ -532,7 +532,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 const int steps = min(CHUNK, T - t0);
                 // the chunk's loads first: independent, so they overlap
                 pack_t xp[CHUNK], gsp[CHUNK], rp[CHUNK];
-    #pragma unroll
+#pragma unroll
                 for (int j = 0; j < CHUNK; ++j) {
                     if (j >= steps)
                         break;
@@ -543,10 +543,10 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 }
                 // Recompute the chunk as forward did: H[t] (and W[t]) into registers.
                 float hc[CHUNK][VEC], wc[CHUNK][VEC];
-    #pragma unroll
+#pragma unroll
                 for (int k = 0; k < VEC; ++k) {
                     float v = v_start[k], w = w_start[k];
-    #pragma unroll
+#pragma unroll
                     for (int j = 0; j < CHUNK; ++j) {
                         if (j >= steps)
                             break;
@@ -559,7 +559,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                 // Walk the chunk backwards (seed 003):
                 //   dL/dH[t] = dL/dS[t] Θ' + dL/dV[t] dV[t]/dH[t]
                 //              (+ dL/dW[t] (∂Z[t]/∂H[t] + jump Θ'))
-    #pragma unroll
+#pragma unroll
                 for (int j = CHUNK - 1; j >= 0; --j) {
                     if (j >= steps)
                         continue;
@@ -567,7 +567,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                     if constexpr (!AFFINE)
                         if (a.grad_v_seq)
                             gvp = load_pack(a.grad_v_seq, base + j * N);
-    #pragma unroll
+#pragma unroll
                     for (int k = 0; k < VEC; ++k) {
                         const float h = hc[j][k];
                         const float y = to_float(xp[j].e[k]);  // X, or Y in the affine kernels
