@@ -25,6 +25,13 @@ from spikefuse.fused import SpikePool, pooling, spike_max_pool2d
 from spikefuse.fused.ops import spike_max_pool as op
 from spikefuse.fused.ops.spike_max_pool import MaxPoolGeometry, pool_spikes, spike_max_pool2d_naive
 from spikefuse.fused.ops.spike_max_pool.passes import memory_format_of, pool_backward, pool_forward
+from spikefuse.fused.recompute import (
+    mark_means,
+    mark_recomputable,
+    mark_spikes,
+    packing_of,
+    recipe_of,
+)
 from test_codegen import assert_compiles_without_spills, needs_nvcc
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -195,6 +202,32 @@ def test_a_spike_pool_pickled_without_the_op_max_pools_with_it_when_loaded():
     assert loaded.spike_max == MaxPoolGeometry.of(3, 2, 1)
     x = spikes((2, 3, 4, 9, 9), 0.2)
     assert torch.equal(loaded(x), old.pool(x))
+
+
+@pytest.mark.parametrize("case", ["spikes", "no-grad", "means", "no-recipe"])
+def test_spike_pool_packs_max_pooled_spikes_only_where_a_recipe_would_rerun(case):
+    """Max-pooled spikes with a recipe are packed as they are written, under autograd: the
+    output and its returned view carry the packing, which unpacks to the output. Without
+    autograd (nothing saved), of means of spikes (not binary) or of spikes without a recipe
+    (``memory="min"``: saved packed anyway) nothing is packed, and a recipe, if any, stays."""
+    x = spikes((2, 3, 4, 18, 18), 0.3).requires_grad_(case != "no-grad")
+    source = x.detach().clone()
+    if case == "means":
+        mark_means(x, 4)  # the means of 2 x 2 spikes
+    else:
+        mark_spikes(x)
+    if case != "no-recipe":
+        mark_recomputable(x, lambda: source)
+    with torch.set_grad_enabled(case != "no-grad"):
+        out = SpikePool(layer.MaxPool2d(3, 2, 1, step_mode="m"))(x)
+    packing = packing_of(out)
+    if case == "spikes":
+        assert packing is not None and torch.equal(packing.unpack(), out)
+        assert packing_of(out._base) is not None
+        assert torch.equal(recipe_of(out.flatten(0, 1))(), out.flatten(0, 1))
+        return
+    assert packing is None and packing_of(out._base) is None
+    assert (recipe_of(out) is None) == (case == "no-recipe")
 
 
 def resnet_step(name: str):
