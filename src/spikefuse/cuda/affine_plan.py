@@ -122,13 +122,13 @@ def bptt_grid(
     every slot writing its own sums (``channel_tiles`` 0).
     """
     c, inner = channels
+    tiles = c // 32
+    if inner != 1 or c % 32 or not tiles or vec != 1 or pool != 1:
+        return 0, (blocks_for(n, vec), 1), n
     row_groups = -(-(n // c) // TILE_ROWS)
-    tiles = c // 32 if c else 0
-    grid_rows = 0
-    if tiles:
-        walked = -(-row_groups // GROUPS_PER_BLOCK)
-        grid_rows = min(row_groups, max(walked, -(-GRID_BLOCKS // tiles)))
-    if inner != 1 or c % 32 or vec != 1 or pool != 1 or not 0 < grid_rows <= MAX_GRID_ROWS:
+    walked = -(-row_groups // GROUPS_PER_BLOCK)
+    grid_rows = min(row_groups, max(walked, -(-GRID_BLOCKS // tiles)))
+    if not 0 < grid_rows <= MAX_GRID_ROWS:
         return 0, (blocks_for(n, vec), 1), n
     return tiles, (tiles, grid_rows), grid_rows * c
 

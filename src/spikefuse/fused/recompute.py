@@ -154,7 +154,7 @@ def pack_now(t: Tensor) -> PackedSpikes | None:
     unpacking them is t's recipe. For spikes whose recipe costs more than the packing's two
     passes (a max pooling's output, which it recomputes from k² times as many neurons).
     Returns the packing, or None where it packed nothing."""
-    if not (torch.is_grad_enabled() and t.requires_grad and is_spikes(t)) or t.is_inference():
+    if not (torch.is_grad_enabled() and t.requires_grad and is_spikes(t)):
         return None
     if t.numel() * t.element_size() < RECOMPUTE_MIN_BYTES or not _dense(t):
         return None
