@@ -113,7 +113,9 @@ def sample_variants() -> list[NeuronKernel]:
     """A sample of :func:`all_variants` in which every neuron, surrogate, dtype, reset, detach
     choice and vector width occurs at least once, and each kind of channel-affine kernel
     (unpooled at both widths, pooled, residual) once: what a change to the template or the
-    printer most likely breaks, compiled in seconds instead of the full set's half hour."""
+    printer most likely breaks, compiled in seconds instead of the full set's half hour. Plus
+    a plain, a pooled and a residual kernel with 64-bit indices, which the full set leaves out
+    (launchers take them for calls past 32-bit indices; the index type is one typedef)."""
     kernels = []
     for i in range(max(len(NODES), len(surrogate.ALL))):
         node = NODES[i % len(NODES)](
@@ -129,6 +131,9 @@ def sample_variants() -> list[NeuronKernel]:
         DefinitionKernel(plif, torch.float32, VEC, affine=True),
         DefinitionKernel(lif, torch.bfloat16, 1, affine=True, pool=2),
         DefinitionKernel(plif, torch.float16, VEC, affine=True, residual=True),
+        DefinitionKernel(plif, torch.float32, VEC, wide_index=True),
+        DefinitionKernel(lif, torch.bfloat16, 1, affine=True, pool=2, wide_index=True),
+        DefinitionKernel(plif, torch.float16, 1, affine=True, residual=True, wide_index=True),
     ]
     return kernels
 
@@ -222,7 +227,7 @@ def _struct_fields(code: str) -> list[tuple[str, str]]:
     return fields
 
 
-_FORMAT = {"long long": "q", "float": "f"}  # any pointer: "Q"
+_FORMAT = {"float": "f"}  # any pointer: "Q"; index_t: "i" or, in 64-bit kernels, "q"
 
 
 @pytest.mark.parametrize(
@@ -234,14 +239,22 @@ _FORMAT = {"long long": "q", "float": "f"}  # any pointer: "Q"
         (neuron.ParametricLIFNode, True, True),
     ],
 )
-def test_argument_struct_matches_the_packed_bytes(make, affine, residual):
+@pytest.mark.parametrize("wide_index", [False, True], ids=["int32", "int64"])
+def test_argument_struct_matches_the_packed_bytes(make, affine, residual, wide_index):
     """The Python packing and the generated struct agree on every field's order and size, for
     plain kernels of two-state and one-state neurons and for the channel-affine kernels (also
-    the residual ones)."""
-    kernel = DefinitionKernel(make().program, torch.float32, VEC, affine=affine, residual=residual)
+    the residual ones), with 32-bit and 64-bit indices."""
+    kernel = DefinitionKernel(
+        make().program, torch.float32, VEC, affine=affine, residual=residual, wide_index=wide_index
+    )
+    index = "long long" if wide_index else "int"
+    assert f"typedef {index} index_t;" in kernel.full_codes
+    assert kernel.fptt_name.endswith("_v4_i64_fptt" if wide_index else "_v4_fptt")
     fields = _struct_fields(kernel.full_codes)
-    codes = "".join("Q" if ctype.endswith("*") else _FORMAT[ctype] for ctype, _ in fields)
-    layout = struct.Struct("<" + codes + "4x" * (codes.count("f") % 2))  # padded to 8 bytes
+    formats = {**_FORMAT, "index_t": "q" if wide_index else "i"}
+    codes = "".join("Q" if ctype.endswith("*") else formats[ctype] for ctype, _ in fields)
+    layout = struct.Struct("<" + codes)
+    layout = struct.Struct("<" + codes + f"{-layout.size % 8}x")  # padded to 8 bytes
     pointers = {f.name: 1000 + i for i, f in enumerate(kernel.pointers)}
     constants = [1.5 + i for i in range(len(kernel.constant_names))]
     packed = kernel.pack_args(
@@ -315,6 +328,24 @@ def test_backward_blocks_walk_few_row_groups_and_keep_the_gpu_busy():
     _, (grid_x, grid_y), _ = affine_plan.bptt_grid(784 * affine_plan.TILE_ROWS * 512, (512, 1), 1)
     assert grid_x * grid_y == affine_plan.GRID_BLOCKS  # 784 groups over 128 rows of blocks
     assert affine_plan.bptt_grid(9 * 64, (64, 1), 1)[1] == (2, 2)
+
+
+def test_kernels_index_in_32_bits_unless_a_call_may_pass_them():
+    """Indices stay 32-bit up to the largest [T, N] whose indices fit, counting a thread's
+    neurons past N and a channel-tiled backward's slot past the last one; the launch plans of
+    larger maps take the 64-bit variant."""
+    from spikefuse.cuda.kernel_spec import BLOCK_THREADS as THREADS
+    from spikefuse.cuda.kernel_spec import INDEX32_MAX, needs_wide_index
+
+    fits = (INDEX32_MAX - THREADS * VEC) // 4
+    assert not needs_wide_index(4, fits) and needs_wide_index(4, fits + 1)
+    assert not needs_wide_index(1, 2**29) and needs_wide_index(1, 2**30)  # 2 N: next slot
+    assert needs_wide_index(2, 2**29, channels=2**22)  # 8 rows' worth of channels past 2 N
+    small = torch.empty(4, 32, 64, 56, 56, device="meta")
+    huge = torch.empty(4, 256, 64, 224, 224, device="meta")  # 822 M neurons per step
+    for y, wide in ((small, False), (huge, True)):
+        for forward in (True, False):
+            assert _plan_of(y, forward=forward).kernel.wide_index is wide
 
 
 def test_backward_grid_stays_within_cuda_grid_rows():

@@ -266,12 +266,12 @@ def test_pooled_kernels_name_themselves_and_carry_the_map_width():
     kernel = pooled_kernel(torch.float16)
     code = kernel.full_codes
     assert "_affine_pool2_half_v1_fptt" in kernel.fptt_name
-    assert "constexpr int POOL = 2;" in code and "long long pool_width;" in code
+    assert "constexpr int POOL = 2;" in code and "index_t pool_width;" in code
     assert (
         "pool_width" not in DefinitionKernel(paper_lif().program, torch.float16, 1, True).prelude()
     )
     fields = re.findall(
-        r"^    (?:long long|float) (\w+(?:, \w+)*);",
+        r"^    (?:index_t|float) (\w+(?:, \w+)*);",
         code.split("struct Args {")[1].split("};")[0],
         re.M,
     )
@@ -281,7 +281,7 @@ def test_pooled_kernels_name_themselves_and_carry_the_map_width():
     constants = [0.5] * len(kernel.constant_names)
     packed = kernel.pack_args(pointers, 3, 64, 0.0, 0.0, constants, (4, 1), 0.25, pool_width=5)
     n_ptr = len(kernel.pointers)
-    values = struct.unpack(f"<{n_ptr}Q6q", packed[: 8 * (n_ptr + 6)])
+    values = struct.unpack(f"<{n_ptr}Q6i", packed[: 8 * n_ptr + 4 * 6])
     assert values[n_ptr:] == (3, 64, 4, 1, 0, 5)
 
 

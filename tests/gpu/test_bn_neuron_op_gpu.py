@@ -138,3 +138,23 @@ def test_kernels_max_pool_the_neuron_input_like_the_reference(shape, dtype):
     assert differ(out, ref).float().mean().item() <= (0 if dtype == torch.float32 else 1e-3)
     for g, w in zip(grads, ref_grads, strict=True):
         assert_close(g, w, dtype, grad=True, what=f"input-pooled {dtype} gradient")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("shape", [(3, 2, 5, 6, 6), (2, 16, 64, 33, 31)], ids=str)
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_64_bit_index_kernels_match_the_reference(shape, residual, monkeypatch):
+    """The variants the launchers take for maps past 32-bit indices, forced on small ones (a
+    pooled map, and channels in whole warps: the channel-tiled backward)."""
+    from spikefuse.cuda import affine_plan, kernel_spec
+
+    monkeypatch.setattr(kernel_spec, "INDEX32_MAX", 0)
+    affine_plan.plan.cache_clear()  # plans name their kernel variant
+    try:
+        test_kernels_match_the_reference(shape, False, residual)
+        y = torch.empty(shape, device="meta")
+        program = NeuronCall.from_node(neuron.LIFNode(), y).program
+        plan = affine_plan.plan(program, y.dtype, y.shape, y.stride(), 1, residual, False, True)
+        assert plan.kernel.wide_index
+    finally:
+        affine_plan.plan.cache_clear()

@@ -18,7 +18,15 @@ import torch
 from ..backends import channels_innermost, repeats_one_step
 from ..program import NeuronProgram
 from .codegen import NeuronKernel
-from .kernel_spec import AFFINE_BPTT_VEC, AFFINE_CHUNK, BLOCK_THREADS, POOLS, VEC, chunk_steps
+from .kernel_spec import (
+    AFFINE_BPTT_VEC,
+    AFFINE_CHUNK,
+    BLOCK_THREADS,
+    POOLS,
+    VEC,
+    chunk_steps,
+    needs_wide_index,
+)
 from .runtime import aligned, blocks_for, kernel_for, vector_width
 
 # Rows of a channel-tiled backward block (the template's TILE_ROWS: 32 channels x this many rows).
@@ -224,7 +232,8 @@ def plan(
     vec = 1
     if pool == 1 and vectors:
         vec = vector_width(N, vec=VEC if forward else AFFINE_BPTT_VEC)
-    kernel = kernel_for(program, dtype, vec, True, pool, residual, affine_chunk(y))
+    wide = needs_wide_index(T, N, layout[0])
+    kernel = kernel_for(program, dtype, vec, True, pool, residual, affine_chunk(y), wide)
     tiles, grid, per_sum = 0, (blocks_for(N // pool**2, vec), 1), 0
     if not forward:
         tiles, grid, per_sum = bptt_grid(N // pool**2, layout, vec, pool)

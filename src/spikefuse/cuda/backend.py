@@ -14,7 +14,7 @@ import torch
 from ..backends import BPTTOut, FPTTOut
 from ..program import NeuronProgram
 from . import unavailable_reason
-from .kernel_spec import BPTT_VEC, CHUNK, VEC, chunk_steps
+from .kernel_spec import BPTT_VEC, CHUNK, VEC, chunk_steps, needs_wide_index
 from .runtime import (
     blocks_for,
     check_checkpoints,
@@ -90,7 +90,7 @@ def fptt(
     v_ckpt, w_ckpt = checkpoints_like(program, x, save_for_backward, chunk)
     if N:
         vec = vector_width(N, x, vec=VEC)
-        kernel = kernel_for(program, x.dtype, vec, chunk=chunk)
+        kernel = kernel_for(program, x.dtype, vec, chunk=chunk, wide_index=needs_wide_index(T, N))
         v0, w0 = _contiguous(v0), _contiguous(w0)  # bound: alive until the launch
         pointers = {
             "x_seq": x.data_ptr(),
@@ -147,7 +147,7 @@ def bptt(
         program, learnable, blocks if N else 0
     )
     if N:
-        kernel = kernel_for(program, dtype, vec, chunk=chunk)
+        kernel = kernel_for(program, dtype, vec, chunk=chunk, wide_index=needs_wide_index(T, N))
         v0, w0 = _contiguous(v0), _contiguous(w0)
         grad_v_last, grad_w_last = _contiguous(grad_v_last), _contiguous(grad_w_last)
         pointers = {

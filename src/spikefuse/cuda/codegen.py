@@ -108,6 +108,10 @@ class NeuronKernel:
             (``AFFINE_CHUNK[dtype]`` for affine kernels), which it defaults to; the launchers
             take :func:`~.kernel_spec.chunk_steps` of T. Forward saves V at every chunk's end
             but the last.
+        wide_index: index elements (and pack Args' sizes) in 64-bit integers; the launchers
+            ask for it where a call's indices may pass 32 bits
+            (:func:`~.kernel_spec.needs_wide_index`). 32-bit index arithmetic is several
+            times fewer instructions, and the 16-bit kernels are bound by instruction issue.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class NeuronKernel:
         pool: int = 1,
         residual: bool = False,
         chunk: int | None = None,
+        wide_index: bool = False,
     ) -> None:
         if dtype not in STORAGE:
             raise ValueError(f"unsupported storage dtype {dtype}")
@@ -143,7 +148,7 @@ class NeuronKernel:
         self.name, self.params, self.learnable = name, params, learnable
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
         self.dtype, self.vec, self.adaptive, self.affine = dtype, vec, adaptive, affine
-        self.pool, self.residual = pool, residual
+        self.pool, self.residual, self.wide_index = pool, residual, wide_index
         longest = AFFINE_CHUNK[dtype] if affine else CHUNK
         if chunk is not None and not 1 <= chunk <= longest:
             raise ValueError(f"{name}: chunk must be in 1..{longest}, got {chunk}")
@@ -153,6 +158,7 @@ class NeuronKernel:
         tag += f"_pool{pool}" if pool > 1 else ""
         tag += "_residual" if residual else ""
         self.kernel_prefix = f"{name}_{tag}_{STORAGE[dtype].ctype.strip('_')}_v{vec}"
+        self.kernel_prefix += "_i64" if wide_index else ""
         self.constant_names = tuple(
             n for n in ("v_threshold", "v_reset", *params) if n not in learnable
         )
@@ -164,11 +170,13 @@ class NeuronKernel:
         self.pointers = tuple(f for f in ARG_POINTERS if f.kernels in kinds)
         self._pointer_names = tuple(f.name for f in self.pointers)
         self._null_pointers = (0,) * len(self._pointer_names)
-        # Args as bytes: pointers, then 64-bit integers, then floats; padded to 8 bytes.
+        # Args as bytes: pointers, then index_t integers, then floats; padded to 8 bytes.
         n_ints = (5 if affine else 2) + (affine and pool == 1) + (pool > 1)
         n_floats = 1 + adaptive + affine + len(self.constant_names)
+        int_code, int_bytes = ("q", 8) if wide_index else ("i", 4)
+        padding = -(n_ints * int_bytes + n_floats * 4) % 8
         self.arg_layout = struct.Struct(
-            f"<{len(self.pointers)}Q{n_ints}q{n_floats}f{4 * (n_floats % 2)}x"
+            f"<{len(self.pointers)}Q{n_ints}{int_code}{n_floats}f{padding}x"
         )
 
     # ---- neuron snippets (CUDA float expressions) -------------------------------------------
@@ -259,20 +267,20 @@ class NeuronKernel:
 
     def _args_struct(self) -> list[str]:
         lines = [f"    {f.ctype} {f.name};  // {f.doc}" for f in self.pointers]
-        lines.append("    long long T, N;  // steps, neurons per step")
+        lines.append("    index_t T, N;  // steps, neurons per step")
         if self.affine:
             lines.append(
-                "    long long channels, inner;  // channel of neuron n: n / inner % channels"
+                "    index_t channels, inner;  // channel of neuron n: n / inner % channels"
             )
             lines.append(
-                "    long long channel_tiles;  // backward pass 1: channels / 32 (tiled), or 0"
+                "    index_t channel_tiles;  // backward pass 1: channels / 32 (tiled), or 0"
             )
         if self.affine and self.pool == 1:
             lines.append(
-                "    long long x_step;  // Y's step stride: N, or 0 (repeated; pass 2 sums over T)"
+                "    index_t x_step;  // Y's step stride: N, or 0 (repeated; pass 2 sums over T)"
             )
         if self.pool > 1:
-            lines.append("    long long pool_width;  // W / POOL: outputs per row of a pooled map")
+            lines.append("    index_t pool_width;  // W / POOL: outputs per row of a pooled map")
         start = "of every neuron" if self.affine else "where v0 is null"
         lines.append(f"    float v_init;  // V[-1] {start}")
         if self.adaptive:
@@ -426,6 +434,7 @@ class NeuronKernel:
         lines += [
             *storage.declarations(),
             f"constexpr int VEC = {self.vec};  // neurons per thread",
+            f"typedef {'long long' if self.wide_index else 'int'} index_t;  // element indices",
             f"constexpr int BLOCK_THREADS = {BLOCK_THREADS};",
             "// Resident blocks per SM the register budget must allow (measured on an H200 and an",
             "// H100): backward 2 where registers hold more than 12 values of H per thread (CHUNK",

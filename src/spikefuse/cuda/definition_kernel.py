@@ -30,6 +30,7 @@ class DefinitionKernel(NeuronKernel):
         pool: int = 1,
         residual: bool = False,
         chunk: int | None = None,
+        wide_index: bool = False,
     ) -> None:
         d = program.definition
         super().__init__(
@@ -46,6 +47,7 @@ class DefinitionKernel(NeuronKernel):
             pool=pool,
             residual=residual,
             chunk=chunk,
+            wide_index=wide_index,
         )
         self.definition = d
         self._param_names: dict[sp.Expr, str] = {d.symbols[n]: f"p.{n}" for n in d.all_params}

@@ -46,6 +46,20 @@ BPTT_VEC = {torch.float32: VEC, torch.float16: 1, torch.bfloat16: 1}
 # The channel-affine backward holds 7 more values per neuron (its channel's vectors and sums):
 # with VEC = 4 it spills registers, with one neuron per thread it fits in 64.
 AFFINE_BPTT_VEC = 1
+# Largest index the kernels compute in 32-bit integers (int's maximum).
+INDEX32_MAX = 2**31 - 1
+
+
+def needs_wide_index(T: int, N: int, channels: int = 0) -> bool:
+    """Whether kernels over [T, N] need 64-bit indices: whether an index they compute may pass
+    :data:`INDEX32_MAX`. The largest are an element t * N + n of a sequence, a thread's first
+    neuron past the last one (a block's neurons past N at most), and a channel-tiled
+    backward's slot past its last (under 2 N plus 8 rows of ``channels``, the affine kernels'
+    channels per step; see affine_plan.bptt_grid)."""
+    tiled_next_slot = 2 * N + BLOCK_THREADS * channels
+    return max(T * N, tiled_next_slot) + BLOCK_THREADS * VEC > INDEX32_MAX
+
+
 #: Window sizes k of the pooled kernels (k x k average pooling folded in; 1: none).
 POOLS = (1, 2)
 NVRTC_OPTIONS: tuple[str, ...] = (

@@ -3,6 +3,7 @@
 // spikefuse/cuda/codegen.py compiles this file once per variant, after a generated prelude that
 // defines what varies:
 //   scalar_t, to_float, from_float    storage type (float, __half, __nv_bfloat16) and conversions
+//   index_t                           element indices: int, or long long past 32 bits
 //   VEC, BLOCK_THREADS, MIN_BLOCKS,   neurons per thread, launch bounds (backward, forward),
 //   FPTT_MIN_BLOCKS,                  backward's chunk length,
 //   CHUNK, LOAD_STEPS                 forward's loads in flight
@@ -27,12 +28,12 @@ struct alignas(sizeof(scalar_t) * VEC) pack_t {
     scalar_t e[VEC];
 };
 
-__device__ __forceinline__ pack_t load_pack(const scalar_t* p, const long long i)
+__device__ __forceinline__ pack_t load_pack(const scalar_t* p, const index_t i)
 {
     return *reinterpret_cast<const pack_t*>(p + i);
 }
 
-__device__ __forceinline__ void store_pack(scalar_t* p, const long long i, const pack_t& v)
+__device__ __forceinline__ void store_pack(scalar_t* p, const index_t i, const pack_t& v)
 {
     *reinterpret_cast<pack_t*>(p + i) = v;
 }
@@ -48,7 +49,7 @@ constexpr int WINDOW = POOL * POOL;  // neurons per output element (1: unpooled)
 
 // Offset of the window's neuron k (row k / POOL, column k % POOL) from its first neuron.
 template <class Args>
-__device__ __forceinline__ long long window_offset(const Args& a, const int k)
+__device__ __forceinline__ index_t window_offset(const Args& a, const int k)
 {
     return ((k / POOL) * a.pool_width * POOL + k % POOL) * a.channels;
 }
@@ -56,9 +57,9 @@ __device__ __forceinline__ long long window_offset(const Args& a, const int k)
 // The window's first neuron: element i = (row * W/POOL + col) * C + c (row = b H/POOL + h/POOL)
 // averages the neurons from (POOL row * W + POOL col) * C + c on.
 template <class Args>
-__device__ __forceinline__ long long window_first_neuron(const Args& a, const long long i)
+__device__ __forceinline__ index_t window_first_neuron(const Args& a, const index_t i)
 {
-    const long long pixel = i / a.channels, row = pixel / a.pool_width;
+    const index_t pixel = i / a.channels, row = pixel / a.pool_width;
     return ((row * a.pool_width * POOL + pixel % a.pool_width) * POOL) * a.channels
          + i % a.channels;
 }
@@ -66,7 +67,7 @@ __device__ __forceinline__ long long window_first_neuron(const Args& a, const lo
 // The neuron a backward walk of a thread's slot takes: the slot itself (unpooled kernels), or
 // the window's neuron `walk` (pooled kernels walk their window's neurons one after another).
 template <class Args>
-__device__ __forceinline__ long long walked_neuron(const Args& a, const long long slot,
+__device__ __forceinline__ index_t walked_neuron(const Args& a, const index_t slot,
                                                   const int walk)
 {
     if constexpr (POOL > 1)
@@ -80,7 +81,7 @@ __device__ __forceinline__ long long walked_neuron(const Args& a, const long lon
 // other [T, N] sequences never repeat; pooled kernels have no x_step (blocks fold no pooling
 // for such a Y).
 template <class Args>
-__device__ __forceinline__ long long x_step_of(const Args& a)
+__device__ __forceinline__ index_t x_step_of(const Args& a)
 {
     if constexpr (AFFINE && POOL == 1)
         return a.x_step;
@@ -103,7 +104,7 @@ __device__ __forceinline__ float step(float& v, float& w, const float x, const P
 // V[-1] and W[-1] of neuron i: the given state, or the constant start where it is null (always
 // in the affine kernels; one-state neurons have no W).
 template <class Args>
-__device__ __forceinline__ float initial_v(const Args& a, const long long i)
+__device__ __forceinline__ float initial_v(const Args& a, const index_t i)
 {
     if constexpr (AFFINE)
         return a.v_init;
@@ -112,7 +113,7 @@ __device__ __forceinline__ float initial_v(const Args& a, const long long i)
 }
 
 template <class Args>
-__device__ __forceinline__ float initial_w(const Args& a, const long long i)
+__device__ __forceinline__ float initial_w(const Args& a, const index_t i)
 {
     if constexpr (ADAPTIVE)
         return a.w0 ? a.w0[i] : a.w_init;
@@ -124,7 +125,7 @@ __device__ __forceinline__ float initial_w(const Args& a, const long long i)
 // shift = beta - mean * scale; the same float32 operations, in the same order, as the torch
 // composite's (spikefuse.fused).
 template <class Args>
-__device__ __forceinline__ void channel_affine(const Args& a, const long long c, float& scale,
+__device__ __forceinline__ void channel_affine(const Args& a, const index_t c, float& scale,
                                                float& shift)
 {
     const float mean = a.bn_mean[c], invstd = a.bn_invstd[c];
@@ -167,7 +168,7 @@ __device__ __forceinline__ float spike_of(const float h, const P& p)
 
 // The thread's bits (bit k: its window's neuron k's spike) of mean `element` of [T, N / WINDOW].
 template <class Args>
-__device__ __forceinline__ void store_spike_bits(const Args& a, const long long element,
+__device__ __forceinline__ void store_spike_bits(const Args& a, const index_t element,
                                                  unsigned int bits, const bool nan)
 {
     if constexpr (POOL > 1 && 32 % WINDOW == 0) {
@@ -180,7 +181,7 @@ __device__ __forceinline__ void store_spike_bits(const Args& a, const long long 
         const unsigned int group = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1u) << first_lane;
         const bool nan_in_word = (__ballot_sync(0xffffffffu, nan) & group) != 0u;
         if (lane == first_lane) {
-            const long long word = element * WINDOW / 32;
+            const index_t word = element * WINDOW / 32;
             a.spike_words[word] = bits;
             a.spike_nan[word] = nan_in_word;
         }
@@ -192,8 +193,8 @@ template <class Args>
 __device__ __forceinline__ void neuron_fptt(const Args& a)
 {
     const int T = (int)a.T;
-    const long long N = a.N, n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    const long long x_step = x_step_of(a);
+    const index_t N = a.N, n = ((index_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    const index_t x_step = x_step_of(a);
     if (n >= N)
         return;
     const auto p = load_params(a);
@@ -202,7 +203,7 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
     if constexpr (AFFINE) {
         // Channels innermost in whole packs (the usual channels-last map): the pack's channels
         // follow the first one's, found with one division instead of VEC (each a subroutine).
-        const long long c = n / a.inner % a.channels;
+        const index_t c = n / a.inner % a.channels;
         const bool consecutive = a.inner == 1 && a.channels % VEC == 0;
         for (int k = 0; k < VEC; ++k)
             channel_affine(a, consecutive ? c + k : (n + k) / a.inner % a.channels, scale[k],
@@ -216,8 +217,8 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
     for (int t0 = 0; t0 < T; t0 += CHUNK) {
         const int end = min(t0 + CHUNK, T);  // CHUNK need not be a multiple of LOAD_STEPS
         for (int g = t0; g < end; g += LOAD_STEPS) {
-            const long long base = g * N + n;  // element (g, n); step j is base + j*N
-            const long long x_base = g * x_step + n;  // of x_seq (x_step: N, or 0 repeated)
+            const index_t base = g * N + n;  // element (g, n); step j is base + j*N
+            const index_t x_base = g * x_step + n;  // of x_seq (x_step: N, or 0 repeated)
             pack_t xp[LOAD_STEPS], rp[LOAD_STEPS];  // loads first: independent, they overlap
 #pragma unroll
             for (int j = 0; j < LOAD_STEPS; ++j)
@@ -246,7 +247,7 @@ __device__ __forceinline__ void neuron_fptt(const Args& a)
             }
         }
         if (a.v_ckpt && t0 + CHUNK < T) {  // the state the next chunk starts from
-            const long long c = (t0 / CHUNK) * N + n;
+            const index_t c = (t0 / CHUNK) * N + n;
             for (int k = 0; k < VEC; ++k) {
                 a.v_ckpt[c + k] = v[k];
                 if constexpr (ADAPTIVE)
@@ -289,25 +290,25 @@ __device__ __forceinline__ bool channel_tiled(const Args& a)
 }
 
 template <class Args>
-__device__ __forceinline__ long long bptt_first_neuron(const Args& a)
+__device__ __forceinline__ index_t bptt_first_neuron(const Args& a)
 {
     if constexpr (AFFINE)
         if (channel_tiled(a)) {
-            const long long row = (long long)blockIdx.y * TILE_ROWS + threadIdx.x / 32;
+            const index_t row = (index_t)blockIdx.y * TILE_ROWS + threadIdx.x / 32;
             return row * a.channels < a.N ? row * a.channels + blockIdx.x * 32 + threadIdx.x % 32
                                           : a.N;
         }
-    return ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    return ((index_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
 }
 
 // The slot a backward thread walks after ``slot``: in a channel-tiled block, the same channel
 // in the block's next row group (gridDim.y groups on); otherwise none (N: one slot a thread).
 template <class Args>
-__device__ __forceinline__ long long bptt_next_slot(const Args& a, const long long slot)
+__device__ __forceinline__ index_t bptt_next_slot(const Args& a, const index_t slot)
 {
     if constexpr (AFFINE)
         if (channel_tiled(a))
-            return slot + (long long)gridDim.y * TILE_ROWS * a.channels;
+            return slot + (index_t)gridDim.y * TILE_ROWS * a.channels;
     return a.N;
 }
 
@@ -328,7 +329,7 @@ __device__ __forceinline__ void block_channel_sums(const Args& a, const bool own
             sum_g += rows_g[r][lane];
             sum_gy += rows_gy[r][lane];
         }
-        const long long out = (long long)blockIdx.y * a.channels + blockIdx.x * 32 + lane;
+        const index_t out = (index_t)blockIdx.y * a.channels + blockIdx.x * 32 + lane;
         a.grad_sum[out] = sum_g;
         a.grad_dot[out] = sum_gy;
     }
@@ -342,14 +343,14 @@ template <class Args>
 __device__ __forceinline__ void neuron_fptt_pooled(const Args& a)
 {
     const int T = (int)a.T;
-    const long long N = a.N, outputs = N / WINDOW;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const index_t N = a.N, outputs = N / WINDOW;
+    const index_t i = (index_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= outputs)
         return;
     const auto p = load_params(a);
     float scale, shift;  // the window's one channel
     channel_affine(a, i % a.channels, scale, shift);
-    const long long first = window_first_neuron(a, i);
+    const index_t first = window_first_neuron(a, i);
     float v[WINDOW], w[WINDOW];
     for (int k = 0; k < WINDOW; ++k) {
         v[k] = initial_v(a, first + window_offset(a, k));
@@ -385,7 +386,7 @@ __device__ __forceinline__ void neuron_fptt_pooled(const Args& a)
             }
         }
         if (a.v_ckpt && t0 + CHUNK < T) {  // the state the next chunk starts from
-            const long long c = (t0 / CHUNK) * N + first;
+            const index_t c = (t0 / CHUNK) * N + first;
             for (int k = 0; k < WINDOW; ++k)
                 a.v_ckpt[c + window_offset(a, k)] = v[k];
         }
@@ -396,8 +397,8 @@ __device__ __forceinline__ void neuron_fptt_pooled(const Args& a)
 // output element `slot` shared by its window's neurons, divided by WINDOW in the storage dtype
 // (what the average pooling's backward writes for each of them).
 template <class Args>
-__device__ __forceinline__ pack_t grad_spike_pack(const Args& a, const long long t,
-                                                  const long long n, const long long slot)
+__device__ __forceinline__ pack_t grad_spike_pack(const Args& a, const index_t t,
+                                                  const index_t n, const index_t slot)
 {
     if constexpr (POOL > 1) {
         pack_t g;
@@ -419,7 +420,7 @@ __device__ void sum_learnable_grads(const Args& a, const float (&acc)[LEARNABLE_
     __shared__ float warp_sums[LEARNABLE_SLOTS][BLOCK_THREADS / 32];
     __shared__ bool last_block;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    const long long blocks = (long long)gridDim.x * gridDim.y;
+    const index_t blocks = (index_t)gridDim.x * gridDim.y;
     for (int i = 0; i < N_LEARNABLE; ++i) {
         float s = acc[i];
         for (int o = 16; o > 0; o /= 2)
@@ -443,7 +444,7 @@ __device__ void sum_learnable_grads(const Args& a, const float (&acc)[LEARNABLE_
         return;
     for (int i = 0; i < N_LEARNABLE; ++i) {
         float s = 0.0f;
-        for (long long b = threadIdx.x; b < blocks; b += blockDim.x)
+        for (index_t b = threadIdx.x; b < blocks; b += blockDim.x)
             s += __ldcg(a.grad_learnable_partial + i * blocks + b);  // from L2: other SMs wrote it
         for (int o = 16; o > 0; o /= 2)
             s += __shfl_down_sync(0xffffffff, s, o);
@@ -472,7 +473,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     const int T = (int)a.T;
     // The thread's first slot: neurons first .. first + VEC - 1, or (pooled) output element
     // first; channel-tiled threads walk more slots of the same channel (bptt_next_slot).
-    const long long N = a.N, first = bptt_first_neuron(a), x_step = x_step_of(a);
+    const index_t N = a.N, first = bptt_first_neuron(a), x_step = x_step_of(a);
     const bool active = first < N / WINDOW;
     const auto p = load_params(a);
     // Affine kernels: this thread's neurons' channels, and BatchNorm's backward through the
@@ -481,7 +482,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     float scale[VEC], shift[VEC], mean[VEC], coef_y[VEC], coef_0[VEC], sum_g[VEC], sum_gy[VEC];
     if constexpr (AFFINE)
         for (int k = 0; k < VEC && active; ++k) {
-            const long long c = channel_tiled(a) ? blockIdx.x * 32 + threadIdx.x % 32
+            const index_t c = channel_tiled(a) ? blockIdx.x * 32 + threadIdx.x % 32
                                                  : (first + k) / a.inner % a.channels;
             channel_affine(a, c, scale[k], shift[k]);
             mean[k] = a.bn_mean[c];
@@ -500,11 +501,11 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
     float grad_y_total[VEC];
     // Carried from step t+1 to step t: the gradient reaching V[t] (and W[t]) from later steps.
     float grad_v_carry[VEC], grad_w_carry[VEC];
-    for (long long slot = first; slot < N / WINDOW; slot = bptt_next_slot(a, slot)) {
+    for (index_t slot = first; slot < N / WINDOW; slot = bptt_next_slot(a, slot)) {
         // One walk through time per neuron of the slot (pooled kernels: per neuron of the window,
         // summing BatchNorm's sums and the learnable gradients over them).
         for (int walk = 0; walk < WINDOW; ++walk) {
-            const long long n = walked_neuron(a, slot, walk);
+            const index_t n = walked_neuron(a, slot, walk);
             for (int k = 0; k < VEC; ++k) {
                 grad_y_total[k] = 0.0f;
                 grad_v_carry[k] = 0.0f;
@@ -516,11 +517,11 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
             }
             for (int t0 = (T - 1) / CHUNK * CHUNK; t0 >= 0; t0 -= CHUNK) {
                 // element (t0, n); step j of the chunk is base + j*N (of x_seq: x_base + j*x_step)
-                const long long base = t0 * N + n, x_base = t0 * x_step + n;
+                const index_t base = t0 * N + n, x_base = t0 * x_step + n;
                 // State at the chunk's start (V[t0-1], W[t0-1]): the forward's checkpoint, or
                 // V[-1].
                 float v_start[VEC], w_start[VEC];
-                const long long c = (t0 / CHUNK - 1) * N + n;
+                const index_t c = (t0 / CHUNK - 1) * N + n;
                 for (int k = 0; k < VEC; ++k) {
                     v_start[k] = t0 ? a.v_ckpt[c + k] : initial_v(a, n + k);
                     if constexpr (ADAPTIVE)

@@ -52,11 +52,13 @@ def kernel_for(
     pool: int = 1,
     residual: bool = False,
     chunk: int | None = None,
+    wide_index: bool = False,
 ) -> NeuronKernel:
     """The generated kernel template of a program (cached; print ``.full_codes`` to read it;
     ``pool``: the pooled variant's window size; ``residual``: the variant adding R to X;
-    ``chunk``: steps per backward chunk, default the longest)."""
-    return DefinitionKernel(program, dtype, vec, affine, pool, residual, chunk)
+    ``chunk``: steps per backward chunk, default the longest; ``wide_index``: 64-bit indices,
+    see :func:`~.kernel_spec.needs_wide_index`)."""
+    return DefinitionKernel(program, dtype, vec, affine, pool, residual, chunk, wide_index)
 
 
 @functools.cache
