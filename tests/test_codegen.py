@@ -340,7 +340,7 @@ def test_kernels_index_in_32_bits_unless_a_call_may_pass_them():
     fits = (INDEX32_MAX - THREADS * VEC) // 4
     assert not needs_wide_index(4, fits) and needs_wide_index(4, fits + 1)
     assert not needs_wide_index(1, 2**29) and needs_wide_index(1, 2**30)  # 2 N: next slot
-    assert needs_wide_index(2, 2**29, channels=2**22)  # 8 rows' worth of channels past 2 N
+    assert needs_wide_index(2, 2**29, channels=2**22)  # rows of channels past 2 N
     small = torch.empty(4, 32, 64, 56, 56, device="meta")
     huge = torch.empty(4, 256, 64, 224, 224, device="meta")  # 822 M neurons per step
     for y, wide in ((small, False), (huge, True)):

@@ -110,8 +110,9 @@ class NeuronKernel:
             but the last.
         wide_index: index elements (and pack Args' sizes) in 64-bit integers; the launchers
             ask for it where a call's indices may pass 32 bits
-            (:func:`~.kernel_spec.needs_wide_index`). 32-bit index arithmetic is several
-            times fewer instructions, and the 16-bit kernels are bound by instruction issue.
+            (:func:`~.kernel_spec.needs_wide_index`). 32-bit index arithmetic takes a
+            fraction of the instructions, and the 16-bit kernels are bound by instruction
+            issue.
     """
 
     def __init__(

@@ -55,7 +55,7 @@ def needs_wide_index(T: int, N: int, channels: int = 0) -> bool:
     :data:`INDEX32_MAX`. The largest are an element t * N + n of a sequence, a thread's first
     neuron past the last one (a block's neurons past N at most), and a channel-tiled
     backward's slot past its last (under 2 N plus 8 rows of ``channels``, the affine kernels'
-    channels per step; see affine_plan.bptt_grid)."""
+    channels per step, see affine_plan.bptt_grid; counted here as BLOCK_THREADS rows)."""
     tiled_next_slot = 2 * N + BLOCK_THREADS * channels
     return max(T * N, tiled_next_slot) + BLOCK_THREADS * VEC > INDEX32_MAX
 

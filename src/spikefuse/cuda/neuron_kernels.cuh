@@ -68,7 +68,7 @@ __device__ __forceinline__ index_t window_first_neuron(const Args& a, const inde
 // the window's neuron `walk` (pooled kernels walk their window's neurons one after another).
 template <class Args>
 __device__ __forceinline__ index_t walked_neuron(const Args& a, const index_t slot,
-                                                  const int walk)
+                                                const int walk)
 {
     if constexpr (POOL > 1)
         return window_first_neuron(a, slot) + window_offset(a, walk);
