@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from spikefuse import functional, layer, model_graphs, neuron
+from spikefuse import functional, layer, model_graphs, model_scan, neuron
 from spikefuse.errors import SpikefuseError
 from spikefuse.model_graphs import graph_model, ungraph_model
 
@@ -262,6 +262,29 @@ def test_state_not_reset_hooks_and_pending_backward_run_eagerly(fake_gpu):
         net(x)
 
 
+@pytest.mark.parametrize(
+    "register",
+    [
+        lambda net, hook: net[1].register_full_backward_hook(hook),
+        lambda net, hook: net[1].register_full_backward_pre_hook(hook),
+        lambda net, hook: torch.nn.modules.module.register_module_full_backward_hook(hook),
+    ],
+    ids=["module", "module-pre", "global"],
+)
+def test_backward_hooks_run_eagerly_and_are_called(fake_gpu, register):
+    net = graph_model(small_net(), warmup=1)
+    data = batches([4] * 3)
+    train(net, data[:2])  # warmed up and captured
+    calls: list[str] = []
+    handle = register(net, lambda module, *grads: calls.append(type(module).__name__))
+    try:
+        with pytest.warns(UserWarning, match="graph_model: .*(backward hook|global module hook)"):
+            train(net, data[2:])
+    finally:
+        handle.remove()
+    assert calls and len(fake_gpu) == 1
+
+
 def test_a_failed_capture_warns_once_and_runs_eagerly(fake_gpu, monkeypatch):
     def failing(net, args, stream):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -302,3 +325,19 @@ def test_bad_arguments_are_refused(kwargs):
     assert model_graphs.model_graphs(net) is None
     with pytest.raises(SpikefuseError, match="nn.Module"):
         graph_model(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_layouts_follow_hooks_on_the_model_and_ignore_hooks_elsewhere():
+    net = small_net()
+    known = model_scan.current(net, None)
+    assert known.why is None and model_scan.current(net, known) is known
+    torch.zeros(1, requires_grad=True).register_hook(lambda grad: grad)  # a handle elsewhere
+    kept = model_scan.current(net, known)
+    assert kept.modules is known.modules and model_scan.current(net, kept) is kept
+    for register in (nn.Module.register_forward_hook, nn.Module.register_full_backward_hook):
+        handle = register(net[2], lambda module, *args: None)
+        hooked = model_scan.current(net, kept)
+        assert hooked.why is not None and "hook" in hooked.why
+        handle.remove()
+        kept = model_scan.current(net, hooked)
+        assert kept.why is None

@@ -2,27 +2,35 @@
 
 :mod:`spikefuse.model_graphs` replays a captured graph only while everything the capture saw
 still holds: the same modules, parameters and buffers (their identity, storage and
-``requires_grad``), the same ``training`` flags, no forward hook but spikefuse's own, and every
-neuron memory at its reset value. Walking the model for that on every call (``modules()``,
-``parameters()``) costs about a millisecond of host time on a ResNet-18 while the GPU waits, so
-a :class:`Layout` keeps the walk's results and is rebuilt when the structure may have changed:
-when a module, parameter or buffer was registered or assigned anywhere (PyTorch's global
-registration hooks count those), when the size of any of the model's module, parameter or
-buffer tables changed (``del``, ``ModuleList.insert``, ``pop``), or when a forward hook was
-added or removed. Only a raw write into those tables that keeps their sizes goes unseen:
-call :meth:`~spikefuse.model_graphs.ModelGraphs.invalidate` after one.
+``requires_grad``), the same ``training`` flags, no forward or backward hook but spikefuse's
+own, and every neuron memory at its reset value. Walking the model for that on every call
+(``modules()``, ``parameters()``) costs about a millisecond of host time on a ResNet-18 while
+the GPU waits, so a :class:`Layout` keeps the walk's results and is rebuilt when the structure
+may have changed:
+
+- a module, parameter or buffer was registered or assigned anywhere (PyTorch's global
+  registration hooks count those);
+- a module table, or a parameter, buffer or hook table that was not empty, changed its size
+  (``del``, ``ModuleList.insert``, ``pop``, a hook removed);
+- a hook table grew: every hook registration makes a ``RemovableHandle``, whose class counts
+  them, and only when that count moved are all the hook tables' sizes compared.
+
+An empty parameter, buffer or hook table grows only through those registrations. Only a raw
+write into a table that its size does not show goes unseen: call
+:meth:`~spikefuse.model_graphs.ModelGraphs.invalidate` after one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
+from torch.utils.hooks import RemovableHandle
 
 from .neuron import MemoryModule
 
@@ -47,23 +55,25 @@ def watch_registrations() -> None:
         _watching = True
 
 
-_training, _requires_grad = attrgetter("training"), attrgetter("requires_grad")
+_requires_grad = attrgetter("requires_grad")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A walk's results: the modules (breadth first), their parameters and buffers, their
-    tables and hook tables (whose sizes are watched), the memories to check, and a cause that
-    makes every call eager (``why``)."""
+    """A walk's results: the modules (breadth first), their parameters and buffers, the tables
+    whose sizes are watched (see the module docstring), the memories to check, where each
+    module's ``training`` flag is read, and a cause that makes every call eager (``why``)."""
 
     registrations: int
+    handles: int  # RemovableHandle.next_id: hook registrations in this process
     modules: list[nn.Module]
     tensors: list[Tensor]
-    tables: list[dict[str, Any]]
+    watched: list[dict[Any, Any]]
     sizes: tuple[int, ...]
     hook_tables: list[dict[int, Any]]
-    hooks: int
+    hook_sizes: tuple[int, ...]
     memories: tuple[tuple[MemoryModule, str, Any], ...]  # (module, name, reset value)
+    flags: tuple[Any, list[Any]]  # (getter, objects): map(getter, objects) is the flags
     why: str | None
 
 
@@ -80,8 +90,8 @@ def layout(net: nn.Module) -> Layout:
     """A new :class:`Layout` (checks every hook's origin and every memory's default)."""
     modules = walk(net)
     held: list[dict[str, Any]] = [m._parameters for m in modules] + [m._buffers for m in modules]
-    tables: list[dict[str, Any]] = [m._modules for m in modules] + held
-    hook_tables = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
+    hooks = [table for m in modules for table in _hook_tables(m)]
+    watched = [m._modules for m in modules] + [table for table in held + hooks if table]
     tensors = [t for t in chain.from_iterable(d.values() for d in held) if t is not None]
     memories: list[tuple[MemoryModule, str, Any]] = []
     why = None
@@ -92,33 +102,55 @@ def layout(net: nn.Module) -> Layout:
                 if isinstance(default, Tensor):
                     why = why or f"{type(module).__name__}.{name} resets to a tensor"
                 memories.append((module, name, default))
-    hooks = sum(map(len, hook_tables))
-    sizes = tuple(map(len, tables))
     return Layout(
-        _registrations, modules, tensors, tables, sizes, hook_tables, hooks, tuple(memories), why
+        _registrations, RemovableHandle.next_id, modules, tensors, watched,
+        tuple(map(len, watched)), hooks, tuple(map(len, hooks)), tuple(memories),
+        _flags(modules), why,
+    )  # fmt: skip
+
+
+def _hook_tables(module: nn.Module) -> tuple[dict[int, Any], ...]:
+    return (
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        module._backward_pre_hooks,
     )
 
 
+def _flags(modules: list[nn.Module]) -> tuple[Any, list[Any]]:
+    """How the ``training`` flags are read: from the modules' ``__dict__`` (twice as fast as
+    attribute lookups through their classes) where every module keeps it there."""
+    dicts = [m.__dict__ for m in modules]
+    if all(type(d.get("training")) is bool for d in dicts):
+        return itemgetter("training"), dicts
+    return attrgetter("training"), modules
+
+
 def _foreign_hook(module: nn.Module) -> str | None:
-    for hooks in (module._forward_hooks, module._forward_pre_hooks):
+    tables = _hook_tables(module)
+    for kind, hooks in zip(("forward", "forward", "backward", "backward"), tables, strict=True):
         for hook in hooks.values():
             if not getattr(hook, "__module__", "").startswith("spikefuse."):
                 name = getattr(hook, "__name__", repr(hook))
-                return f"{type(module).__name__} has a forward hook ({name}), which a replay skips"
+                return f"{type(module).__name__} has a {kind} hook ({name}), which a replay skips"
     return None
 
 
 def current(net: nn.Module, known: Layout | None) -> Layout:
     """``known`` while the model may not have changed its structure or hooks, else anew."""
     if (
-        known is not None
-        and known.registrations == _registrations
-        and tuple(map(len, known.tables)) == known.sizes
-        and sum(map(len, known.hook_tables)) == known.hooks
-        and known.modules[0] is net
+        known is None
+        or known.modules[0] is not net
+        or known.registrations != _registrations
+        or tuple(map(len, known.watched)) != known.sizes
     ):
-        return known
-    return layout(net)
+        return layout(net)
+    if known.handles != RemovableHandle.next_id:  # a hook registered somewhere: on this model?
+        if tuple(map(len, known.hook_tables)) != known.hook_sizes:
+            return layout(net)
+        return replace(known, handles=RemovableHandle.next_id)
+    return known
 
 
 def not_reset(memories: tuple[tuple[MemoryModule, str, Any], ...]) -> str | None:
@@ -139,7 +171,7 @@ def state_key(found: Layout) -> tuple[Hashable, ...]:
     new signature)."""
     tensors = found.tensors
     return (
-        tuple(map(_training, found.modules)),
+        tuple(map(*found.flags)),
         tuple(map(id, tensors)),
         tuple(map(Tensor.data_ptr, tensors)),
         tuple(map(_requires_grad, tensors)),
