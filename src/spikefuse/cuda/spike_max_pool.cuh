@@ -131,8 +131,9 @@ __device__ __forceinline__ Position position_of<long long>(long long i, const Di
 
 __device__ __forceinline__ Position position(long long i, const Args& a)
 {
-    return a.n < 0x80000000LL ? position_of<unsigned int>((unsigned int)i, a.walked, a.channels_last)
-                              : position_of<long long>(i, a.walked, a.channels_last);
+    if (a.n < 0x80000000LL)
+        return position_of<unsigned int>((unsigned int)i, a.walked, a.channels_last);
+    return position_of<long long>(i, a.walked, a.channels_last);
 }
 
 // The address offset of map (n, c) in a tensor of these strides.
@@ -289,6 +290,10 @@ __device__ __forceinline__ void add_pointed(float (&sum)[V], const typename Code
         if (hit[k]) sum[k] += to_float(g.e[k]);
 }
 
+// One window at a time, its gradient loaded after its code. Loading every covering window's code
+// first, then the pointed gradients, was measured on an H200 at the ResNet stem (3 x 3 / 2 over
+// [128, 64, 112, 112], channels-last): float32 572 -> 406 us, bfloat16 304 -> 380 us (its eight
+// channels per thread then need 60 registers instead of 40, fewer threads stay resident).
 template <int V>
 __device__ __forceinline__ void pool_backward(const Args& a)
 {
