@@ -103,10 +103,18 @@ def layout(net: nn.Module) -> Layout:
                     why = why or f"{type(module).__name__}.{name} resets to a tensor"
                 memories.append((module, name, default))
     return Layout(
-        _registrations, RemovableHandle.next_id, modules, tensors, watched,
-        tuple(map(len, watched)), hooks, tuple(map(len, hooks)), tuple(memories),
-        _flags(modules), why,
-    )  # fmt: skip
+        registrations=_registrations,
+        handles=RemovableHandle.next_id,
+        modules=modules,
+        tensors=tensors,
+        watched=watched,
+        sizes=tuple(map(len, watched)),
+        hook_tables=hooks,
+        hook_sizes=tuple(map(len, hooks)),
+        memories=tuple(memories),
+        flags=_flags(modules),
+        why=why,
+    )
 
 
 def _hook_tables(module: nn.Module) -> tuple[dict[int, Any], ...]:
