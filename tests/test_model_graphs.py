@@ -285,6 +285,26 @@ def test_backward_hooks_run_eagerly_and_are_called(fake_gpu, register):
     assert calls and len(fake_gpu) == 1
 
 
+def test_the_forward_graph_runs_before_autograd_records_the_replay(fake_gpu, monkeypatch):
+    """The replay is launched first, so that building autograd's node (an edge per parameter)
+    overlaps the GPU's work instead of delaying it."""
+    net = graph_model(small_net(), warmup=1)
+    data = batches([4] * 3)
+    train(net, data[:2])  # warmed up and captured
+    (entry,) = model_graphs.model_graphs(net)._entries.values()
+    replays_at_apply: list[int] = []
+    apply = model_graphs._ReplayFunction.apply
+
+    def spy(*args):
+        replays_at_apply.append(entry.graphs.forward.replays)
+        return apply(*args)
+
+    monkeypatch.setattr(model_graphs._ReplayFunction, "apply", spy)
+    before = entry.graphs.forward.replays
+    train(net, data[2:])
+    assert replays_at_apply == [before + 1]
+
+
 def test_a_failed_capture_warns_once_and_runs_eagerly(fake_gpu, monkeypatch):
     def failing(net, args, stream):
         raise RuntimeError("operation not permitted when stream is capturing")
