@@ -41,13 +41,13 @@ The rules that keep a replay equal to the eager call, and what happens otherwise
 - Under ``torch.compile`` or inside another CUDA graph capture (:class:`~spikefuse.graphs.
   GraphedStep`) the model runs its plain forward.
 
-Outputs and gradients are fresh tensors (copied out of the graphs' memory with one
-multi-tensor kernel each), so they can be kept across steps and accumulated. BatchNorm's
-running statistics, dropout's random numbers (PyTorch's graph-safe generator), PLIF's learnable
-decay and the fused blocks' recomputation and memory modes are part of the captured work.
-Captures go through :func:`spikefuse.graphs.capturing` on a side stream, after the caching
-allocator's free blocks are released, so that the eager warm-ups' cached memory and the graph's
-pool are not both held.
+Outputs and gradients are fresh tensors copied out of the graphs' memory (each output cloned,
+the gradients with one multi-tensor kernel), so they can be kept across steps and accumulated.
+BatchNorm's running statistics, dropout's random numbers (PyTorch's graph-safe generator),
+PLIF's learnable decay and the fused blocks' recomputation and memory modes are part of the
+captured work. Captures go through :func:`spikefuse.graphs.capturing` on a side stream, after
+the caching allocator's free blocks are released, so that the eager warm-ups' cached memory and
+the graph's pool are not both held.
 """
 
 from __future__ import annotations
@@ -405,6 +405,11 @@ def _fresh(grads: list[Tensor]) -> list[Tensor]:
     return list(torch._foreach_mul(grads, 1)) if grads else []
 
 
+def _output_copies(graphs_: _Replayable) -> tuple[Tensor, ...]:
+    """The forward graph's outputs copied out of its memory (which the next replay overwrites)."""
+    return tuple(o.clone() for o in graphs_.outputs)
+
+
 def _replay(entry: _Entry, args: tuple[Tensor, ...], net: nn.Module) -> Any:
     graphs_ = entry.graphs
     assert graphs_ is not None
@@ -416,7 +421,7 @@ def _replay(entry: _Entry, args: tuple[Tensor, ...], net: nn.Module) -> Any:
             into.copy_(a[:1] if one_step else a)
     graphs_.forward.replay()
     if graphs_.backward is None:
-        outputs = tuple(o.clone() for o in graphs_.outputs)
+        outputs = _output_copies(graphs_)
     else:
         outputs = _ReplayFunction.apply(entry, *args, *graphs_.params)
         for out in outputs:
@@ -437,7 +442,7 @@ class _ReplayFunction(torch.autograd.Function):
         graphs_ = entry.graphs
         assert graphs_ is not None
         ctx.entry, ctx.graphs = entry, graphs_
-        outputs = tuple(o.clone() for o in graphs_.outputs)
+        outputs = _output_copies(graphs_)
         differentiable = set(graphs_.differentiable)
         ctx.mark_non_differentiable(*(o for i, o in enumerate(outputs) if i not in differentiable))
         return outputs

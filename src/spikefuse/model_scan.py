@@ -117,13 +117,17 @@ def layout(net: nn.Module) -> Layout:
     )
 
 
-def _hook_tables(module: nn.Module) -> tuple[dict[int, Any], ...]:
-    return (
-        module._forward_hooks,
-        module._forward_pre_hooks,
-        module._backward_hooks,
-        module._backward_pre_hooks,
-    )
+# A module's hook tables, by the pass whose Python they run (a replay runs none of it).
+_HOOK_TABLES = (
+    ("forward", "_forward_hooks"),
+    ("forward", "_forward_pre_hooks"),
+    ("backward", "_backward_hooks"),
+    ("backward", "_backward_pre_hooks"),
+)
+
+
+def _hook_tables(module: nn.Module) -> list[dict[int, Any]]:
+    return [getattr(module, table) for _, table in _HOOK_TABLES]
 
 
 def _flags(modules: list[nn.Module]) -> tuple[Any, list[Any]]:
@@ -136,9 +140,8 @@ def _flags(modules: list[nn.Module]) -> tuple[Any, list[Any]]:
 
 
 def _foreign_hook(module: nn.Module) -> str | None:
-    tables = _hook_tables(module)
-    for kind, hooks in zip(("forward", "forward", "backward", "backward"), tables, strict=True):
-        for hook in hooks.values():
+    for kind, table in _HOOK_TABLES:
+        for hook in getattr(module, table).values():
             if not getattr(hook, "__module__", "").startswith("spikefuse."):
                 name = getattr(hook, "__name__", repr(hook))
                 return f"{type(module).__name__} has a {kind} hook ({name}), which a replay skips"
