@@ -331,8 +331,12 @@ class PoolingKernels:
     of what it got. Composed of torch ops and autograd, so the block must give the torch
     path's results exactly when it wires them right."""
 
-    def __init__(self) -> None:
+    def __init__(self, keeps: bool = False) -> None:
         self.calls: list[tuple[str, int, tuple[int, ...]]] = []
+        self.keeps = keeps  # pass 1 keeps g for an element-wise pass 2 (the 16-bit kernels')
+
+    def keeps_input_grad(self, y: torch.Tensor) -> bool:
+        return self.keeps
 
     @staticmethod
     def can_pool(y: torch.Tensor, pool: int) -> bool:
@@ -362,8 +366,8 @@ class PoolingKernels:
 
     def affine_bptt(self, program, y, grad_spikes, saved_v, learnable, constants, v_init, mean,
                     invstd, weight, bias, totals=None, inv_count=0.0, *, grad_y, pool=1,
-                    residual=None, overwrite_y=False):  # fmt: skip
-        assert residual is None
+                    residual=None, overwrite_y=False, keep_grad_input=False):  # fmt: skip
+        assert residual is None and not (keep_grad_input and (grad_y or not self.keeps))
         self.calls.append(("bptt", pool, tuple(grad_spikes.shape)))
         with torch.enable_grad():
             leaf = y.detach().requires_grad_()
@@ -372,22 +376,33 @@ class PoolingKernels:
             (g,) = torch.autograd.grad(out, x, grad_spikes)
         if not grad_y:
             dims = [0, 1, 3, 4]
-            return None, torch.stack([g.sum(dims), (g * (y - view(mean))).sum(dims)]), None
+            sums = torch.stack([g.sum(dims), (g * (y - view(mean))).sum(dims)])
+            return (g if keep_grad_input else None), sums, None
+        grad = self.affine_input_grad(g, y, mean, invstd, weight, totals, inv_count)
+        return (y.copy_(grad) if overwrite_y else grad), None, None
+
+    def affine_input_grad(self, g, y, mean, invstd, weight, totals, inv_count, out=None):
+        self.calls.append(("input_grad", 1, tuple(g.shape)))
+        view = lambda v: v.view(1, 1, -1, *([1] * (y.dim() - 3)))  # noqa: E731
+        scale = invstd * weight
         grad = g * view(scale)
         if totals is not None:
             mean_g, mean_gxhat = totals[0] * inv_count, totals[1] * invstd * inv_count
             coef_y = -scale * invstd * mean_gxhat
             grad = grad + y * view(coef_y) + view(-scale * mean_g - mean * coef_y)
-        return (y.copy_(grad) if overwrite_y else grad), None, None
+        return grad if out is None else out.copy_(grad)
 
 
+@pytest.mark.parametrize("keeps", [False, True], ids=["recomputing", "keeping-g"])
 @pytest.mark.parametrize("memory", ["default", "min"])
-def test_block_hands_the_pooling_to_kernels_that_can_pool(monkeypatch, memory):
+def test_block_hands_the_pooling_to_kernels_that_can_pool(monkeypatch, memory, keeps):
     """Where the backend's BN-folded kernels can pool, the block asks them to (pool=2 in forward,
     both backward passes and, by default, the next block's recompute), passes them the pooled
     map's gradient and pools nothing itself; the results are the torch path's. memory="min"
-    hands its recomputed y to pass 2 to overwrite with dL/dy."""
-    kernels = PoolingKernels()
+    hands its recomputed y to pass 2 to overwrite with dL/dy. Kernels that keep g (16-bit
+    storage) get pass 2 as one element-wise call on the full map's g in the default mode; the
+    minimal mode, which overwrites y, keeps recomputing."""
+    kernels = PoolingKernels(keeps)
     model = pooled_net()
     reference = fuse(model)
     folded = fuse(model, memory=memory)
@@ -405,15 +420,19 @@ def test_block_hands_the_pooling_to_kernels_that_can_pool(monkeypatch, memory):
     # the classifier's and the second conv's inputs, recomputed for their weight gradients
     # (memory="min" keeps the second conv's input, and the classifier its own)
     recomputed = [[("fptt", 2, full_2)], [("fptt", 2, full_1)]] if memory == "default" else [[], []]
+    kept = keeps and memory == "default"
+    # pass 2: a recompute (whose formula the stand-in shares), or the element-wise call alone
+    pass_2 = [[("input_grad", 1, shape)] if kept else [("bptt", 2, pooled), ("input_grad", 1, shape)]
+              for pooled, shape in ((pooled_2, full_2), (pooled_1, full_1))]  # fmt: skip
     assert kernels.calls == [
         ("fptt", 2, full_1),
         ("fptt", 2, full_2),
         *recomputed[0],
         ("bptt", 2, pooled_2),  # pass 1
-        ("bptt", 2, pooled_2),  # pass 2
+        *pass_2[0],
         *recomputed[1],
         ("bptt", 2, pooled_1),
-        ("bptt", 2, pooled_1),
+        *pass_2[1],
     ]
 
 

@@ -218,11 +218,34 @@ class AffineKernels(Protocol):
         pool: int = 1,
         residual: torch.Tensor | None = None,
         overwrite_y: bool = False,
+        keep_grad_input: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Pass 1 (``grad_y=False``): (None, per-channel sums [2, C], dL/dlearnable or None);
-        pass 2: (dL/dy, dL/dresidual or None, None). ``pool``, ``residual``: as the forward's
-        (grad_spikes then pooled). ``overwrite_y``: pass 2 may write dL/dy over y's memory
-        (y is then lost; a caller whose y is a temporary saves a buffer)."""
+        """Pass 1 (``grad_y=False``): (None, per-channel sums [2, C], dL/dlearnable or None),
+        with ``keep_grad_input`` (where :meth:`keeps_input_grad`) g = dL/dX in y's dtype first
+        instead of None; pass 2: (dL/dy, dL/dresidual or None, None). ``pool``, ``residual``:
+        as the forward's (grad_spikes then pooled). ``overwrite_y``: pass 2 may write dL/dy
+        over y's memory (y is then lost; a caller whose y is a temporary saves a buffer)."""
+        ...
+
+    def keeps_input_grad(self, y: torch.Tensor) -> bool:
+        """Whether pass 1 on y can keep g = dL/dX, from which :meth:`affine_input_grad` gives
+        dL/dy in place of pass 2 (where that is the faster way)."""
+        ...
+
+    def affine_input_grad(
+        self,
+        grad_input: torch.Tensor,
+        y: torch.Tensor,
+        mean: torch.Tensor,
+        invstd: torch.Tensor,
+        weight: torch.Tensor | None,
+        totals: torch.Tensor | None,
+        inv_count: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pass 2's dL/dy from the g that pass 1 kept, element by element: scale g, plus the
+        batch statistics' terms from ``totals`` (as pass 2's); written to ``out`` (which may
+        be g or y's memory) or a new tensor."""
         ...
 
 

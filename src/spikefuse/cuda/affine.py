@@ -17,7 +17,9 @@ import torch
 
 from ..backends import as_channels_innermost, flags_at, packed_bytes
 from ..program import NeuronProgram
+from .affine_grad import affine_input_grad
 from .affine_plan import LaunchPlan, affine_chunk, can_pool, empty, plan_for
+from .kernel_spec import KEEPS_INPUT_GRAD
 from .runtime import (
     check_checkpoints,
     check_input,
@@ -31,10 +33,19 @@ from .runtime import (
 __all__ = [
     "affine_bptt",
     "affine_fptt",
+    "affine_input_grad",
     "affine_saved_like",
     "can_pool",
+    "keeps_input_grad",
     "laid_out_grad_spikes",
 ]
+
+
+def keeps_input_grad(y: torch.Tensor) -> bool:
+    """Whether pass 1 of :func:`affine_bptt` on y can keep g = dL/dX for
+    :func:`affine_input_grad` (``keep_grad_input``), which then replaces pass 2: y's dtype is
+    one of :data:`~.kernel_spec.KEEPS_INPUT_GRAD` (16-bit storage)."""
+    return y.dtype in KEEPS_INPUT_GRAD
 
 
 def _laid_out(t: torch.Tensor, strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -214,13 +225,18 @@ def affine_bptt(
     pool: int = 1,
     residual: torch.Tensor | None = None,
     overwrite_y: bool = False,
+    keep_grad_input: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """BPTT of :func:`affine_fptt` in one launch, recomputing the neuron from y chunk by chunk.
 
     With g = dL/dX (X = BN(y)), returns ``(dL/dy, sums, grad_learnable)``:
 
     * ``grad_y=False`` (pass 1): ``sums`` [2, C] float32, the per-channel sums over (T, B, *S)
-      of g and of g (y - mean[c]), and dL/d(learnable) shaped like it (or None); dL/dy None.
+      of g and of g (y - mean[c]), and dL/d(learnable) shaped like it (or None); dL/dy None,
+      or with ``keep_grad_input`` (where :func:`keeps_input_grad`) g itself in y's dtype,
+      laid out as y's memory is read (for a y repeated over time: summed over T, one step),
+      for :func:`affine_input_grad`; with a residual it is dL/dresidual too (a residual
+      with a y repeated over time keeps no g: dL/dresidual is per step).
     * ``grad_y=True`` (pass 2): dL/dy in y's dtype and layout, = scale g with running
       statistics (``totals`` None), or with batch statistics BatchNorm's full backward
       scale g + coef_y y + coef_0, coef_y = -scale invstd m_gy invstd, coef_0 = -scale m_g -
@@ -253,8 +269,24 @@ def affine_bptt(
         _launch_backward(*launch_args)
         return out, grad_residual, None
     sums, grad_learnable = _pass_one_outputs(plan, program, y, learnable, pointers)
+    kept = _kept_grad_input(plan, y, residual, pointers) if keep_grad_input else None
     _launch_backward(*launch_args)
-    return None, per_channel_sum(sums, plan.layout), grad_learnable
+    return kept, per_channel_sum(sums, plan.layout), grad_learnable
+
+
+def _kept_grad_input(
+    plan: LaunchPlan, y: torch.Tensor, residual: torch.Tensor | None, pointers: dict[str, int]
+) -> torch.Tensor:
+    """The g = dL/dX that pass 1 writes besides its sums (laid out as y's memory), its
+    address added to ``pointers``; raises for a call that cannot keep it."""
+    if not plan.kernel.keeps_input_grad or (residual is not None and plan.x_step == 0):
+        raise ValueError(
+            f"affine_bptt: pass 1 keeps dL/dX only with 16-bit storage ({y.dtype}) and, with a "
+            "residual, per step (not for a y repeated over time)"
+        )
+    kept = empty(plan.memory, y)
+    pointers["grad_input_seq"] = pointer(kept)
+    return kept
 
 
 def _pass_one_outputs(

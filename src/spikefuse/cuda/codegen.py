@@ -57,6 +57,7 @@ from .kernel_spec import (
     ARG_POINTERS,
     BLOCK_THREADS,
     CHUNK,
+    KEEPS_INPUT_GRAD,
     LOAD_STEPS,
     POOLS,
     RESERVED_NAMES,
@@ -150,6 +151,8 @@ class NeuronKernel:
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
         self.dtype, self.vec, self.adaptive, self.affine = dtype, vec, adaptive, affine
         self.pool, self.residual, self.wide_index = pool, residual, wide_index
+        # affine pass 1 may also write dL/dX (grad_input_seq) for an element-wise pass 2
+        self.keeps_input_grad = affine and dtype in KEEPS_INPUT_GRAD
         longest = AFFINE_CHUNK[dtype] if affine else CHUNK
         if chunk is not None and not 1 <= chunk <= longest:
             raise ValueError(f"{name}: chunk must be in 1..{longest}, got {chunk}")
@@ -449,6 +452,8 @@ class NeuronKernel:
             f"constexpr int N_LEARNABLE = {len(self.learnable)};  // parameters with gradients",
             f"constexpr int POOL = {self.pool};  // k x k windows averaged (1: no pooling)",
             f"constexpr bool RESIDUAL = {str(self.residual).lower()};  // X also adds R",
+            f"constexpr bool KEEPS_INPUT_GRAD = {str(self.keeps_input_grad).lower()};"
+            "  // affine pass 1 may write dL/dX",
             f"#define FPTT_KERNEL {self.fptt_name}",
             f"#define BPTT_KERNEL {self.bptt_name}",
         ]

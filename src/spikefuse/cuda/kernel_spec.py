@@ -48,6 +48,12 @@ BPTT_VEC = {torch.float32: VEC, torch.float16: 1, torch.bfloat16: 1}
 # channels per thread (16-bit, channel-tiled) ran no faster on an H200 at T = 4 (SEW-ResNet-18's
 # 112² map: 517 µs both ways) and half as fast at T = 8 (two resident blocks instead of four).
 AFFINE_BPTT_VEC = 1
+# Storage dtypes whose BN-folded backward pass 1 also writes dL/dX, so that pass 2 reads it and
+# Y element by element (cuda/affine_grad.cuh) instead of recomputing the neuron: with 16-bit
+# storage the recompute is bound by instruction issue, and the element-wise pass by memory at
+# the same bytes. float32's recompute already runs near memory bandwidth, and the extra write
+# and read of dL/dX would cost it more than the recompute does.
+KEEPS_INPUT_GRAD = frozenset((torch.float16, torch.bfloat16))
 # Largest index the kernels compute in 32-bit integers (int's maximum).
 INDEX32_MAX = 2**31 - 1
 
@@ -167,6 +173,12 @@ ARG_POINTERS = (
         "float*", "grad_sum", "sum of dL/dX per neuron [N] (window, tile), or null", "affine"
     ),
     ArgPointer("float*", "grad_dot", "sum of dL/dX (Y - bn_mean[c]) likewise, or null", "affine"),
+    ArgPointer(
+        "scalar_t*",
+        "grad_input_seq",
+        "pass 1: dL/dX [T, N] too (x_step 0: summed over T, [N]), or null",
+        "affine",
+    ),
     ArgPointer("const float*", "bn_total_g", "[C] channel total of grad_sum, or null", "affine"),
     ArgPointer("const float*", "bn_total_gy", "[C] channel total of grad_dot", "affine"),
     ArgPointer(

@@ -10,6 +10,7 @@
 //   ADAPTIVE, AFFINE, N_LEARNABLE     two-state neuron; BatchNorm folded in; learnable parameters
 //   POOL                              pooled kernels: the k of the k x k windows averaged (1: none)
 //   RESIDUAL                          affine kernels adding R to X (a residual block's shortcut)
+//   KEEPS_INPUT_GRAD                  affine kernels whose pass 1 may also write dL/dX
 //   Args                              the kernels' one argument (fields as in codegen.py)
 //   Params, load_params(a)            the neuron's parameters, read once per thread
 //   charge, reset, surrogate_grad,    the neuron's device functions, printed from its sympy
@@ -460,10 +461,22 @@ __device__ void sum_learnable_grads(const Args& a, const float (&acc)[LEARNABLE_
     }
 }
 
+// Where affine pass 1 also writes g = dL/dX in the storage dtype (null: it does not): what
+// pass 2 then reads element by element (spikefuse/cuda/affine_grad.cuh) instead of walking the
+// neurons through time again, a pass bound by instruction issue with 16-bit storage.
+template <class Args>
+__device__ __forceinline__ scalar_t* kept_grad_input(const Args& a)
+{
+    if constexpr (KEEPS_INPUT_GRAD)
+        return a.grad_input_seq;
+    return nullptr;
+}
+
 // Backward through time: dL/dX[t] (affine pass 2: dL/dY[t]; pass 1: per-neuron, per-window or
-// per-tile sums for BatchNorm), dL/dV[-1] (and dL/dW[-1]), the learnable parameters'
-// gradients. PASS1: the affine kernels' pass 1, compiled apart from pass 2 so that
-// neither computes what only the other writes (the backward is bound by instruction issue).
+// per-tile sums for BatchNorm, and dL/dX[t] where kept_grad_input), dL/dV[-1] (and
+// dL/dW[-1]), the learnable parameters' gradients. PASS1: the affine kernels' pass 1,
+// compiled apart from pass 2 so that neither computes what only the other writes (the
+// backward is bound by instruction issue).
 template <class Args, bool PASS1>
 __device__ __forceinline__ void neuron_bptt(const Args& a)
 {
@@ -496,9 +509,11 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
             }
         }
     float acc[LEARNABLE_SLOTS] = {0.0f};  // dL/dp over this thread's neurons and steps
-    // Pass 2 with Y repeated over time (x_step 0): dL/dY summed over T, written once per neuron.
-    const bool per_step = !(AFFINE && WRITES) || x_step != 0;
-    float grad_y_total[VEC];
+    // With Y repeated over time (x_step 0) pass 2's dL/dY and pass 1's kept dL/dX are summed
+    // over T, written once per neuron; the other kernels write every step.
+    const bool per_step = !AFFINE || x_step != 0;
+    scalar_t* const kept_g = kept_grad_input(a);
+    float grad_total[VEC];  // pass 2: of dL/dY; pass 1: of dL/dX
     // Carried from step t+1 to step t: the gradient reaching V[t] (and W[t]) from later steps.
     float grad_v_carry[VEC], grad_w_carry[VEC];
     for (index_t slot = first; slot < N / WINDOW; slot = bptt_next_slot(a, slot)) {
@@ -507,7 +522,7 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
         for (int walk = 0; walk < WINDOW; ++walk) {
             const index_t n = walked_neuron(a, slot, walk);
             for (int k = 0; k < VEC; ++k) {
-                grad_y_total[k] = 0.0f;
+                grad_total[k] = 0.0f;
                 grad_v_carry[k] = 0.0f;
                 if constexpr (!AFFINE)
                     if (a.grad_v_last)
@@ -597,11 +612,14 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                         if constexpr (SUMS) {
                             sum_g[k] += grad_x;
                             sum_gy[k] = fmaf(grad_x, y - mean[k], sum_gy[k]);
+                            gxp.e[k] = from_float(grad_x);  // dL/dX, where kept
+                            if constexpr (!RESIDUAL)  // dL/dR is per step: never summed
+                                grad_total[k] += grad_x;
                         } else if constexpr (AFFINE) {
                             const float grad_y =
                                 fmaf(scale[k], grad_x, fmaf(coef_y[k], y, coef_0[k]));
                             gxp.e[k] = from_float(grad_y);  // dL/dY
-                            grad_y_total[k] += grad_y;
+                            grad_total[k] += grad_y;
                             if constexpr (RESIDUAL)
                                 grp.e[k] = from_float(grad_x);  // dL/dR
                         } else {
@@ -611,19 +629,23 @@ __device__ __forceinline__ void neuron_bptt(const Args& a)
                         if constexpr (LEARNS)
                             add_learnable_grads(acc, grad_h, v_prev, x, w_prev, h, p);
                     }
-                    if constexpr (WRITES)
+                    if constexpr (WRITES) {
                         if (per_step)
                             store_pack(a.grad_x_seq, base + j * N, gxp);
+                    } else if (kept_g && per_step) {
+                        store_pack(kept_g, base + j * N, gxp);
+                    }
                     if constexpr (RESIDUAL && WRITES)
                         store_pack(a.grad_residual_seq, base + j * N, grp);
                 }
             }
-            if constexpr (AFFINE && WRITES && POOL == 1)
-                if (!per_step) {
+            scalar_t* const total_out = WRITES ? a.grad_x_seq : (RESIDUAL ? nullptr : kept_g);
+            if constexpr (AFFINE && POOL == 1)
+                if (!per_step && total_out) {
                     pack_t total;
                     for (int k = 0; k < VEC; ++k)
-                        total.e[k] = from_float(grad_y_total[k]);
-                    store_pack(a.grad_x_seq, n, total);
+                        total.e[k] = from_float(grad_total[k]);
+                    store_pack(total_out, n, total);
                 }
         }
         for (int k = 0; k < VEC; ++k) {

@@ -151,21 +151,24 @@ def bn_neuron_backward(
     saved: Kept,
     pool: int = 1,
     residual: Tensor | None = None,
+    keep_grad_input: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward pass 1 (the paper's Alg. 2): recompute the neuron from y, BPTT, per-channel sums.
 
     Returns ``(g, sums, grad_learnable)``: the local per-channel sums [2, C] of g and of
     g (y - mean) (None without BN), the gradient of the neuron's learnable parameters (shaped
     like them) and,
-    optionally, g = dL/dx [T, B, C, *] in the compute dtype for pass 2 to reuse. The cuda
-    backend returns g = None (pass 2 recomputes it: no [T, N] buffer is written); without BN
-    g is always given, and so it is with a ``residual``. ``pool``, ``residual``: the forward's
-    (grad_spikes is then the pooled map's gradient).
+    optionally, g = dL/dx [T, B, C, *] for pass 2 to reuse. The torch composites give g in the
+    compute dtype. The BN-folded kernels give g = None (pass 2 recomputes it: no [T, N] buffer
+    is written), or with ``keep_grad_input`` where they can (:func:`keeps_input_grad`) g in
+    y's dtype (for a y repeated over time: summed over T). Without BN g is always given, and
+    so it is with a ``residual`` on the torch composites. ``pool``, ``residual``: the
+    forward's (grad_spikes is then the pooled map's gradient).
     """
     _check_pool(stats, neuron, pool)
     affine = _affine(neuron, y, residual)
     if stats is not None and affine is not None:
-        _, sums, grad_learnable = _affine_backward(
+        return _affine_backward(
             affine,
             neuron,
             y,
@@ -176,8 +179,8 @@ def bn_neuron_backward(
             False,
             pool=pool,
             residual=residual,
+            keep_grad_input=keep_grad_input,
         )
-        return None, sums, grad_learnable
     x = _neuron_input(y, stats, residual)
     g, grad_learnable = neuron.input_grad(x, learnable, grad_spikes, saved)
     del x  # before the sums allocate
@@ -202,10 +205,11 @@ def _affine_backward(
     pool: int = 1,
     residual: Tensor | None = None,
     overwrite_y: bool = False,
+    keep_grad_input: bool = False,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """One of the BN-folded kernel's two backward passes: pass 1 (``grad_y=False``) returns
-    (None, per-channel sums [2, C], dL/dlearnable), pass 2 (dL/dy, dL/dresidual or None,
-    None); ``overwrite_y``: pass 2 may write dL/dy over y."""
+    (g with ``keep_grad_input``, else None; per-channel sums [2, C]; dL/dlearnable), pass 2
+    (dL/dy, dL/dresidual or None, None); ``overwrite_y``: pass 2 may write dL/dy over y."""
     assert saved is not None  # affine forwards always keep their checkpoints (or None)
     return affine.affine_bptt(
         program=neuron.program,
@@ -225,7 +229,23 @@ def _affine_backward(
         pool=pool,
         residual=residual,
         overwrite_y=overwrite_y,
+        keep_grad_input=keep_grad_input,
     )
+
+
+def keeps_input_grad(
+    y: Tensor, stats: BNStats | None, neuron: NeuronCall, residual: Tensor | None, overwrite: bool
+) -> bool:
+    """Whether pass 1 keeps g for pass 2 (:func:`bn_neuron_backward`'s ``keep_grad_input``):
+    where the BN-folded kernels run both passes and can keep it (their
+    ``keeps_input_grad``: 16-bit storage), pass 2 is then one element-wise pass instead of a
+    recompute of the neuron. Not where y is a temporary pass 2 may ``overwrite`` (the minimal
+    memory modes: g would be a second buffer of its size) nor for a residual with a y
+    repeated over time (dL/dresidual is per step, the kept g summed)."""
+    affine = _affine(neuron, y, residual)
+    if stats is None or affine is None or overwrite or not affine.keeps_input_grad(y):
+        return False
+    return residual is None or not repeats_one_step(y)
 
 
 def bn_input_grad(
@@ -249,12 +269,19 @@ def bn_input_grad(
     dL/dy = g * scale[c], plus with batch statistics (``totals``: pass 1's sums over all
     processes, times ``inv_count`` their means) the terms coef_y[c] y + coef_0[c] of the
     module docstring. Uses pass 1's g when given, overwriting it (so float32 needs no new
-    buffer) unless there is a residual, else recomputes g from y. ``pool``, ``residual``: the
-    forward's.
+    buffer) unless there is a residual (g is then dL/dresidual), else recomputes g from y:
+    the BN-folded kernels take a g they kept (see :func:`bn_neuron_backward`) in one
+    element-wise launch, else recompute the neuron. ``pool``, ``residual``: the forward's.
     """
     affine = _affine(neuron, y, residual)
+    if affine is not None and g is not None:
+        out = None if residual is not None else g
+        kept_grad_y = affine.affine_input_grad(
+            g, y, stats.mean, stats.invstd, stats.weight, totals, inv_count, out
+        )
+        return kept_grad_y, (None if residual is None else g)
     if affine is not None:
-        grad_y, grad_residual, _ = _affine_backward(
+        recomputed, grad_residual, _ = _affine_backward(
             affine,
             neuron,
             y,
@@ -269,8 +296,8 @@ def bn_input_grad(
             residual,
             overwrite_y,
         )
-        assert grad_y is not None  # pass 2 writes dL/dy
-        return grad_y, grad_residual
+        assert recomputed is not None  # pass 2 writes dL/dy
+        return recomputed, grad_residual
     if g is None:
         g, _ = neuron.input_grad(_neuron_input(y, stats, residual), learnable, grad_spikes, saved)
     grad_residual = None if residual is None else g.to(residual.dtype)
@@ -328,8 +355,9 @@ def bn_neuron_grads(
     affine = _affine(neuron, y, residual)
     if stats is not None and affine is not None:  # both BN-folded passes: at most one copy
         grad_spikes = affine.laid_out_grad_spikes(neuron.program, y, grad_spikes, pool, residual)
+    keep = keeps_input_grad(y, stats, neuron, residual, overwrite_y)
     g, sums, grad_learnable = bn_neuron_backward(
-        y, stats, neuron, learnable, grad_spikes, saved, pool, residual
+        y, stats, neuron, learnable, grad_spikes, saved, pool, residual, keep
     )
     grad_learnable = grad_learnable if needs[2] else None
     if stats is None or bn is None or sums is None:  # no BN: pass 1 always gives g
