@@ -205,7 +205,9 @@ def test_step_mode_container(stateful):
     functional.reset_net(net)
     functional.set_step_mode(net, "s")
     want = torch.stack([net(x[t]) for t in range(4)])
-    assert torch.equal(out, want)
+    # the merged [T*B, 3] matmul may round apart from the per-step [B, 3] ones (the CPU's BLAS
+    # blocks them differently); the containers' semantics are what this compares
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-7)
 
 
 def test_element_wise_recurrent_container():
