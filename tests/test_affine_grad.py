@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from spikefuse import neuron
-from spikefuse.cuda import affine_grad
+from spikefuse.cuda import affine, affine_grad
 from spikefuse.cuda.kernel_spec import BLOCK_THREADS, KEEPS_INPUT_GRAD
 from spikefuse.cuda.runtime import kernel_for
 from spikefuse.fused.ops.bn_neuron.passes import keeps_input_grad
@@ -68,7 +68,10 @@ def test_16_bit_affine_kernels_and_only_they_keep_the_input_grad():
 
 
 def _call(keeps: bool) -> types.SimpleNamespace:
-    return types.SimpleNamespace(affine=types.SimpleNamespace(keeps_input_grad=lambda y: keeps))
+    """A neuron call whose BN-folded kernels answer as the cuda backend's (``keeps``) or
+    keep nothing."""
+    predicate = affine.keeps_input_grad if keeps else (lambda y, residual=None: False)
+    return types.SimpleNamespace(affine=types.SimpleNamespace(keeps_input_grad=predicate))
 
 
 def test_pass_one_keeps_the_input_grad_where_the_element_wise_pass_2_can_take_it():

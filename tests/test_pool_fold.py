@@ -335,7 +335,7 @@ class PoolingKernels:
         self.calls: list[tuple[str, int, tuple[int, ...]]] = []
         self.keeps = keeps  # pass 1 keeps g for an element-wise pass 2 (the 16-bit kernels')
 
-    def keeps_input_grad(self, y: torch.Tensor) -> bool:
+    def keeps_input_grad(self, y: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
         return self.keeps
 
     @staticmethod

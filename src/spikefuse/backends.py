@@ -227,9 +227,9 @@ class AffineKernels(Protocol):
         over y's memory (y is then lost; a caller whose y is a temporary saves a buffer)."""
         ...
 
-    def keeps_input_grad(self, y: torch.Tensor) -> bool:
-        """Whether pass 1 on y can keep g = dL/dX, from which :meth:`affine_input_grad` gives
-        dL/dy in place of pass 2 (where that is the faster way)."""
+    def keeps_input_grad(self, y: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        """Whether pass 1 on y (with this residual) can keep g = dL/dX, from which
+        :meth:`affine_input_grad` gives dL/dy in place of pass 2 (where that is faster)."""
         ...
 
     def affine_input_grad(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import as_channels_innermost, flags_at, packed_bytes
+from ..backends import as_channels_innermost, flags_at, packed_bytes, repeats_one_step
 from ..program import NeuronProgram
 from .affine_grad import affine_input_grad
 from .affine_plan import LaunchPlan, affine_chunk, can_pool, empty, plan_for
@@ -41,11 +41,12 @@ __all__ = [
 ]
 
 
-def keeps_input_grad(y: torch.Tensor) -> bool:
-    """Whether pass 1 of :func:`affine_bptt` on y can keep g = dL/dX for
+def keeps_input_grad(y: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether pass 1 of :func:`affine_bptt` on y (with this residual) can keep g = dL/dX for
     :func:`affine_input_grad` (``keep_grad_input``), which then replaces pass 2: y's dtype is
-    one of :data:`~.kernel_spec.KEEPS_INPUT_GRAD` (16-bit storage)."""
-    return y.dtype in KEEPS_INPUT_GRAD
+    one of :data:`~.kernel_spec.KEEPS_INPUT_GRAD` (16-bit storage), and with a residual y
+    is not repeated over time (dL/dresidual is per step, a kept g then summed over T)."""
+    return y.dtype in KEEPS_INPUT_GRAD and (residual is None or not repeats_one_step(y))
 
 
 def _laid_out(t: torch.Tensor, strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -254,6 +255,11 @@ def affine_bptt(
     """
     check_input(y)
     _check_residual(residual, y, pool)
+    if keep_grad_input and (grad_y or not keeps_input_grad(y, residual)):
+        raise ValueError(
+            f"affine_bptt: only pass 1 keeps dL/dX, with 16-bit storage ({y.dtype}) and, with a "
+            "residual, per step (not for a y repeated over time)"
+        )
     # dL/dS and the residual as given: a copy made below would be aligned anyway
     plan = plan_for(program, y, pool, residual, False, grad_spikes, residual)
     y = plan.memory_of(y)
@@ -269,24 +275,12 @@ def affine_bptt(
         _launch_backward(*launch_args)
         return out, grad_residual, None
     sums, grad_learnable = _pass_one_outputs(plan, program, y, learnable, pointers)
-    kept = _kept_grad_input(plan, y, residual, pointers) if keep_grad_input else None
+    kept = None
+    if keep_grad_input:  # g besides the sums, laid out as y's memory
+        kept = empty(plan.memory, y)
+        pointers["grad_input_seq"] = pointer(kept)
     _launch_backward(*launch_args)
     return kept, per_channel_sum(sums, plan.layout), grad_learnable
-
-
-def _kept_grad_input(
-    plan: LaunchPlan, y: torch.Tensor, residual: torch.Tensor | None, pointers: dict[str, int]
-) -> torch.Tensor:
-    """The g = dL/dX that pass 1 writes besides its sums (laid out as y's memory), its
-    address added to ``pointers``; raises for a call that cannot keep it."""
-    if not plan.kernel.keeps_input_grad or (residual is not None and plan.x_step == 0):
-        raise ValueError(
-            f"affine_bptt: pass 1 keeps dL/dX only with 16-bit storage ({y.dtype}) and, with a "
-            "residual, per step (not for a y repeated over time)"
-        )
-    kept = empty(plan.memory, y)
-    pointers["grad_input_seq"] = pointer(kept)
-    return kept
 
 
 def _pass_one_outputs(

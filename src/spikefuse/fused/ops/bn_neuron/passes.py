@@ -237,15 +237,17 @@ def keeps_input_grad(
     y: Tensor, stats: BNStats | None, neuron: NeuronCall, residual: Tensor | None, overwrite: bool
 ) -> bool:
     """Whether pass 1 keeps g for pass 2 (:func:`bn_neuron_backward`'s ``keep_grad_input``):
-    where the BN-folded kernels run both passes and can keep it (their
-    ``keeps_input_grad``: 16-bit storage), pass 2 is then one element-wise pass instead of a
-    recompute of the neuron. Not where y is a temporary pass 2 may ``overwrite`` (the minimal
-    memory modes: g would be a second buffer of its size) nor for a residual with a y
-    repeated over time (dL/dresidual is per step, the kept g summed)."""
+    where the BN-folded kernels run both passes and can keep it (their ``keeps_input_grad``),
+    pass 2 is then one element-wise pass instead of a recompute of the neuron. Not where y is
+    a temporary pass 2 may ``overwrite`` (the minimal memory modes: g would be a second buffer
+    of its size)."""
     affine = _affine(neuron, y, residual)
-    if stats is None or affine is None or overwrite or not affine.keeps_input_grad(y):
-        return False
-    return residual is None or not repeats_one_step(y)
+    return (
+        stats is not None
+        and affine is not None
+        and not overwrite
+        and affine.keeps_input_grad(y, residual)
+    )
 
 
 def bn_input_grad(
