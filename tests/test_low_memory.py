@@ -26,6 +26,7 @@ from test_fused import (
     conv_bn_lif,
     conv_stack,
     lif,
+    run,
     saved_bytes,
 )
 
@@ -123,6 +124,47 @@ def test_min_memory_keeps_only_the_packed_input():
     packed = spikes // 8 + spikes // 32  # + a NaN flag byte per 32 spikes
     assert saved_bytes(fuse(model, memory="min"), x) == packed + 2 * vectors
     assert saved_bytes(fuse(model), x) == 2 * (4 * spikes + vectors)  # y of both blocks
+
+
+def test_default_memory_recomputes_a_stem(monkeypatch):
+    """memory="default": a block on an input kept anyway for the weight gradient (here the
+    model's input) recomputes y where that costs at most DEFAULT_MAX_MACS_PER_SAVED_BYTE
+    multiply-adds per byte saved (3 x 3 on 3 channels: 27 per float64 element, about 3.4 per
+    byte; on 32 channels: 36 per byte) and saves at least
+    DEFAULT_RECOMPUTE_MIN_BYTES; the same training step as keeping y. Kept then: the second
+    block's y and the vectors (its input spikes: the bits the first block's kernel packed,
+    behind the layers' own saved-tensor hook)."""
+    t, b, c, h, w = 4, 8, 32, 8, 8
+    model = nn.Sequential(*conv_bn_lif(3, c), *conv_bn_lif(c, c)).double()
+    x = torch.randn(t, b, 3, h, w, dtype=torch.float64)
+    spikes = t * b * c * h * w
+    vectors = 2 * c * 8  # mean, invstd
+    keeping, stem = fuse(copy.deepcopy(model)), fuse(copy.deepcopy(model))
+    assert saved_bytes(keeping, x) == 2 * (8 * spikes + vectors)  # each y under the bytes
+    kept_step = run(keeping, x)
+    monkeypatch.setattr(memory_module, "DEFAULT_RECOMPUTE_MIN_BYTES", 4 * spikes)
+    assert saved_bytes(stem, x) == 8 * spikes + 2 * vectors
+    blocks = [m for m in stem.modules() if isinstance(m, FusedBlock)]
+    assert [block.memory_choice for block in blocks] == ["default"] * 2
+    out, grad_x, grads = run(stem, x)
+    torch.testing.assert_close(out, kept_step[0], **FP64_TOL)
+    torch.testing.assert_close(grad_x, kept_step[1], **FP64_TOL)
+    for got, want in zip(grads, kept_step[2], strict=True):
+        torch.testing.assert_close(got, want, **FP64_TOL)
+    monkeypatch.setattr(memory_module, "DEFAULT_MAX_MACS_PER_SAVED_BYTE", 3)
+    assert saved_bytes(stem, x) == 2 * (8 * spikes + vectors)
+
+
+def test_default_memory_keeps_y_on_a_fused_blocks_spikes(monkeypatch):
+    """However cheap, a block on a fused block's spikes (which the default mode recomputes
+    rather than keeps) keeps its y: here 3 x 3 on 3 channels (27 multiply-adds an element, 3.4
+    a byte), while the first block's y is under DEFAULT_RECOMPUTE_MIN_BYTES."""
+    t, b, h, w = 4, 8, 8, 8
+    model = nn.Sequential(*conv_bn_lif(3, 3), *conv_bn_lif(3, 32)).double()
+    x = torch.randn(t, b, 3, h, w, dtype=torch.float64)
+    monkeypatch.setattr(memory_module, "DEFAULT_RECOMPUTE_MIN_BYTES", 8 * t * b * 8 * h * w)
+    y_bytes = 8 * t * b * (3 + 32) * h * w
+    assert saved_bytes(fuse(model), x) == y_bytes + 2 * 8 * (3 + 32)
 
 
 def test_only_tagged_spikes_are_packed():

@@ -104,7 +104,8 @@ class FusedBlock(MultiStepOnly, nn.Module):
     from its reset state on every call, so each call is an independent sequence and the node's
     ``.v`` is neither read nor written.
 
-    Memory: backward keeps the synapse output and per-channel vectors; BN output, membrane
+    Memory (the default mode): backward keeps the synapse output (a stem: its input, see
+    :class:`~spikefuse.fused.memory.DefaultMemory`) and per-channel vectors; BN output, membrane
     potentials and spikes are recomputed. A synapse input that is the spike output of another
     fused block (directly, or through a :class:`SpikePool`) is not stored either: backward
     recomputes it from that block's synapse output with one forward kernel launch (where it
@@ -134,7 +135,9 @@ class FusedBlock(MultiStepOnly, nn.Module):
         bn: the matching ``BatchNorm1d``/``BatchNorm2d``, or None for no normalisation.
         node: the neuron (e.g. :func:`paper_lif`).
         process_group: the group BN synchronises over (None: the default group).
-        memory: ``"default"`` keeps the synapse output y for backward (the DATE'22 blocks);
+        memory: ``"default"`` keeps the synapse output y for backward (the DATE'22 blocks;
+            a stem, where recomputing y is nearly free, keeps only its input: see
+            :class:`~spikefuse.fused.memory.DefaultMemory`);
             ``"min"`` keeps only the block's input, 1-bit packed when it is the spike output
             of another fused block, and recomputes y in backward (one more synapse forward per
             block; the same gradients; see :mod:`spikefuse.fused.low_memory`); ``"auto"``

@@ -5,7 +5,8 @@ A block holds one policy (its ``memory`` setting, :func:`memory_policy`); on eve
 training command line, the benchmark and NIR read the modes from :func:`memory_modes`, so a new
 mode is one class here, registered with :func:`register_memory`.
 
-- ``"default"``: keep the synapse output y (the DATE'22 blocks);
+- ``"default"``: keep the synapse output y (the DATE'22 blocks), except in a stem, where
+  recomputing y is nearly free (:class:`DefaultMemory`);
 - ``"min"``: keep only the block's input and recompute y in backward, in batch chunks where y
   is large (:mod:`.chunked`);
 - ``"auto"``: "min" where recomputing costs at most :data:`AUTO_MAX_MACS_PER_SAVED_ELEMENT`
@@ -33,6 +34,17 @@ from .recompute import is_spikes, recipe_of
 # qualifies up to 227 input channels, a Linear up to 2048 inputs (the narrow early layers go,
 # the wide deep ones whose recomputation costs the most stay).
 AUTO_MAX_MACS_PER_SAVED_ELEMENT = 2048
+# memory="default": a stem recomputes its synapse in backward where that costs at most this many
+# multiply-adds per byte of memory it saves. Convolutions of 3-channel images run far below the
+# tensor cores' peak: on an H100, recomputing the medium DATE'22 network's first 3 x 3
+# convolution on RGB (27 multiply-adds an element) for 640 images of 32 x 32 took 0.2 ms of a
+# 13.5 ms float32 step and saved 314 MiB (7 a byte: recomputes); in bf16, 0.37 ms of 6.9 ms for
+# 150 MiB (14 a byte: keeps y). A ResNet's 7 x 7 RGB stem (147 an element, 37 a float32 byte)
+# keeps y.
+DEFAULT_MAX_MACS_PER_SAVED_BYTE = 8
+# ... and where it saves at least this many bytes: below, the memory is not worth the
+# recomputation's host work and launches.
+DEFAULT_RECOMPUTE_MIN_BYTES = 32 << 20
 log = logging.getLogger("spikefuse.fuse")
 
 _POLICIES: dict[str, type[MemoryPolicy]] = {}
@@ -72,14 +84,58 @@ class MemoryPolicy:
         raise NotImplementedError
 
 
+class RecomputeTerms:
+    """:func:`recompute_terms` of a block by what they depend on in the input, so that a
+    training call does not redo the arithmetic."""
+
+    def __init__(self) -> None:
+        self._of: dict[tuple[Any, ...], tuple[float, float]] = {}
+
+    def __call__(self, block: Block, x: Tensor) -> tuple[float, float]:
+        key = (x.shape, x.dtype, repeated_over_time(x), has_recipe(x), is_spikes(x))
+        terms = self._of.get(key)
+        if terms is None:
+            terms = self._of[key] = recompute_terms(block, x)
+        return terms
+
+
 @register_memory
 class DefaultMemory(MemoryPolicy):
-    """Keep the synapse output y and the per-channel vectors for backward."""
+    """Keep the synapse output y and the per-channel vectors for backward; a stem recomputes y
+    as memory="min" does, unchunked. A stem here: its input is kept for the weight gradient in
+    both modes (no recipe: images, an unfused layer's output; not a fused block's spikes, which
+    this mode recomputes), recomputing costs at most
+    :data:`DEFAULT_MAX_MACS_PER_SAVED_BYTE` multiply-adds per byte saved, and saves at
+    least :data:`DEFAULT_RECOMPUTE_MIN_BYTES`. Its backward then runs at the end of the
+    network's, after the other blocks' kept outputs are freed, so the recomputed y does not
+    add to the peak."""
 
     name = "default"
 
+    def __init__(self) -> None:
+        self._terms = RecomputeTerms()
+
     def plan(self, block: Block, x: Tensor, residual: Tensor | None) -> Plan:
-        return DEFAULT_PLAN
+        if has_recipe(x):
+            return DEFAULT_PLAN
+        cost, saved = self._terms(block, x)
+        saved_bytes = saved * stored_itemsize(x)
+        if saved_bytes < DEFAULT_RECOMPUTE_MIN_BYTES:
+            return DEFAULT_PLAN
+        cheap = cost <= DEFAULT_MAX_MACS_PER_SAVED_BYTE * saved_bytes
+        return MIN_MEMORY_PLAN if cheap else DEFAULT_PLAN
+
+
+def has_recipe(x: Tensor) -> bool:
+    """Whether x [T, B, ...] is a fused block's output the default mode recomputes."""
+    return recipe_of(x.flatten(0, 1)) is not None
+
+
+def stored_itemsize(x: Tensor) -> int:
+    """Bytes per element of a synapse output on x: autocast's dtype where it is on."""
+    device = x.device.type
+    autocast = torch.is_autocast_enabled(device)
+    return (torch.get_autocast_dtype(device) if autocast else x.dtype).itemsize
 
 
 @register_memory
@@ -105,11 +161,8 @@ class MinMemory(MemoryPolicy):
         synapse = block.synapse_op()
         if not synapse.explicit_backward():
             return 1
-        device = x.device.type
-        autocast = torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
         per_step, _ = synapse.geometry(x.shape[1:])
-        return batch_chunks(x.shape[1], per_step * x.shape[0] * dtype.itemsize)
+        return batch_chunks(x.shape[1], per_step * x.shape[0] * stored_itemsize(x))
 
 
 @register_memory
@@ -122,21 +175,14 @@ class AutoMemory(MemoryPolicy):
 
     def __init__(self) -> None:
         self._choice = "auto"
-        # (multiply-adds, elements saved) of recomputing, by what they depend on in the input,
-        # so that a training call does not redo the arithmetic
-        self._terms_of: dict[tuple[Any, ...], tuple[float, float]] = {}
+        self._terms = RecomputeTerms()
 
     @property
     def choice(self) -> str:
         return self._choice
 
     def plan(self, block: Block, x: Tensor, residual: Tensor | None) -> Plan:
-        has_recipe = recipe_of(x.flatten(0, 1)) is not None
-        key = (x.shape, x.dtype, repeated_over_time(x), has_recipe, is_spikes(x))
-        terms = self._terms_of.get(key)
-        if terms is None:
-            terms = self._terms_of[key] = recompute_terms(block, x)
-        cost, saved = terms
+        cost, saved = self._terms(block, x)
         pays = saved > 0 and cost <= AUTO_MAX_MACS_PER_SAVED_ELEMENT * saved
         choice = "min" if pays else "default"
         if choice != self._choice:
@@ -168,6 +214,6 @@ def recompute_terms(block: Block, x: Tensor) -> tuple[float, float]:
     out = per_step * T
     pool = block.spec.pool
     saved = per_step * kept_steps - (out / pool.area if pool is not None else out * packed)
-    if not images and recipe_of(x.flatten(0, 1)) is not None:  # min keeps, default not
+    if not images and has_recipe(x):  # min keeps, default not
         saved -= x.numel() * (packed if is_spikes(x) else 1)
     return per_step * steps * fan_in, saved
