@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import gen
 from spikefuse import fuse, layer, neuron
@@ -145,7 +146,7 @@ def test_default_memory_recomputes_a_stem(monkeypatch):
     monkeypatch.setattr(memory_module, "DEFAULT_RECOMPUTE_MIN_BYTES", 4 * spikes)
     assert saved_bytes(stem, x) == 8 * spikes + 2 * vectors
     blocks = [m for m in stem.modules() if isinstance(m, FusedBlock)]
-    assert [block.memory_choice for block in blocks] == ["default"] * 2
+    assert [block.memory_choice for block in blocks] == ["min", "default"]
     out, grad_x, grads = run(stem, x)
     torch.testing.assert_close(out, kept_step[0], **FP64_TOL)
     torch.testing.assert_close(grad_x, kept_step[1], **FP64_TOL)
@@ -153,6 +154,66 @@ def test_default_memory_recomputes_a_stem(monkeypatch):
         torch.testing.assert_close(got, want, **FP64_TOL)
     monkeypatch.setattr(memory_module, "DEFAULT_MAX_MACS_PER_SAVED_BYTE", 3)
     assert saved_bytes(stem, x) == 2 * (8 * spikes + vectors)
+
+
+def test_default_memory_keeps_y_where_nothing_needs_a_gradient(monkeypatch):
+    """A frozen stem run with grad on takes the default path (which then saves nothing), and
+    planning a call on an input repeated over time by expand copies nothing."""
+    monkeypatch.setattr(memory_module, "DEFAULT_RECOMPUTE_MIN_BYTES", 0)
+    block = FusedBlock(*conv_bn_lif(3, 8))
+    x = torch.rand(4, 2, 3, 8, 8)
+    assert block.memory_policy.plan(block, x, None) is memory_module.MIN_MEMORY_PLAN
+    block.requires_grad_(False)
+    assert block.memory_policy.plan(block, x, None) is memory_module.DEFAULT_PLAN
+    block(x)
+    assert block.memory_choice == "default"
+    images = torch.rand(2, 3, 8, 8).unsqueeze(0).expand(4, -1, -1, -1, -1)
+    block.requires_grad_(True)
+    for mode in ("default", "auto"):
+        block.memory = mode
+        with _Dispatched() as ops:
+            block.memory_policy.plan(block, images, None)
+        assert ops.names == []
+
+
+class _Dispatched(TorchDispatchMode):
+    """Records the tensor ops dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["stem", "min", "chunked"])
+def test_a_parameter_modified_before_backward_raises(mode, monkeypatch):
+    """Blocks that recompute y in backward read the synapse's parameters then: an in-place
+    edit since forward (an optimizer step before backward) raises, as autograd's check of the
+    kept weight does in the default mode, instead of giving wrong gradients."""
+    monkeypatch.setattr(memory_module, "DEFAULT_RECOMPUTE_MIN_BYTES", 0)
+    monkeypatch.setattr(memory_module, "batch_chunks", lambda b, y: 2 if mode == "chunked" else 1)
+    block = FusedBlock(*conv_bn_lif(3, 8), memory="default" if mode == "stem" else "min")
+    out = block(torch.rand(4, 2, 3, 8, 8))
+    assert block.memory_choice == "min"
+    with torch.no_grad():
+        block.synapse.weight.mul_(0.5)
+    with pytest.raises(SpikefuseError, match="modified in place between its forward and backward"):
+        out.sum().backward()
+
+
+def test_a_block_pickled_with_an_older_policy_gets_a_new_one():
+    """A policy unpickled from another version may lack fields (here its cost cache): the block
+    makes a new one of its mode, and trains."""
+    import pickle
+
+    block = FusedBlock(*conv_bn_lif(3, 8), memory="auto")
+    del block.memory_policy._terms
+    loaded = pickle.loads(pickle.dumps(block))
+    assert loaded.memory == "auto"
+    loaded(torch.rand(4, 2, 3, 8, 8)).sum().backward()
 
 
 def test_default_memory_keeps_y_on_a_fused_blocks_spikes(monkeypatch):

@@ -218,6 +218,9 @@ class FusedBlock(MultiStepOnly, nn.Module):
         super().__setstate__(state)
         self._modules.setdefault("input_pool", None)
         if "spec" in self.__dict__:
+            # a new policy of the same mode: another version's may lack fields (its caches
+            # refill on the next call)
+            self.memory = self._memory
             return
         synapse, bn, node = self.synapse, self.bn, self.node
         residual = state.get("residual", False)
@@ -243,7 +246,8 @@ class FusedBlock(MultiStepOnly, nn.Module):
 
     @property
     def memory_choice(self) -> str:
-        """The mode of the last training call: ``memory`` itself, or what "auto" chose."""
+        """The mode of the last training call: ``memory`` itself, what "auto" chose, or "min"
+        where the default mode recomputed a stem."""
         return self._policy.choice
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> FusedBlock:

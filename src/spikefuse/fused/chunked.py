@@ -23,7 +23,12 @@ import torch
 from torch import Tensor
 
 from ..ops import forbid_double_backward
-from .low_memory import forward_autocast, keep_autocast
+from .low_memory import (
+    check_params_unmodified,
+    forward_autocast,
+    keep_autocast,
+    keep_param_versions,
+)
 from .neuron_call import Kept
 from .ops.bn_neuron.autograd import (
     BNNeuronArgs,
@@ -187,6 +192,7 @@ class ChunkedSynapseFunction(torch.autograd.Function):
         saved_all = (gathered.checkpoints,) if gathered.kept_any else None
         save_bn_context(ctx, gathered.kept(), learnable, args, saved_all, (weight, bias))
         keep_autocast(ctx, x)
+        keep_param_versions(ctx, synapse_params)
         ctx.synapse, ctx.pool, ctx.chunking = synapse, args.pool, chunking
         ctx.per_chunk = gathered.rows is not None
         ctx.geometry = (x.shape, x.dtype)
@@ -198,6 +204,7 @@ class ChunkedSynapseFunction(torch.autograd.Function):
         forbid_double_backward("a fused block (memory='min')")
         if grad_spikes is None:  # the spikes did not reach what backward started from
             return (None,) * len(ctx.needs_input_grad)
+        check_params_unmodified(ctx)
         kept, learnable, stats, saved, _ = load_bn_context(ctx)
         assert stats is not None  # chunked blocks have BatchNorm
         needs_x, params_need = ctx.needs_input_grad[3], ctx.needs_input_grad[7:]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import SpikefuseError
 from ..functional import repeated_over_time
 from ..ops import forbid_double_backward
 from .ops.bn_neuron.autograd import (
@@ -42,6 +43,26 @@ def keep_autocast(ctx: Any, x: Tensor) -> None:
     autocast context, and recomputes y under the same one (:func:`forward_autocast`)."""
     device = x.device.type
     ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+
+
+def keep_param_versions(ctx: Any, params: tuple[Tensor, ...]) -> None:
+    """Keep the synapse parameters and their versions on ``ctx``: backward recomputes y from the
+    parameters as they are then, which autograd's check of saved tensors does not cover
+    (:func:`check_params_unmodified`)."""
+    ctx.synapse_params = params  # parameters: alive anyway, not activations
+    ctx.param_versions = tuple(p._version for p in params)
+
+
+def check_params_unmodified(ctx: Any) -> None:
+    """Raise where a synapse parameter was modified in place since forward (an optimizer step
+    before backward): the recomputed y, and so every gradient, would be silently wrong."""
+    versions = zip(ctx.synapse_params, ctx.param_versions, strict=True)
+    if any(p._version != version for p, version in versions):
+        raise SpikefuseError(
+            "a fused block's synapse parameter was modified in place between its forward and "
+            "backward (e.g. optimizer.step() before loss.backward()); its backward recomputes "
+            "the synapse output from the parameters, so call backward before changing them"
+        )
 
 
 def forward_autocast(
@@ -89,7 +110,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         ctx.geometry = (x.shape, x.dtype)
         keep_autocast(ctx, x)
         ctx.synapse, ctx.pool, ctx.repeat = synapse, args.pool, args.repeat
-        ctx.synapse_params = synapse_params  # parameters: alive anyway, not activations
+        keep_param_versions(ctx, synapse_params)
         ctx.set_materialize_grads(False)  # as BNNeuronFunction: no zeros for the packing
         return spikes, packed
 
@@ -98,6 +119,7 @@ class SynapseRecomputeFunction(torch.autograd.Function):
         forbid_double_backward("a fused block (memory='min')")
         if grad_spikes is None:  # the spikes did not reach what backward started from
             return (None,) * len(ctx.needs_input_grad)
+        check_params_unmodified(ctx)
         kept, learnable, stats, saved, kept_residual = load_bn_context(ctx)
         synapse, repeat = ctx.synapse, ctx.repeat
         needs_x, params_need = ctx.needs_input_grad[2], ctx.needs_input_grad[8:]

@@ -114,21 +114,36 @@ class DefaultMemory(MemoryPolicy):
 
     def __init__(self) -> None:
         self._terms = RecomputeTerms()
+        self._choice = "default"
+
+    @property
+    def choice(self) -> str:
+        """ "min" where the last training call recomputed a stem, else "default"."""
+        return self._choice
 
     def plan(self, block: Block, x: Tensor, residual: Tensor | None) -> Plan:
+        stem = self._is_stem(block, x)
+        self._choice = "min" if stem else "default"
+        return MIN_MEMORY_PLAN if stem else DEFAULT_PLAN
+
+    def _is_stem(self, block: Block, x: Tensor) -> bool:
         if has_recipe(x):
-            return DEFAULT_PLAN
+            return False
         cost, saved = self._terms(block, x)
         saved_bytes = saved * stored_itemsize(x)
         if saved_bytes < DEFAULT_RECOMPUTE_MIN_BYTES:
-            return DEFAULT_PLAN
-        cheap = cost <= DEFAULT_MAX_MACS_PER_SAVED_BYTE * saved_bytes
-        return MIN_MEMORY_PLAN if cheap else DEFAULT_PLAN
+            return False
+        if cost > DEFAULT_MAX_MACS_PER_SAVED_BYTE * saved_bytes:
+            return False
+        # no synapse gradient (a frozen network run with grad on): the default path saves
+        # nothing for a frozen block, where the minimal one would still keep its input
+        return x.requires_grad or any(p.requires_grad for p in block.synapse_op().params())
 
 
 def has_recipe(x: Tensor) -> bool:
-    """Whether x [T, B, ...] is a fused block's output the default mode recomputes."""
-    return recipe_of(x.flatten(0, 1)) is not None
+    """Whether x [T, B, ...] is a fused block's output the default mode recomputes (asked of x
+    itself: flattening an input repeated over time by ``expand`` would copy it)."""
+    return recipe_of(x) is not None
 
 
 def stored_itemsize(x: Tensor) -> int:
