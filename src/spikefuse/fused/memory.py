@@ -91,11 +91,12 @@ class RecomputeTerms:
     def __init__(self) -> None:
         self._of: dict[tuple[Any, ...], tuple[float, float]] = {}
 
-    def __call__(self, block: Block, x: Tensor) -> tuple[float, float]:
-        key = (x.shape, x.dtype, repeated_over_time(x), has_recipe(x), is_spikes(x))
+    def __call__(self, block: Block, x: Tensor, recipe: bool) -> tuple[float, float]:
+        """The terms of x (``recipe``: :func:`has_recipe` of x, which the caller asked)."""
+        key = (x.shape, x.dtype, repeated_over_time(x), recipe, is_spikes(x))
         terms = self._of.get(key)
         if terms is None:
-            terms = self._of[key] = recompute_terms(block, x)
+            terms = self._of[key] = recompute_terms(block, x, recipe)
         return terms
 
 
@@ -129,7 +130,7 @@ class DefaultMemory(MemoryPolicy):
     def _is_stem(self, block: Block, x: Tensor) -> bool:
         if has_recipe(x):
             return False
-        cost, saved = self._terms(block, x)
+        cost, saved = self._terms(block, x, False)
         saved_bytes = saved * stored_itemsize(x)
         if saved_bytes < DEFAULT_RECOMPUTE_MIN_BYTES:
             return False
@@ -197,7 +198,7 @@ class AutoMemory(MemoryPolicy):
         return self._choice
 
     def plan(self, block: Block, x: Tensor, residual: Tensor | None) -> Plan:
-        cost, saved = self._terms(block, x)
+        cost, saved = self._terms(block, x, has_recipe(x))
         pays = saved > 0 and cost <= AUTO_MAX_MACS_PER_SAVED_ELEMENT * saved
         choice = "min" if pays else "default"
         if choice != self._choice:
@@ -206,9 +207,10 @@ class AutoMemory(MemoryPolicy):
         return MIN_MEMORY_PLAN if pays else DEFAULT_PLAN
 
 
-def recompute_terms(block: Block, x: Tensor) -> tuple[float, float]:
-    """(multiply-adds, elements of memory saved) of recomputing the synapse on ``x``; it pays
-    at up to :data:`AUTO_MAX_MACS_PER_SAVED_ELEMENT` multiply-adds per element.
+def recompute_terms(block: Block, x: Tensor, recipe: bool) -> tuple[float, float]:
+    """(multiply-adds, elements of memory saved) of recomputing the synapse on ``x``
+    (``recipe``: whether x has one, :func:`has_recipe`); it pays at up to
+    :data:`AUTO_MAX_MACS_PER_SAVED_ELEMENT` multiply-adds per element.
 
     Saved: the synapse output the default mode keeps (one step of it for an input repeated
     over time), less what the minimal mode makes the network keep and the default mode does
@@ -229,6 +231,6 @@ def recompute_terms(block: Block, x: Tensor) -> tuple[float, float]:
     out = per_step * T
     pool = block.spec.pool
     saved = per_step * kept_steps - (out / pool.area if pool is not None else out * packed)
-    if not images and has_recipe(x):  # min keeps, default not
+    if not images and recipe:  # min keeps, default not
         saved -= x.numel() * (packed if is_spikes(x) else 1)
     return per_step * steps * fan_in, saved
