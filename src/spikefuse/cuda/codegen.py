@@ -81,6 +81,33 @@ def _device_function(declaration: str, body: list[str], returns: str = "float") 
     return f"__device__ __forceinline__ {returns}\n{declaration}\n{{\n{statements}\n}}"
 
 
+def _check_variant(
+    name: str,
+    params: tuple[str, ...],
+    dtype: torch.dtype,
+    vec: int,
+    adaptive: bool,
+    affine: bool,
+    pool: int,
+    residual: bool,
+) -> None:
+    """Raise ValueError for a kernel variant the template does not generate."""
+    if dtype not in STORAGE:
+        raise ValueError(f"unsupported storage dtype {dtype}")
+    if affine and adaptive:
+        raise ValueError(f"{name}: channel-affine kernels are for one-state neurons")
+    if pool not in POOLS or (pool > 1 and (not affine or vec != 1)):
+        raise ValueError(
+            f"{name}: pooled kernels take pool in {POOLS[1:]}, affine, vec 1; got "
+            f"pool={pool}, affine={affine}, vec={vec}"
+        )
+    if residual and (not affine or pool > 1):
+        raise ValueError(f"{name}: residual kernels are unpooled affine kernels")
+    clash = set(params) & RESERVED_NAMES
+    if clash:
+        raise ValueError(f"{name}: parameter names {sorted(clash)} are reserved by the kernels")
+
+
 class NeuronKernel:
     """Template of a neuron's fused FPTT and BPTT kernels; subclasses supply the neuron snippets.
 
@@ -133,20 +160,7 @@ class NeuronKernel:
         chunk: int | None = None,
         wide_index: bool = False,
     ) -> None:
-        if dtype not in STORAGE:
-            raise ValueError(f"unsupported storage dtype {dtype}")
-        if affine and adaptive:
-            raise ValueError(f"{name}: channel-affine kernels are for one-state neurons")
-        if pool not in POOLS or (pool > 1 and (not affine or vec != 1)):
-            raise ValueError(
-                f"{name}: pooled kernels take pool in {POOLS[1:]}, affine, vec 1; got "
-                f"pool={pool}, affine={affine}, vec={vec}"
-            )
-        if residual and (not affine or pool > 1):
-            raise ValueError(f"{name}: residual kernels are unpooled affine kernels")
-        clash = set(params) & RESERVED_NAMES
-        if clash:
-            raise ValueError(f"{name}: parameter names {sorted(clash)} are reserved by the kernels")
+        _check_variant(name, params, dtype, vec, adaptive, affine, pool, residual)
         self.name, self.params, self.learnable = name, params, learnable
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
         self.dtype, self.vec, self.adaptive, self.affine = dtype, vec, adaptive, affine
@@ -174,14 +188,16 @@ class NeuronKernel:
         self.pointers = tuple(f for f in ARG_POINTERS if f.kernels in kinds)
         self._pointer_names = tuple(f.name for f in self.pointers)
         self._null_pointers = (0,) * len(self._pointer_names)
-        # Args as bytes: pointers, then index_t integers, then floats; padded to 8 bytes.
+        self.arg_layout = self._arg_struct()
+
+    def _arg_struct(self) -> struct.Struct:
+        """Args as bytes: pointers, then index_t integers, then floats; padded to 8 bytes."""
+        affine, pool = self.affine, self.pool
         n_ints = (5 if affine else 2) + (affine and pool == 1) + (pool > 1)
-        n_floats = 1 + adaptive + affine + len(self.constant_names)
-        int_code, int_bytes = ("q", 8) if wide_index else ("i", 4)
+        n_floats = 1 + self.adaptive + affine + len(self.constant_names)
+        int_code, int_bytes = ("q", 8) if self.wide_index else ("i", 4)
         padding = -(n_ints * int_bytes + n_floats * 4) % 8
-        self.arg_layout = struct.Struct(
-            f"<{len(self.pointers)}Q{n_ints}{int_code}{n_floats}f{padding}x"
-        )
+        return struct.Struct(f"<{len(self.pointers)}Q{n_ints}{int_code}{n_floats}f{padding}x")
 
     # ---- neuron snippets (CUDA float expressions) -------------------------------------------
     def charge(self) -> str:
