@@ -82,6 +82,7 @@ def _device_function(declaration: str, body: list[str], returns: str = "float") 
 
 
 def _check_variant(
+    *,
     name: str,
     params: tuple[str, ...],
     dtype: torch.dtype,
@@ -160,7 +161,16 @@ class NeuronKernel:
         chunk: int | None = None,
         wide_index: bool = False,
     ) -> None:
-        _check_variant(name, params, dtype, vec, adaptive, affine, pool, residual)
+        _check_variant(
+            name=name,
+            params=params,
+            dtype=dtype,
+            vec=vec,
+            adaptive=adaptive,
+            affine=affine,
+            pool=pool,
+            residual=residual,
+        )
         self.name, self.params, self.learnable = name, params, learnable
         self.surrogate, self.hard_reset, self.detach_reset = surrogate, hard_reset, detach_reset
         self.dtype, self.vec, self.adaptive, self.affine = dtype, vec, adaptive, affine
