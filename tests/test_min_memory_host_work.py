@@ -18,6 +18,7 @@ from spikefuse.fused import FusedBlock, chunked, spike_bits, statistics
 from spikefuse.fused import memory as memory_module
 from spikefuse.fused.recompute import mark_spikes
 from spikefuse.fused.spike_bits import PackedSpikes, memory_order
+from spikefuse.fused.synapse import Synapse
 from test_fused import FP64_TOL, assert_same_training_step, conv_bn_lif
 
 
@@ -150,3 +151,29 @@ def test_chunk_moments_combine_the_chunks_statistics():
     for c, (lo, hi) in enumerate(itertools.pairwise(range(0, 9, 2))):
         mean, var = statistics.local_mean_var(y[:, lo:hi])
         assert torch.equal(means[c], mean) and torch.equal(variances[c], var)
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+@pytest.mark.parametrize("train", [True, False], ids=["batch-stats", "running-stats"])
+def test_a_pass_starts_with_the_chunk_the_pass_before_ended_with(chunks, train, monkeypatch):
+    """In K chunks a block runs its synapse forward 4K - 2 times a training step, not 4K:
+    the statistics pass hands its last chunk's y to the neuron pass, backward's pass 1 its
+    last chunk's y (and dL/dspikes part) to pass 2. With running statistics forward has no
+    statistics pass (its first chunk's y, made for the block's setup, starts the neuron pass):
+    3K - 1. The step equals the default mode's."""
+    default, low = _spike_model(chunks, monkeypatch)
+    default.train(train)
+    low.train(train)
+    x = (torch.rand(2, 8, 4, 8, 8, dtype=torch.float64, generator=gen(9)) > 0.5).double()
+    calls: list[int] = []
+    real = Synapse.on_merged
+
+    def counting(self, merged, steps, weight=None):
+        calls.append(merged.shape[0])
+        return real(self, merged, steps, weight)
+
+    monkeypatch.setattr(Synapse, "on_merged", counting)
+    assert_same_training_step(default, low, x, FP64_TOL)
+    chunk_rows = 2 * 8 // chunks  # T * b of a chunk
+    per_block = 4 * chunks - 2 if train else 3 * chunks - 1
+    assert calls.count(chunk_rows) == 2 * per_block  # two chunked blocks

@@ -4,13 +4,16 @@ A block whose y is large (:data:`CHUNKED_FROM`) runs :class:`ChunkedSynapseFunct
 :class:`~.low_memory.SynapseRecomputeFunction` (BatchNorm and the neuron as there): forward
 computes each chunk's y twice, once for the batch statistics and once for the neuron, and
 backward twice, once per BN-folded pass (pass 2 needs pass 1's sums over the whole batch), then
-the chunk's weight and input gradients. Input spikes are packed per chunk (a pooling kernel's
-packing of the input is kept whole and cut into the chunks' parts,
+the chunk's weight and input gradients. A pass starts with the chunk the pass before it ended
+with, whose y it is handed (:class:`LastChunk`): in K chunks, 4K - 2 chunk forwards a step, not
+4K, at no more memory (that y would be recomputed in its place). Input spikes are packed per
+chunk (a pooling kernel's packing of the input is kept whole and cut into the chunks' parts,
 :func:`~.spike_bits.packing_part`); backward unpacks one chunk at a time. Only chunk-sized
-temporaries are alive besides the block's output (forward) or its input gradient (backward), for
-two more synapse forwards per call. Each chunk's y is computed by the same call on the same
-input in all four places, so backward sees forward's y to the bit; against the unchunked modes it
-may differ by rounding (another batch size may get another convolution algorithm).
+temporaries are alive besides the block's output (forward) or its input gradient (backward),
+for up to two more synapse forwards per call. Each chunk's y is computed by the same call on the
+same input wherever it is computed, so backward sees forward's y to the bit; against the
+unchunked modes it may differ by rounding (another batch size may get another convolution
+algorithm).
 """
 
 from __future__ import annotations
@@ -98,6 +101,28 @@ def dense_part(t: Tensor, part: slice) -> Tensor:
     return empty_batch(src, src.shape[1]).copy_(src)
 
 
+class LastChunk:
+    """The chunk a first pass over the chunks ended with and what it made for it (its y, in
+    backward also its part of dL/dspikes), handed over once (:meth:`take`) to the pass after
+    it, which starts with that chunk instead of making them again. A holder, not a tensor
+    argument: what it hands over is freed as soon as its taker drops it."""
+
+    def __init__(self, index: int, *made: Tensor) -> None:
+        self.index = index
+        self._made: tuple[Tensor, ...] | None = made or None  # nothing made: nothing to take
+
+    def order(self, chunks: int) -> list[int]:
+        """The chunks in the order the next pass takes them: this one first."""
+        return [self.index, *(c for c in range(chunks) if c != self.index)]
+
+    def take(self, c: int) -> tuple[Tensor, ...] | None:
+        """What was made for chunk c, the first time it is asked for (else None)."""
+        if c != self.index or self._made is None:
+            return None
+        made, self._made = self._made, None
+        return made
+
+
 class _ChunkedForward:
     """Forward's chunks, gathered: the spikes, the neuron's checkpoints, the kernels' packings
     and, where x is tagged spikes, each chunk's input packed in a row of its own."""
@@ -108,7 +133,7 @@ class _ChunkedForward:
         self.checkpoints: Tensor | None = None
         self.rows: Tensor | None = None
         self.kept_any = False
-        self.packings: list[Tensor | None] = []
+        self.packings: list[Tensor | None] = [None] * chunks
         # tagged spikes (not a kernel's packing): each chunk's input packed as backward
         # unpacks it, into one row each of a [K, bytes] tensor
         self.per_chunk = packing_of(x) is None and is_spikes(x)
@@ -116,12 +141,12 @@ class _ChunkedForward:
         self.whole = False  # the rows were cut from one packing of x
 
     def input(self, c: int, merged: Tensor) -> None:
-        """Pack chunk c's merged input (where it is spikes): at the first chunk, all chunks'
-        rows at once from one packing of x where x's memory holds the chunks in the merged
-        inputs' order (:func:`_rows_of_whole`), else each chunk's as it comes."""
+        """Pack chunk c's merged input (where it is spikes): at the first chunk taken, all
+        chunks' rows at once from one packing of x where x's memory holds the chunks in the
+        merged inputs' order (:func:`_rows_of_whole`), else each chunk's as it comes."""
         if not self.per_chunk:
             return
-        if c == 0:
+        if self.packed_as is None:
             self.packed_as = (merged.shape, memory_order(merged))
             self.rows = _rows_of_whole(self.x, self.chunks, self.packed_as[1])
             self.whole = self.rows is not None
@@ -137,7 +162,7 @@ class _ChunkedForward:
             if self.checkpoints is None:
                 self.checkpoints = saved[0].new_empty((self.chunks, *saved[0].shape))
             self.checkpoints[c] = saved[0]
-        self.packings.append(packed)
+        self.packings[c] = packed
 
     def kept(self) -> Compact:
         """What backward restores the input from."""
@@ -165,28 +190,33 @@ class Chunking:
 class ChunkedSynapseFunction(torch.autograd.Function):
     """:class:`~.low_memory.SynapseRecomputeFunction` in equal batch chunks.
 
-    ``apply(args, synapse, chunking, x, weight, bias, learnable, *synapse_params)`` returns
-    ``(spikes, packed)`` as :class:`~.ops.bn_neuron.BNNeuronFunction` does; ``chunking`` holds
-    the batch slices (:class:`Chunking`), ``args.stats`` the batch statistics of the whole
-    synapse output (the caller's first pass over the chunks). Kept for backward: where x is
-    tagged spikes, each chunk's merged input packed at 1 bit per element (a row each), else x
-    as :func:`compact` keeps it (a kernel's packing is cut into the chunks' parts in backward,
-    :func:`~.spike_bits.packing_part`); and the neuron's checkpoints of every chunk.
+    ``apply(args, synapse, chunking, last, x, weight, bias, learnable, *synapse_params)``
+    returns ``(spikes, packed)`` as :class:`~.ops.bn_neuron.BNNeuronFunction` does;
+    ``chunking`` holds the batch slices (:class:`Chunking`), ``args.stats`` the batch
+    statistics of the whole synapse output (the caller's first pass over the chunks, which
+    hands over the y of the chunk it ended with: ``last``, a :class:`LastChunk`). Kept for
+    backward: where x is tagged spikes, each chunk's merged input packed at 1 bit per element
+    (a row each), else x as :func:`compact` keeps it (a kernel's packing is cut into the
+    chunks' parts in backward, :func:`~.spike_bits.packing_part`); and the neuron's checkpoints
+    of every chunk.
     """
 
     @staticmethod
-    def forward(ctx, args: BNNeuronArgs, synapse: Synapse, chunking: Chunking, x, weight, bias, learnable, *synapse_params):  # fmt: skip
+    def forward(ctx, args: BNNeuronArgs, synapse: Synapse, chunking: Chunking, last: LastChunk, x, weight, bias, learnable, *synapse_params):  # fmt: skip
         gathered = _ChunkedForward(x, len(chunking.parts))
-        for c, part in enumerate(chunking.parts):
-            merged = synapse.merged_part(x, part)
-            y = synapse.on_merged(merged, x.shape[0], chunking.weight)
-            gathered.input(c, merged)
-            del merged
+        for c in last.order(len(chunking.parts)):
+            y = _made_y(last.take(c))
+            if y is None or gathered.per_chunk:
+                merged = synapse.merged_part(x, chunking.parts[c])
+                gathered.input(c, merged)
+                if y is None:
+                    y = synapse.on_merged(merged, x.shape[0], chunking.weight)
+                del merged
             chunk, saved, packed = bn_neuron_forward(
                 y, args.stats, args.neuron, learnable, True, args.pool, pack_spikes=True
             )
             del y
-            gathered.output(c, part, chunk, saved, packed)
+            gathered.output(c, chunking.parts[c], chunk, saved, packed)
             del chunk
         assert gathered.spikes is not None  # at least one part
         saved_all = (gathered.checkpoints,) if gathered.kept_any else None
@@ -207,10 +237,10 @@ class ChunkedSynapseFunction(torch.autograd.Function):
         check_params_unmodified(ctx)
         kept, learnable, stats, saved, _ = load_bn_context(ctx)
         assert stats is not None  # chunked blocks have BatchNorm
-        needs_x, params_need = ctx.needs_input_grad[3], ctx.needs_input_grad[7:]
+        needs_x, params_need = ctx.needs_input_grad[4], ctx.needs_input_grad[8:]
         chunks = _ChunkedBackward(ctx, kept, saved)
         sums, grad_learnable = chunks.sums(stats, learnable, grad_spikes)
-        grad_weight, grad_bias = bn_affine_grads(sums, stats, ctx.needs_input_grad[4:6])
+        grad_weight, grad_bias = bn_affine_grads(sums, stats, ctx.needs_input_grad[5:7])
         grad_weight, grad_bias = bn_param_grads(ctx, grad_weight, grad_bias)
         grad_x: Tensor | None = None
         grad_params: list[Tensor | None] = [None] * len(params_need)
@@ -219,7 +249,7 @@ class ChunkedSynapseFunction(torch.autograd.Function):
             totals, inv_count = batch_totals(sums, stats, ctx.bn)
 
             def grad_y_of(c: int) -> Tensor:
-                y, part = chunks.recomputed(c), dense_part(grad_spikes, chunks.parts[c])
+                y, part = chunks.made(c, grad_spikes)
                 return bn_input_grad(
                     None, y, stats, totals, inv_count, ctx.neuron, learnable, part, chunks.saved(c),
                     ctx.pool, overwrite_y=True,  # y is ours: dL/dy may take its memory
@@ -227,7 +257,7 @@ class ChunkedSynapseFunction(torch.autograd.Function):
 
             grad_x, grad_params = _chunked_synapse_grads(chunks, grad_y_of, needs_x, params_need)
         grads = (grad_x, grad_weight, grad_bias, grad_learnable)
-        return None, None, None, *grads, *grad_params
+        return None, None, None, None, *grads, *grad_params
 
 
 class _ChunkedBackward:
@@ -246,6 +276,8 @@ class _ChunkedBackward:
         if self.cast is not None:
             self.weight = self.cast
         self.whole: list[Tensor] = []  # x unpacked, where its packing cannot be cut
+        # pass 1's last chunk: its y and part of dL/dspikes, for pass 2 to start with
+        self.last = LastChunk(0)
 
     def input(self, c: int) -> Tensor:
         """Chunk c's merged input, as forward made it: from its row of packed chunks, or its
@@ -269,6 +301,14 @@ class _ChunkedBackward:
         with torch.no_grad(), self.autocast:
             return self.synapse.on_merged(self.input(c), self.shape[0], self.cast)
 
+    def made(self, c: int, grad_spikes: Tensor) -> tuple[Tensor, Tensor]:
+        """Chunk c's y and its part of dL/dspikes (dense) for pass 2: pass 1's where c is
+        the chunk it ended with, else made again."""
+        made = self.last.take(c)
+        if made is not None:
+            return made[0], made[1]
+        return self.recomputed(c), dense_part(grad_spikes, self.parts[c])
+
     def saved(self, c: int) -> Kept:
         """What forward kept of chunk c's neuron (see :meth:`NeuronCall.forward`)."""
         saved = self.kept_neuron
@@ -281,14 +321,15 @@ class _ChunkedBackward:
     ) -> tuple[Tensor, Tensor | None]:
         """Pass 1 over the chunks: the per-channel sums over the batch, and dL/dlearnable."""
         sums, grad_learnable = None, None
-        need_learnable = self.ctx.needs_input_grad[6]
+        need_learnable = self.ctx.needs_input_grad[7]
         for c, part in enumerate(self.parts):
-            y = self.recomputed(c)
+            y, grad_part = self.recomputed(c), dense_part(grad_spikes, part)
             _, chunk_sums, chunk_learnable = bn_neuron_backward(
-                y, stats, self.ctx.neuron, learnable, dense_part(grad_spikes, part),
-                self.saved(c), self.ctx.pool,
-            )  # fmt: skip
-            del y
+                y, stats, self.ctx.neuron, learnable, grad_part, self.saved(c), self.ctx.pool
+            )
+            if c == len(self.parts) - 1:  # read, not written: pass 2 starts with them
+                self.last = LastChunk(c, y, grad_part)
+            del y, grad_part
             assert chunk_sums is not None  # BatchNorm
             sums = chunk_sums if sums is None else sums.add_(chunk_sums)
             if chunk_learnable is not None and need_learnable:
@@ -297,6 +338,11 @@ class _ChunkedBackward:
                 )
         assert sums is not None
         return sums, grad_learnable
+
+
+def _made_y(made: tuple[Tensor, ...] | None) -> Tensor | None:
+    """The y of what :meth:`LastChunk.take` gave (None: nothing)."""
+    return None if made is None else made[0]
 
 
 def _row_bytes(packed: int) -> int:
@@ -347,7 +393,8 @@ def _chunked_synapse_grads(
     need_b = len(params_need) > 1 and params_need[1]
     grad_x: Tensor | None = None
     param_sums: list[Tensor | None] = [None] * len(params_need)
-    for c, part in enumerate(chunks.parts):
+    for c in chunks.last.order(len(chunks.parts)):
+        part = chunks.parts[c]
         grad_y = grad_y_of(c).flatten(0, 1)
         if any(params_need):
             merged = chunks.input(c)

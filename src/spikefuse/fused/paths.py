@@ -27,7 +27,7 @@ from ..backends import compute_dtype
 from ..errors import SpikefuseError
 from ..neuron import BaseNode
 from ..ops import run_neuron
-from .chunked import ChunkedSynapseFunction, Chunking
+from .chunked import ChunkedSynapseFunction, Chunking, LastChunk
 from .low_memory import SynapseRecomputeFunction
 from .neuron_call import NeuronCall
 from .ops.bn_neuron import (
@@ -151,7 +151,8 @@ def min_memory_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan
 def chunked_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan) -> Tensor:
     """:func:`min_memory_path` in equal batch chunks (``plan.parts``; blocks with BatchNorm, no
     residual): a first pass over the chunks takes the batch statistics (each chunk's y
-    computed and dropped), then the Function recomputes each chunk for the neuron."""
+    computed and dropped, but the last), then the Function recomputes the others for the
+    neuron."""
     synapse, steps, parts = block.synapse_op(), x.shape[0], plan.parts
     chunking = Chunking(parts, synapse.autocast_weight(x))
     with torch.no_grad():
@@ -171,11 +172,13 @@ def chunked_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan) -
     else:
         stats = bn_statistics(y, bn)
     pool = _kernel_pool(block, y, stats, neuron, None)
+    # the chunk computed last starts the Function's pass: one synapse forward fewer
+    last = LastChunk(len(parts) - 1 if bn.batch_stats else 0, y)
     del y
     args = BNNeuronArgs(neuron, stats, bn, pool)
     params = synapse.params()
     spikes, packed = ChunkedSynapseFunction.apply(
-        args, synapse, chunking, x, bn.weight, bn.bias, learnable, *params
+        args, synapse, chunking, last, x, bn.weight, bn.bias, learnable, *params
     )
     return finish(block, spikes, pool, packed)
 
