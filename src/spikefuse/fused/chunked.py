@@ -2,11 +2,11 @@
 
 A block whose y is large (:data:`CHUNKED_FROM`) runs :class:`ChunkedSynapseFunction` instead of
 :class:`~.low_memory.SynapseRecomputeFunction` (BatchNorm and the neuron as there): forward
-computes each chunk's y twice, once for the batch statistics and once for the neuron, and
+needs each chunk's y twice, once for the batch statistics and once for the neuron, and
 backward twice, once per BN-folded pass (pass 2 needs pass 1's sums over the whole batch), then
 the chunk's weight and input gradients. A pass starts with the chunk the pass before it ended
-with, whose y it is handed (:class:`LastChunk`): in K chunks, 4K - 2 chunk forwards a step, not
-4K, at no more memory (that y would be recomputed in its place). Input spikes are packed per
+with, whose y it is handed (:class:`LastChunk`) instead of computing it: in K chunks, 4K - 2
+chunk forwards a training step, not 4K, at no more memory (that y would be recomputed in its place). Input spikes are packed per
 chunk (a pooling kernel's packing of the input is kept whole and cut into the chunks' parts,
 :func:`~.spike_bits.packing_part`); backward unpacks one chunk at a time. Only chunk-sized
 temporaries are alive besides the block's output (forward) or its input gradient (backward),
@@ -63,8 +63,8 @@ from .synapse import Synapse
 
 #: memory="min" runs a block whose synapse output y takes at least CHUNKED_FROM bytes in equal
 #: batch chunks of at most CHUNK_BYTES each (see :func:`batch_chunks`). A network's peak is at
-#: its largest maps, and each chunked block pays two more synapse forwards per step (and host
-#: and launch time per chunk), so only the large maps are chunked, in few chunks: of 128 MiB,
+#: its largest maps, and each chunked block pays 2 - 2/K more synapse forwards per step in K
+#: chunks (and host and launch time per chunk), so only the large maps are chunked, in few chunks: of 128 MiB,
 #: a quarter of the 224² ResNet stem's output at T·B = 128, whose backward then holds a
 #: quarter of what unchunked would. Smaller chunks cut the peak a little more (a sixteenth of
 #: the stem's output at 48 MiB) at up to twice the step time of the eager loop (see
@@ -102,10 +102,11 @@ def dense_part(t: Tensor, part: slice) -> Tensor:
 
 
 class LastChunk:
-    """The chunk a first pass over the chunks ended with and what it made for it (its y, in
-    backward also its part of dL/dspikes), handed over once (:meth:`take`) to the pass after
-    it, which starts with that chunk instead of making them again. A holder, not a tensor
-    argument: what it hands over is freed as soon as its taker drops it."""
+    """The chunk whose y was made last before a pass over the chunks (by the statistics pass,
+    else the block's setup; in backward by pass 1, with its part of dL/dspikes), handed over
+    once (:meth:`take`) to that pass, which starts with that chunk instead of making them
+    again. A holder, not a tensor argument: what it hands over is freed as soon as its taker
+    drops it."""
 
     def __init__(self, index: int, *made: Tensor) -> None:
         self.index = index
@@ -193,8 +194,8 @@ class ChunkedSynapseFunction(torch.autograd.Function):
     ``apply(args, synapse, chunking, last, x, weight, bias, learnable, *synapse_params)``
     returns ``(spikes, packed)`` as :class:`~.ops.bn_neuron.BNNeuronFunction` does;
     ``chunking`` holds the batch slices (:class:`Chunking`), ``args.stats`` the batch
-    statistics of the whole synapse output (the caller's first pass over the chunks, which
-    hands over the y of the chunk it ended with: ``last``, a :class:`LastChunk`). Kept for
+    statistics of the whole synapse output (the caller's first pass over the chunks), ``last``
+    the y of the chunk the caller computed last (a :class:`LastChunk`). Kept for
     backward: where x is tagged spikes, each chunk's merged input packed at 1 bit per element
     (a row each), else x as :func:`compact` keeps it (a kernel's packing is cut into the
     chunks' parts in backward, :func:`~.spike_bits.packing_part`); and the neuron's checkpoints

@@ -151,8 +151,8 @@ def min_memory_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan
 def chunked_path(block: Block, x: Tensor, residual: Tensor | None, plan: Plan) -> Tensor:
     """:func:`min_memory_path` in equal batch chunks (``plan.parts``; blocks with BatchNorm, no
     residual): a first pass over the chunks takes the batch statistics (each chunk's y
-    computed and dropped, but the last), then the Function recomputes the others for the
-    neuron."""
+    computed and dropped, but the last; with running statistics only the first chunk's y, for
+    the block's setup), then the Function recomputes the others for the neuron."""
     synapse, steps, parts = block.synapse_op(), x.shape[0], plan.parts
     chunking = Chunking(parts, synapse.autocast_weight(x))
     with torch.no_grad():
