@@ -1,19 +1,19 @@
 """The minimal-memory mode in equal batch chunks, for blocks whose synapse output is large.
 
 A block whose y is large (:data:`CHUNKED_FROM`) runs :class:`ChunkedSynapseFunction` instead of
-:class:`~.low_memory.SynapseRecomputeFunction` (BatchNorm and the neuron as there): forward
-needs each chunk's y twice, once for the batch statistics and once for the neuron, and
-backward twice, once per BN-folded pass (pass 2 needs pass 1's sums over the whole batch), then
-the chunk's weight and input gradients. A pass starts with the chunk the pass before it ended
-with, whose y it is handed (:class:`LastChunk`) instead of computing it: in K chunks, 4K - 2
-chunk forwards a training step, not 4K, at no more memory (that y would be recomputed in its place). Input spikes are packed per
-chunk (a pooling kernel's packing of the input is kept whole and cut into the chunks' parts,
+:class:`~.low_memory.SynapseRecomputeFunction` (BatchNorm and the neuron as there): forward needs
+each chunk's y twice, once for the batch statistics and once for the neuron, and backward twice,
+once per BN-folded pass (pass 2 needs pass 1's sums over the whole batch), then the chunk's weight
+and input gradients. A pass starts with the chunk the pass before it ended with, whose y it is
+handed (:class:`LastChunk`) instead of computing it: in K chunks, 4K - 2 chunk forwards a training
+step, not 4K, at no more memory (that y would be recomputed in its place). Input spikes are packed
+per chunk (a pooling kernel's packing of the input is kept whole and cut into the chunks' parts,
 :func:`~.spike_bits.packing_part`); backward unpacks one chunk at a time. Only chunk-sized
-temporaries are alive besides the block's output (forward) or its input gradient (backward),
-for up to two more synapse forwards per call. Each chunk's y is computed by the same call on the
-same input wherever it is computed, so backward sees forward's y to the bit; against the
-unchunked modes it may differ by rounding (another batch size may get another convolution
-algorithm).
+temporaries are alive besides the block's output (forward) or its input gradient (backward), for
+2 - 2/K more whole synapse forwards a training step than the unchunked minimal mode runs
+(1 - 1/K with running statistics). Each chunk's y is computed by the same call on the same input
+wherever it is computed, so backward sees forward's y to the bit; against the unchunked modes it
+may differ by rounding (another batch size may get another convolution algorithm).
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ from .synapse import Synapse
 #: memory="min" runs a block whose synapse output y takes at least CHUNKED_FROM bytes in equal
 #: batch chunks of at most CHUNK_BYTES each (see :func:`batch_chunks`). A network's peak is at
 #: its largest maps, and each chunked block pays 2 - 2/K more synapse forwards per step in K
-#: chunks (and host and launch time per chunk), so only the large maps are chunked, in few chunks: of 128 MiB,
-#: a quarter of the 224² ResNet stem's output at T·B = 128, whose backward then holds a
-#: quarter of what unchunked would. Smaller chunks cut the peak a little more (a sixteenth of
-#: the stem's output at 48 MiB) at up to twice the step time of the eager loop (see
-#: docs/fused.md).
+#: chunks (and host and launch time per chunk), so only the large maps are chunked, in few
+#: chunks: of 128 MiB, a quarter of the 224² ResNet stem's output at T·B = 128, whose backward
+#: then holds a quarter of what unchunked would. Smaller chunks cut the peak a little more (a
+#: sixteenth of the stem's output at 48 MiB) at up to twice the step time of the eager loop
+#: (see docs/fused.md).
 CHUNKED_FROM = 256 << 20
 CHUNK_BYTES = 128 << 20
 
