@@ -230,7 +230,7 @@ def test_unpickled_program_is_registered_for_the_custom_ops():
 
 # ---- 3. NaN and Inf --------------------------------------------------------------------------------
 def test_nan_input_gives_nan_spikes_not_silence():
-    n = neuron.LIFNode(backend="torch")  # the example, single-step
+    n = neuron.LIFNode(backend="torch")  # single-step
     s1 = n(torch.tensor([NAN, 0.0]))
     s2 = n(torch.tensor([5.0, 5.0]))
     assert s1[0].isnan() and s1[1] == 0

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `--help` included.
     train = sub.add_parser(
         "train",
-        help="train a small spiking network on scikit-learn's digits",
+        help="train a spiking network (scikit-learn's digits by default; CIFAR-10, neuromorphic sets)",
         prefix_chars="+",
         add_help=False,
     )

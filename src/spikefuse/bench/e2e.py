@@ -287,10 +287,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch device (default: cuda when available, else cpu)",
     )
     parser.add_argument(
-        "--T", type=int, default=None, help="time steps (default: 10; the residual nets: 4)"
+        "--T",
+        type=int,
+        default=None,
+        help="time steps (default: 10; the residual nets and the transformers: 4)",
     )
     parser.add_argument(
-        "--batch", type=int, default=None, help="batch size (default: 64; sew-resnet18: 32)"
+        "--batch",
+        type=int,
+        default=None,
+        help="batch size (default: 64; the 224x224 ResNets: 32)",
     )
     parser.add_argument("--iters", type=int, default=20, help="timed iterations (default: 20)")
     parser.add_argument(

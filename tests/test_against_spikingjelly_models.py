@@ -1,6 +1,6 @@
 """Optional: the names added for SpikingJelly's model files, monitors, OTTT and RNNs against an
 installed SpikingJelly 2.0 (skipped when it is not importable; e.g. ``pip install --no-deps
---target /tmp/sj spikingjelly loguru`` and ``PYTHONPATH=src:/tmp/sj``). Same weights and
+--target /tmp/sj spikingjelly==2.0.0 loguru`` and ``PYTHONPATH=src:/tmp/sj``). Same weights and
 input, float64."""
 
 from __future__ import annotations
