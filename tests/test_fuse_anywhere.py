@@ -7,6 +7,7 @@ import copy
 import gc
 import logging
 import pickle
+import threading
 import weakref
 
 import pytest
@@ -455,6 +456,53 @@ def test_inplace_and_leaf_models():
     assert isinstance(single, layer.Conv2d) and not report.traced
 
 
+def test_inplace_fuse_that_raises_leaves_the_model_as_it_was():
+    """A chain whose block cannot be built is found after earlier chains fused: in place, the
+    error still comes before the first change, and a logged report only for the real pass."""
+    model = nn.Sequential(conv(3, C), bn(), lif(), conv(), bn(C + 1), lif())
+    kinds = [type(m) for m in model]
+    weights = [p.clone() for p in model.parameters()]
+    with pytest.raises(SpikefuseError, match="BatchNorm has 5 features, the Conv2d produces 4"):
+        fuse(model, inplace=True)
+    assert [type(m) for m in model] == kinds
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), weights, strict=True))
+    assert not model._state_dict_hooks and not model._load_state_dict_pre_hooks
+    model[4] = bn()
+    assert fuse(model, inplace=True) is model and isinstance(model[3], FusedBlock)
+    assert isinstance(model[0], FusedBlock)
+
+
+def test_inplace_fuse_of_a_model_that_cannot_be_copied_warns_and_fuses(caplog):
+    model = nn.Sequential(conv(3, C), bn(), lif())
+    model.lock = threading.Lock()  # deepcopy cannot copy a lock
+    with caplog.at_level(logging.WARNING, logger="spikefuse.fuse"):
+        assert fuse(model, inplace=True) is model and isinstance(model[0], FusedBlock)
+    assert "cannot be copied (TypeError" in caplog.text and "partly fused" in caplog.text
+
+
+def test_train_and_eval_on_one_fused_module_reach_what_they_reached_unfused():
+    """The block stands at the synapse's place: ``model[0].eval()`` freezes only the synapse
+    (the BatchNorm keeps batch statistics and updates its running ones), ``model[1].eval()``
+    the BatchNorm, as unfused; ``model.eval()`` reaches every part."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(conv(3, C), bn(), lif()).double()
+    fused = fuse(ref)
+    x = torch.randn(T, B, 3, 5, 5, dtype=torch.float64)
+    for index in (0, 1):
+        ref.train(), fused.train()
+        ref[index].eval(), fused[index].eval()
+        (out_r, gx_r, gp_r), (out_f, gx_f, gp_f) = training_step(ref, x), training_step(fused, x)
+        torch.testing.assert_close(out_f, out_r, **FP64_TOL)
+        torch.testing.assert_close(gx_f, gx_r, **FP64_TOL)
+        torch.testing.assert_close(gp_f, gp_r, **FP64_TOL)
+        torch.testing.assert_close(fused[0].bn.running_mean, ref[1].running_mean, **FP64_TOL)
+        assert fused[0].bn.training == ref[1].training
+    fused.eval()
+    assert not any(m.training for m in fused.modules())
+    block = FusedBlock(nn.Conv2d(3, C, 3), nn.BatchNorm2d(C), lif()).eval()
+    assert not any(m.training for m in block.modules())  # made directly: eval() reaches all
+
+
 def test_a_chain_in_one_mode_only_is_not_fused():
     class TrainOnlyNeuron(nn.Module):
         def __init__(self):
@@ -790,6 +838,17 @@ def test_unexpected_keys_and_size_mismatches_are_named_as_the_state_dict_names_t
     assert result.unexpected_keys == ["0.blocks.0.bn1.extra"]
     assert result.missing_keys == ["0.blocks.0.conv1.weight"]
     fused.load_state_dict(fused.state_dict())  # nothing stale from the failed loads
+
+
+def test_an_entry_under_both_names_is_refused_not_picked():
+    """A state dict holding a fused chain's tensor under its unfused and its fused key: which
+    one to load is the user's choice, strict or not."""
+    fused = fuse(Net())
+    state = fused.state_dict()
+    state["blocks.0.conv1.synapse.weight"] = state["blocks.0.conv1.weight"] + 1.0
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match="both 'blocks.0.conv1.weight' .* keep one"):
+            fused.load_state_dict(state, strict=strict)
 
 
 class ApartBlock(nn.Module):

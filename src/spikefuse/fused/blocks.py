@@ -170,6 +170,8 @@ class FusedBlock(MultiStepOnly, nn.Module):
     restarts_every_call = True
     # The last call's neuron call, reused while the node is unchanged (see NeuronCall.from_node).
     _neuron_call: NeuronCall | None = None
+    # The parts whose place in the user's model a FusedAway holds (set by fuse; see train()).
+    placeholder_roles: frozenset[str] = frozenset()
     synapse = _Submodule["nn.Linear | _ConvNd"]()
     bn = _Submodule["nn.modules.batchnorm._BatchNorm | None"]()
     node = _Submodule[BaseNode]()
@@ -249,6 +251,19 @@ class FusedBlock(MultiStepOnly, nn.Module):
         """The mode of the last training call: ``memory`` itself, what "auto" chose, or "min"
         where the default mode recomputed a stem."""
         return self._policy.choice
+
+    def train(self, mode: bool = True) -> FusedBlock:
+        """Sets the block's mode and its parts', except the parts that stand in the user's
+        model as a :class:`FusedAway` of their own (:attr:`placeholder_roles`): those follow
+        their placeholder's ``train()``, so that ``model.conv1.eval()`` leaves the BatchNorm
+        training, as it did unfused."""
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")  # torch's check
+        self.training = mode
+        for name, child in self.named_children():
+            if name not in self.placeholder_roles:
+                child.train(mode)
+        return self
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> FusedBlock:
         """``.to()``, ``.cuda()``, ...; then the weight's layout (:meth:`_weight_in_run_layout`)."""

@@ -283,21 +283,53 @@ def fuse(
     ``memory``: a memory mode of :func:`~spikefuse.fused.memory_modes` (``"default"``: blocks
     keep their Conv/Linear output; ``"min"``: only their input, recomputing the Conv/Linear in
     backward; ``"auto"``: each block chooses where it pays). Returns the converted model (a
-    deep copy unless ``inplace``), and with ``return_report`` also a :class:`FuseReport`; the
+    deep copy unless ``inplace``; where fuse raises, an ``inplace`` model is left unchanged),
+    and with ``return_report`` also a :class:`FuseReport`; the
     report is logged (logger ``spikefuse.fuse``: INFO, WARNING when a chain was left unfused).
     The model computes the same function, but each forward call is an independent sequence
     (fused neurons start from their reset state).
     """
     _check_arguments(model, inplace, process_group, return_report, memory, fold_pools)
-    if not inplace:
+    if inplace:
+        _convert_a_copy_first(model, process_group, memory, fold_pools)
+    else:
         model = copy.deepcopy(model)
+    report, reordered = _convert(model, process_group, memory, fold_pools)
+    _log_report(report, reordered)
+    return (model, report) if return_report else model
+
+
+def _convert(
+    model: nn.Module, process_group: dist.ProcessGroup | None, memory: str, fold_pools: bool
+) -> tuple[FuseReport, bool]:
+    """Fuse ``model`` in place: the report, and whether ``parameters()`` changed order."""
     unfused = model.state_dict(keep_vars=True)
     fuser = _Fuser(process_group, memory, fold_pools, list(unfused))
     before = _parameter_keys(model, unfused)
     fuser.convert(model, "")
     reordered = _parameter_keys(model, model.state_dict(keep_vars=True)) != before
-    _log_report(fuser.report, reordered)
-    return (model, fuser.report) if return_report else model
+    return fuser.report, reordered
+
+
+def _convert_a_copy_first(
+    model: nn.Module, process_group: dist.ProcessGroup | None, memory: str, fold_pools: bool
+) -> None:
+    """Fuse a copy of ``model``'s modules that shares its parameters and buffers (no memory):
+    a chain that cannot be fused raises only when its block is built, after earlier chains
+    were patched, so an in-place fuse that fails must fail on the copy. A model that cannot
+    be copied is fused without it, with a warning."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    try:
+        copied = copy.deepcopy(model, memo=shared)
+    except Exception as error:  # whatever an attribute's __deepcopy__ or pickling raises
+        log.warning(
+            "fuse: the model cannot be copied (%s: %s), so an error while fusing it in place "
+            "may leave it partly fused",
+            type(error).__name__,
+            error,
+        )
+        return
+    _convert(copied, process_group, memory, fold_pools)
 
 
 def _check_arguments(

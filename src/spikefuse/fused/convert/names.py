@@ -95,5 +95,13 @@ class _LoadOriginalNames:
         for key in list(state_dict):
             if key.startswith(prefix) and not any(key.startswith(f) for f in fused):
                 new = _renamed(key, renames)
-                if new != key:
-                    state_dict[new] = state_dict.pop(key)
+                if new == key:
+                    continue
+                value = state_dict.pop(key)
+                if new in state_dict:  # both namings: which one to load is not ours to pick
+                    error_msgs.append(
+                        f"both {key!r} (the unfused name) and {new!r} (the fused name) name "
+                        "one tensor: keep one of them"
+                    )
+                    continue
+                state_dict[new] = value

@@ -327,11 +327,14 @@ def _replace(
     _set_submodule(root, chain.synapse, fused)
     block = _join(path, chain.synapse)
     roles = {chain.node: "node", chain.pool: "pool", chain.input_pool: "input_pool"}
+    placeholders = []
     for name in (*chain.names[1:], *([chain.pool] if chain.pool is not None else [])):
         role = roles.get(name, "bn")
         away = FusedAway(_join(path, name), block, role, getattr(fused, role))
         away.training = fused.training
         _set_submodule(root, name, away)
+        placeholders.append(role)
+    fused.placeholder_roles = frozenset(placeholders)
     holder = ".".join(_common_parent(chain.names))
     skip = len(holder) + 1 if holder else 0
     renames = tuple(
