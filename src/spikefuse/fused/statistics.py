@@ -370,7 +370,8 @@ def _from_moments(mean: Tensor, var: Tensor, count: int | Tensor, bn: BNSpec, y:
     if bn.num_batches_tracked is not None and running_mean is not None and running_var is not None:
         tracked = bn.num_batches_tracked
         tracked.add_(1)
-        factor = 1.0 / tracked if momentum is None else momentum
+        # the cumulative average in the statistics' dtype (an int64 count would divide in float32)
+        factor = 1.0 / tracked.to(running_mean.dtype) if momentum is None else momentum
         unbiased = var * (count / (count - 1))
         running_mean.lerp_(mean.to(running_mean.dtype), factor)
         running_var.lerp_(unbiased.to(running_var.dtype), factor)
