@@ -113,6 +113,7 @@ def test_numpy_scalars_are_taken_as_numbers(make) -> None:
     [
         (lambda: encoding.LatencyEncoder(8.0), r"T must be an int >= 1, got 8.0 \(float\)"),
         (lambda: encoding.LatencyEncoder(True), r"got True \(bool\)"),
+        (lambda: encoding.WeightedPhaseEncoder(0), r"K must be an int >= 1, got 0 \(int\)"),
         (lambda: layer.Dropout("0.5"), r"p must be in \[0, 1\) \(a number\), got '0.5' \(str\)"),
         (lambda: layer.VotingLayer(2.0), r"voting_size must be an int >= 1, got 2.0 \(float\)"),
         (lambda: layer.SynapseFilter(True), r"got True \(bool\)"),

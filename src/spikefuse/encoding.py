@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,16 @@ class PoissonEncoder(StatelessEncoder):
         return torch.where(x.isnan(), x, spikes)
 
 
+def _steps(owner: str, name: str, value: Any) -> int:
+    """``value`` as a count of steps (an int >= 1), else a SpikefuseError naming ``name``."""
+    # numpy integers count as ints, as in torch; bools do not
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise SpikefuseError(
+            f"{owner}: {name} must be an int >= 1, got {value!r} ({type(value).__name__})"
+        )
+    return int(value)
+
+
 class StatefulEncoder(MemoryModule):
     """Base class of encoders that encode once per sequence: subclasses implement
     :meth:`single_step_encode` (input -> spike train ``[T, *]``).
@@ -65,12 +76,7 @@ class StatefulEncoder(MemoryModule):
 
     def __init__(self, T: int, step_mode: str = "s") -> None:
         super().__init__(step_mode)
-        # numpy integers count as ints, as in torch; bools do not
-        if not isinstance(T, numbers.Integral) or isinstance(T, bool) or T < 1:
-            raise SpikefuseError(
-                f"{type(self).__name__}: T must be an int >= 1, got {T!r} ({type(T).__name__})"
-            )
-        self.T = int(T)
+        self.T = _steps(type(self).__name__, "T", T)
         self.register_memory("spike", None)
         self.register_memory("t", 0)
 
@@ -164,7 +170,7 @@ class WeightedPhaseEncoder(StatefulEncoder):
     dtype (float32 unless changed), whatever x's is, as SpikingJelly's."""
 
     def __init__(self, K: int, step_mode: str = "s") -> None:
-        super().__init__(K, step_mode)
+        super().__init__(_steps("WeightedPhaseEncoder", "K", K), step_mode)
 
     def single_step_encode(self, x: Tensor) -> Tensor:
         # 1 - 2^-K in x's dtype: for K beyond its precision, the largest value below 1
