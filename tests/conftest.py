@@ -193,3 +193,30 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ckpt") / "digits.pt"
     assert train(path, "--epochs", "1") == 0
     return path
+
+
+@pytest.fixture
+def copy(tmp_path: Path, checkpoint: Path) -> Path:
+    """A private copy of the one-epoch checkpoint (in the test's own tmp_path)."""
+    path = tmp_path / "digits.pt"
+    path.write_bytes(checkpoint.read_bytes())
+    return path
+
+
+def error_of(capsys: pytest.CaptureFixture[str], before_training: bool = False) -> str:
+    """The CLI's error message, checked to be one clear line (and, if ``before_training``,
+    to have come before the run printed anything)."""
+    captured = capsys.readouterr()
+    assert captured.err.startswith("spikefuse: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.err.count("\n") == 1
+    if before_training:
+        assert captured.out == ""
+    return captured.err
+
+
+# Written beside digits.pt after every epoch: the per-epoch CSV log and the loss/accuracy plot.
+LOGS = ["digits.pt.csv", "digits.pt.png"]
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())

@@ -1,53 +1,21 @@
-"""Training checkpoints: nothing lost (lock, overwrite rules, finite weights, atomic writes
-through symlinks, stale temp files) and nothing silent (checksum, validated entries, clear
-errors for unwritable paths)."""
+"""Training checkpoints: nothing lost (overwrite rules, finite weights, atomic writes) and
+nothing silent (checksum, validated entries, clear errors for unwritable paths). The lock and
+the temporary files are tested in test_train_files.py."""
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import math
 import os
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import SMALL, train
-from spikefuse import train as train_module
+from conftest import LOGS, error_of, listing, train
 from spikefuse.train import CHECKPOINT_VERSION, loop, payload_digest
-
-
-@pytest.fixture
-def copy(tmp_path: Path, checkpoint: Path) -> Path:
-    """A private copy of the one-epoch checkpoint."""
-    path = tmp_path / "digits.pt"
-    path.write_bytes(checkpoint.read_bytes())
-    return path
-
-
-def error_of(capsys: pytest.CaptureFixture[str], before_training: bool = False) -> str:
-    """The CLI's error message, checked to be one clear line (and, if ``before_training``,
-    to have come before the run printed anything)."""
-    captured = capsys.readouterr()
-    assert captured.err.startswith("spikefuse: error: "), captured.err
-    assert "Traceback" not in captured.err and captured.err.count("\n") == 1
-    if before_training:
-        assert captured.out == ""
-    return captured.err
-
-
-# Written beside digits.pt after every epoch: the per-epoch CSV log and the loss/accuracy plot.
-LOGS = ["digits.pt.csv", "digits.pt.png"]
-
-
-def listing(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
-
 
 # Existing files: overwrite rules ------------------------------------------------------------
 
@@ -89,88 +57,6 @@ def test_overwrite_replaces_a_checkpoint_of_an_older_version(copy: Path) -> None
     torch.save(payload, copy)
     assert train(copy, "--epochs", "1", "--overwrite") == 0
     assert torch.load(copy, weights_only=True)["version"] == CHECKPOINT_VERSION
-
-
-# Lock --------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def held_lock(copy: Path) -> Iterator[Path]:
-    """Hold the lock of ``copy`` as another run would (flock is per open file)."""
-    lock = copy.with_name(".digits.pt.lock")
-    with open(lock, "w") as f:
-        f.write("4242\n")
-        f.flush()
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield lock
-
-
-def test_a_second_run_on_a_locked_checkpoint_refuses(
-    copy: Path, held_lock: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    before = copy.read_bytes()
-    for flags in (["--resume"], ["--overwrite"]):
-        assert train(copy, "--epochs", "2", *flags) == 1
-        err = error_of(capsys, before_training=True)
-        assert f"checkpoint '{copy}' is in use by another training run (pid 4242)" in err
-    assert copy.read_bytes() == before
-    assert held_lock.exists()  # the holder's lock file stays
-
-
-def test_two_processes_on_one_checkpoint(tmp_path: Path) -> None:
-    path = tmp_path / "digits.pt"
-    command = [sys.executable, "-m", "spikefuse", "train", *SMALL, "--checkpoint", str(path)]
-    env = {**os.environ, "PYTHONPATH": str(Path(train_module.__file__).parents[2])}
-    first = subprocess.Popen([*command, "--epochs", "1000"], env=env, stdout=subprocess.PIPE)
-    assert first.stdout is not None
-    assert first.stdout.readline().startswith(b"device: ")  # the first run holds the lock
-    second = subprocess.run(
-        [*command, "--epochs", "1", "--overwrite"], env=env, capture_output=True, text=True
-    )
-    first.kill()  # the kernel releases a dead process's lock
-    first.wait()
-    first.stdout.close()
-    assert second.returncode == 1
-    assert f"checkpoint '{path}' is in use by another training run (pid {first.pid})" in (
-        second.stderr
-    )
-    assert train(path, "--epochs", "1", "--overwrite") == 0
-
-
-def test_a_stale_lock_file_does_not_block(copy: Path) -> None:
-    lock = copy.with_name(".digits.pt.lock")
-    lock.write_text("999999999\n")  # left by a killed run: the file, but no lock
-    assert train(copy, "--epochs", "2", "--resume") == 0
-    assert listing(copy.parent) == ["digits.pt", *LOGS]
-
-
-# Symlinks and temp files -------------------------------------------------------------------
-
-
-def test_a_symlinked_checkpoint_is_written_through(tmp_path: Path, copy: Path) -> None:
-    link = tmp_path / "links" / "latest.pt"
-    link.parent.mkdir()
-    link.symlink_to(copy)
-    assert train(link, "--epochs", "2", "--resume") == 0
-    assert link.is_symlink() and link.resolve() == copy
-    assert torch.load(copy, weights_only=True)["epoch"] == 2
-    assert listing(link.parent) == ["latest.pt"]
-    assert listing(tmp_path) == ["digits.pt", *LOGS, "links"]  # beside the link's target
-
-    dangling = tmp_path / "links" / "new.pt"
-    dangling.symlink_to(tmp_path / "new-target.pt")
-    assert train(dangling, "--epochs", "1") == 0
-    assert dangling.is_symlink() and (tmp_path / "new-target.pt").is_file()
-
-
-def test_stale_temp_files_are_removed_and_live_ones_kept(tmp_path: Path, copy: Path) -> None:
-    dead = tmp_path / ".digits.pt.999999999.tmp"
-    live = tmp_path / f".digits.pt.{os.getppid()}.tmp"
-    other = tmp_path / ".other.pt.999999999.tmp"
-    for path in (dead, live, other):
-        path.write_bytes(b"partial")
-    assert train(copy, "--epochs", "2", "--resume") == 0
-    assert listing(tmp_path) == sorted([copy.name, live.name, other.name, *LOGS])
 
 
 # Unwritable paths --------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from spikefuse.train.config import (
     CheckpointError,
     TrainConfig,
 )
-from spikefuse.train.files import os_reason, replace_file, temp_path
+from spikefuse.train.files import create_temp_file, os_reason, replace_file
 
 
 def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
@@ -145,6 +145,12 @@ def archive_problem(path: Path) -> str | None:
     if declared > size or any(entry.compress_type != zipfile.ZIP_STORED for entry in entries):
         return f"its entries declare {declared} bytes (or compressed ones) in {size} bytes"
     return None
+
+
+def is_checkpoint_head(head: bytes) -> bool:
+    """Whether ``head``, the first bytes of a file, begins a checkpoint that spikefuse
+    wrote: torch's zip archive whose first entry, the pickle, starts with the format tag."""
+    return head.startswith(ZIP_SIGNATURE) and CHECKPOINT_FORMAT.encode() in head
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -365,9 +371,9 @@ def check_checkpoint_writable(path: Path, target: Path, config: TrainConfig) -> 
                 f"checkpoint '{path}' already exists; pass --resume to continue its run or "
                 f"--overwrite to start a new one in its place"
             )
-    probe = temp_path(target, os.getpid())
+    fd, probe = create_temp_file(path, target, "checkpoint")
+    os.close(fd)
     try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         probe.unlink()
     except OSError as exc:
         raise SpikefuseError(f"cannot write checkpoint '{path}': {os_reason(exc)}") from exc

@@ -33,9 +33,17 @@ def _is_our_log(path: Path) -> bool:
             head = f.read(1 << 16)
     except OSError as exc:
         raise SpikefuseError(f"cannot read '{path}': {os_reason(exc)}") from exc
-    if path.suffix == ".png":
-        return head.startswith(PNG_SIGNATURE) and PLOT_MARKER in head
+    return is_plot_head(head) if path.suffix == ".png" else is_log_head(head)
+
+
+def is_log_head(head: bytes) -> bool:
+    """Whether ``head``, the first bytes of a file, begins a training log spikefuse wrote."""
     return head.split(b"\n", 1)[0].decode(errors="replace").strip() == LOG_HEADER
+
+
+def is_plot_head(head: bytes) -> bool:
+    """Whether ``head``, the first bytes of a file, begins a training plot spikefuse wrote."""
+    return head.startswith(PNG_SIGNATURE) and PLOT_MARKER in head
 
 
 def check_logs_writable(target: Path, config: TrainConfig) -> None:

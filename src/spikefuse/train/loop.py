@@ -24,6 +24,7 @@ from spikefuse.model_graphs import graph_model
 from spikefuse.train.checkpoint import (
     check_checkpoint_writable,
     checkpoint_bytes,
+    is_checkpoint_head,
     load_checkpoint,
     prepare_checkpoint_dir,
     restore,
@@ -49,7 +50,13 @@ from spikefuse.train.files import (
     remove_stale_temp_files,
     replace_file,
 )
-from spikefuse.train.logs import TrainingLog, check_logs_writable, log_paths
+from spikefuse.train.logs import (
+    TrainingLog,
+    check_logs_writable,
+    is_log_head,
+    is_plot_head,
+    log_paths,
+)
 from spikefuse.train.ranks import (
     ONE_PROCESS,
     Ranks,
@@ -291,8 +298,13 @@ def _run_locked(config: TrainConfig, device: torch.device, backend: str, ranks: 
                 target = checkpoint_target(checkpoint)
                 prepare_checkpoint_dir(checkpoint, target, config)
                 stack.enter_context(checkpoint_lock(checkpoint, target))
-                for path in (target, *log_paths(target)):
-                    remove_stale_temp_files(path)
+                csv_path, png_path = log_paths(target)
+                for path, is_ours in (
+                    (target, is_checkpoint_head),
+                    (csv_path, is_log_head),
+                    (png_path, is_plot_head),
+                ):
+                    remove_stale_temp_files(path, is_ours)
                 check_checkpoint_writable(checkpoint, target, config)
                 check_logs_writable(target, config)
             except SpikefuseError as exc:
