@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import LOGS, error_of, listing, train
-from spikefuse.train import CHECKPOINT_VERSION, loop, payload_digest
+from spikefuse.train import CHECKPOINT_VERSION, TrainConfig, loop, payload_digest
+from spikefuse.train.config import MODEL_CONFIG_TYPES
 
 # Existing files: overwrite rules ------------------------------------------------------------
 
@@ -268,6 +269,15 @@ def _no_checksum(payload: dict[str, Any]) -> None:
     del payload["sha256"]
 
 
+def _config_of_tensors(payload: dict[str, Any]) -> None:
+    for key in payload["config"]:
+        payload["config"][key] = torch.zeros(2)
+
+
+def _set_config(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda payload: payload["config"].__setitem__(key, value)
+
+
 @pytest.mark.parametrize(
     ("tamper", "message"),
     [
@@ -290,11 +300,17 @@ def _no_checksum(payload: dict[str, Any]) -> None:
         (_other_betas, "does not fit the model: optimizer setting betas=(0.0, 0.0)"),
         (_wrong_moment_shape, "does not fit the model: optimizer exp_avg of shape (3,)"),
         (_no_checksum, "is incomplete: no sha256"),
+        (_config_of_tensors, "is damaged: its config's architecture is tensor([0., 0.]), a "),
+        (_set_config("T", torch.tensor(2)), "its config's T is tensor(2), a Tensor; a config "),
+        (_set_config("T", 2.0), "its config's T is 2.0, a float; a config holds plain values"),
+        (_set_config("seed", True), "its config's seed is True, a bool"),
+        (_set_config("limit", "200"), "its config's limit is '200', a str; a config holds plain "),
     ],
     ids=[
         *("epoch=-5 epoch=0 epoch=1.5 epoch=True epoch='1' epoch>epochs".split()),
         *("accuracy=nan config=list config-keys model=list optimizer=int extra".split()),
         *("device-leaf nan-weight inf-moment inf-lr betas moment-shape no-checksum".split()),
+        *("config=tensors T=tensor T=float seed=bool limit=str".split()),
     ],
 )
 def test_every_entry_is_validated(
@@ -341,3 +357,10 @@ def test_an_unreadable_checkpoint_says_why(
     err = error_of(capsys)
     assert message.format(copy) in err
     assert "corrupted" not in err and "not a spikefuse checkpoint" not in err
+
+
+@pytest.mark.parametrize("limit", [None, 200])
+def test_the_config_types_cover_what_a_run_saves(limit: int | None) -> None:
+    saved = TrainConfig(limit=limit).model_config()
+    assert saved.keys() == MODEL_CONFIG_TYPES.keys()
+    assert all(type(value) in MODEL_CONFIG_TYPES[key] for key, value in saved.items())

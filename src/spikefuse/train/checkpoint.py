@@ -7,6 +7,7 @@ import hashlib
 import io
 import math
 import os
+import reprlib
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from spikefuse.train.config import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEYS,
     CHECKPOINT_VERSION,
+    MODEL_CONFIG_TYPES,
     CheckpointError,
     TrainConfig,
 )
@@ -262,6 +264,11 @@ def _check_entries(payload: dict[str, Any], path: Path, config: TrainConfig) -> 
         )
 
 
+def _short_repr(value: object) -> str:
+    """``repr(value)``, cut short: a crafted checkpoint's value can be of any length."""
+    return reprlib.repr(value)
+
+
 def _check_config(payload: dict[str, Any], path: Path, config: TrainConfig) -> None:
     """Check that the checkpoint's run had ``config``'s model configuration."""
 
@@ -269,10 +276,20 @@ def _check_config(payload: dict[str, Any], path: Path, config: TrainConfig) -> N
     model_config = config.model_config()
     if not isinstance(saved, dict) or saved.keys() != model_config.keys():
         raise _damaged(
-            path, f"its config is {saved!r}, with other keys than {sorted(model_config)}"
+            path,
+            f"its config is {_short_repr(saved)}, with other keys than {sorted(model_config)}",
         )
+    for key, saved_value in saved.items():
+        types = MODEL_CONFIG_TYPES[key]
+        if type(saved_value) not in types:
+            expected = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+            raise _damaged(
+                path,
+                f"its config's {key} is {_short_repr(saved_value)}, a "
+                f"{type(saved_value).__name__}; a config holds plain values ({key}: {expected})",
+            )
     differences = [
-        f"{key}={saved[key]!r} in the checkpoint but {value!r} now"
+        f"{key}={_short_repr(saved[key])} in the checkpoint but {value!r} now"
         for key, value in model_config.items()
         if saved[key] != value
     ]

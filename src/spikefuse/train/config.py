@@ -25,6 +25,16 @@ CHECKPOINT_VERSION = 3
 CHECKPOINT_KEYS = frozenset(
     {"format", "version", "epoch", "config", "test_accuracy", "model", "optimizer", "sha256"}
 )
+# The types each value of a checkpoint's model configuration (TrainConfig.model_config) may
+# have: plain values, which compare with the run's exactly (True == 1 and 1.0 == 1 do not pass).
+MODEL_CONFIG_TYPES: dict[str, tuple[type, ...]] = {
+    "architecture": (str,),
+    "data": (str,),
+    "neuron": (str,),
+    "T": (int,),
+    "seed": (int,),
+    "limit": (int, type(None)),
+}
 ARCHITECTURE = "digits-cnn-v1"
 NUM_CLASSES = 10
 DIGITS_SAMPLES = 1797  # scikit-learn's digits
