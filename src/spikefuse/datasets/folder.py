@@ -41,6 +41,13 @@ __all__ = [
 EXTENSIONS = (".npy", ".npz")
 
 
+def is_sample_file(name: str) -> bool:
+    """Whether a file is a sample, as torchvision's ``DatasetFolder`` picks them: by its
+    extension (:data:`EXTENSIONS`, any case). Other files (``.DS_Store``, notes) are skipped
+    everywhere, so that the frames folders hold frames of exactly the indexed samples."""
+    return name.lower().endswith(EXTENSIONS)
+
+
 @dataclass(frozen=True)
 class NeuromorphicDatasetConfig:
     """A dataset's settings, validated as SpikingJelly validates them."""
@@ -144,7 +151,7 @@ def find_samples(directory: Path) -> tuple[list[str], list[tuple[str, int]]]:
     for index, name in enumerate(classes):
         for folder, _, files in sorted(os.walk(directory / name, followlinks=True)):
             for file in sorted(files):
-                if file.lower().endswith(EXTENSIONS):
+                if is_sample_file(file):
                     samples.append((os.path.join(folder, file), index))
     return classes, samples
 
@@ -252,7 +259,7 @@ class NeuromorphicDatasetFolder(torch.utils.data.Dataset):
         for folder, _, files in os.walk(self.raw_root):
             out = into / Path(folder).relative_to(self.raw_root)
             out.mkdir(parents=True, exist_ok=True)
-            for file in files:
+            for file in filter(is_sample_file, files):
                 self._save_frames(Path(folder) / file, out)
 
     def _save_frames(self, events_file: Path, out: Path) -> None:
