@@ -6,11 +6,15 @@ in split and class folders), written here for N-MNIST's 34 x 34 sensor."""
 
 from __future__ import annotations
 
+import io
+import zipfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from spikefuse import datasets
+from spikefuse.errors import SpikefuseError
 
 FRAMES = {"frames_number": 2, "split_by": "number"}
 FRAMES_DIR = "frames_number_2_split_by_number"
@@ -47,3 +51,112 @@ def test_stray_files_are_skipped_as_the_sample_index_skips_them(tmp_path):
     assert len(frames) == len(events) == 2 and frames.targets == events.targets
     made = sorted(p.name for p in (tmp_path / FRAMES_DIR).rglob("*") if p.is_file())
     assert made == ["00000.npz"] * 4  # frames of the samples only
+
+
+# ---- damaged and foreign .npz files -------------------------------------------------------------
+def _frames_of(root: Path) -> datasets.NMNIST:
+    return datasets.NMNIST(root, True, "frame", **FRAMES)
+
+
+def test_a_truncated_npz_is_named_with_how_to_make_it_again(tmp_path):
+    sample = _events_np(tmp_path)
+    sample.write_bytes(sample.read_bytes()[:100])
+    named = rf"'{sample}' is damaged \(truncated\?\).*delete it and make it again"
+    with pytest.raises(SpikefuseError, match=named):
+        _frames_of(tmp_path)
+    events = datasets.NMNIST(tmp_path, train=True)
+    with pytest.raises(SpikefuseError, match=named):
+        events[0]
+
+
+def test_an_npz_without_an_event_array_names_the_keys_expected(tmp_path):
+    sample = _events_np(tmp_path)
+    np.savez(sample, **{k: v for k, v in _events().items() if k != "p"})
+    named = rf"'{sample}' has no p \(its arrays: t, x, y\).*holds the arrays t, x, y and p"
+    with pytest.raises(SpikefuseError, match=named):
+        _frames_of(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "events, problem",
+    [
+        ({**_events(), "x": np.arange(3)}, "1-d arrays of one length"),
+        ({**_events(), "t": np.full(40, np.nan)}, "t has NaN"),
+        ({**_events(), "y": np.array(["a"] * 40)}, "y holds <U1, not numbers"),
+    ],
+)
+def test_events_that_cannot_be_integrated_are_named(tmp_path, events, problem):
+    sample = _events_np(tmp_path)
+    np.savez(sample, **events)
+    with pytest.raises(SpikefuseError, match=rf"'{sample}'.*{problem}"):
+        _frames_of(tmp_path)
+
+
+def test_any_cut_or_flipped_byte_gives_a_spikefuse_error_or_the_events(tmp_path):
+    path, original = tmp_path / "s.npz", _events()
+    for save in (np.savez, np.savez_compressed):
+        save(path, **original)
+        good = path.read_bytes()
+        variants = [good[:n] for n in range(0, len(good), 7)]
+        for n in range(0, len(good), 5):
+            variants.append(good[:n] + bytes([good[n] ^ 0xFF]) + good[n + 1 :])
+        for data in variants:
+            path.write_bytes(data)
+            try:
+                events = datasets.folder.load_events(path)
+            except SpikefuseError as exc:
+                assert str(path) in str(exc)
+            else:  # a flipped byte of the zip directory can rename or hide an entry
+                assert events and all(
+                    np.array_equal(a, original[k]) for k, a in events.items() if k in original
+                )
+
+
+def test_an_array_header_is_checked_before_numpy_allocates_by_it(tmp_path):
+    npy = io.BytesIO()  # a header declaring 2**40 float64 values, then 4 of them
+    np.lib.format.write_array_header_1_0(
+        npy, {"descr": "<f8", "fortran_order": False, "shape": (2**40,)}
+    )
+    npy.write(np.zeros(4).tobytes())
+    path = tmp_path / "s.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("frames.npy", npy.getvalue())
+    declared = rf"'{path}' is damaged.*frames.npy declares 8796093022[0-9]{{3}} bytes; it has 160"
+    with pytest.raises(SpikefuseError, match=declared):
+        datasets.load_npz_frames(path)
+
+
+def test_pickled_arrays_are_never_unpickled(tmp_path):
+    path = tmp_path / "s.npz"
+    np.savez(path, frames=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(SpikefuseError, match=rf"'{path}': frames.npy holds Python objects"):
+        datasets.load_npz_frames(path)
+
+
+def test_files_over_the_size_bound_are_refused_before_they_are_read(tmp_path, monkeypatch):
+    path = tmp_path / "s.npz"
+    np.savez_compressed(path, frames=np.zeros((50, 2, 34, 34)))  # 924 kB in ~1 kB
+    monkeypatch.setattr(datasets.events, "MAX_FILE_BYTES", 100_000)
+    with pytest.raises(SpikefuseError, match=rf"'{path}' declares 924[0-9]{{3}} bytes of arrays"):
+        datasets.load_npz_frames(path)
+    monkeypatch.setattr(datasets.events, "MAX_FILE_BYTES", 100)
+    with pytest.raises(SpikefuseError, match=rf"'{path}' has [0-9]+ bytes, more than the 100"):
+        datasets.load_npz_frames(path)
+    (tmp_path / "a.aedat").write_bytes(b"#!AER-DAT3.1\r\n" + bytes(200))
+    with pytest.raises(SpikefuseError, match="more than the 100"):  # every reader's bound
+        datasets.load_aedat_v3(tmp_path / "a.aedat")
+
+
+@pytest.mark.parametrize(
+    "arrays, problem",
+    [
+        ({"counts": np.zeros((2, 2, 3, 3))}, r"has the arrays \['counts'\] but no 'frames'"),
+        ({"frames": np.full((2, 2, 3, 3), np.nan)}, "NaN or infinite"),
+        ({"frames": np.full((1,), 1e39)}, "beyond float32"),
+        ({"frames": np.array(["a"])}, "<U1 frames, not numbers"),
+    ],
+)
+def test_frames_files_hold_finite_frames(tmp_path, arrays, problem):
+    np.savez(tmp_path / "f.npz", **arrays)
+    with pytest.raises(SpikefuseError, match=rf"'{tmp_path / 'f.npz'}' .*{problem}"):
+        datasets.load_npz_frames(tmp_path / "f.npz")

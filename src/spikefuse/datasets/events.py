@@ -3,14 +3,17 @@
 Events are dicts of equal-length arrays: ``t`` (timestamps, µs), ``x``, ``y``, ``p``
 (polarity 0/1). Frames are float64 ``[T, 2, H, W]``: channel 0 counts the events of polarity
 0, channel 1 the others (SpikingJelly's ``integrate_events_*``). Every reader checks the file's
-header and size before reading and raises :class:`~spikefuse.errors.SpikefuseError` naming
-the file when it is missing, truncated or not in the format.
+size (at most :data:`MAX_FILE_BYTES`) before reading and its header after, and raises
+:class:`~spikefuse.errors.SpikefuseError` naming the file when it is missing, too large,
+truncated or not in the format.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,15 +37,62 @@ AEDAT3_MAGIC = b"#!AER-DAT3"
 AEDAT3_END = b"#!END-HEADER\r\n"
 PACKET_HEADER = 28  # bytes of an AEDAT 3.1 event packet header
 POLARITY_EVENT = 1
+EVENT_KEYS = ("t", "x", "y", "p")
+# The largest file a reader reads, and the most bytes of arrays an .npz may declare: far above
+# any sample of these data sets (DVS128 Gesture's longest recordings have tens of MB of events).
+MAX_FILE_BYTES = 2**32
 
 
-def _read(path: str | Path, what: str) -> bytes:
+def check_file(path: str | Path, what: str) -> int:
+    """The size of ``what`` file ``path``, from the file system: refused (naming the file) when
+    it is missing, unreadable, not a regular file or over :data:`MAX_FILE_BYTES`."""
     try:
-        return Path(path).read_bytes()
+        info = os.stat(path)
     except FileNotFoundError:
         raise SpikefuseError(f"{what} file '{path}' does not exist") from None
     except OSError as exc:
         raise SpikefuseError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise SpikefuseError(f"{what} file '{path}' is not a regular file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise SpikefuseError(
+            f"{what} file '{path}' has {info.st_size} bytes, more than the {MAX_FILE_BYTES} "
+            "(MAX_FILE_BYTES) a file of these data sets may have: it is not one of their files"
+        )
+    return info.st_size
+
+
+def _read(path: str | Path, what: str) -> bytes:
+    check_file(path, what)
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise SpikefuseError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from exc
+
+
+def checked_events(events: Any, path: str | Path) -> Events:
+    """The t, x, y and p of ``events`` (read from ``path``: a dict, or a structured array of
+    those fields), refused unless they are 1-d arrays of numbers, of one length, without NaN."""
+    names = (events.dtype.names or ()) if isinstance(events, np.ndarray) else tuple(events)
+    missing = [key for key in EVENT_KEYS if key not in names]
+    if missing:
+        raise SpikefuseError(
+            f"events file '{path}' has no {', '.join(missing)} (its arrays: "
+            f"{', '.join(names) or 'none'}); a sample of events_np/ holds the arrays t, x, y "
+            "and p, as np.savez(path, t=..., x=..., y=..., p=...) writes them"
+        )
+    arrays = {key: np.asarray(events[key]) for key in EVENT_KEYS}
+    shapes = {key: a.shape for key, a in arrays.items()}
+    if any(a.ndim != 1 for a in arrays.values()) or len(set(shapes.values())) > 1:
+        raise SpikefuseError(
+            f"events file '{path}': t, x, y and p must be 1-d arrays of one length, not {shapes}"
+        )
+    for key, a in arrays.items():
+        if a.dtype.kind not in "biuf":
+            raise SpikefuseError(f"events file '{path}': {key} holds {a.dtype}, not numbers")
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise SpikefuseError(f"events file '{path}': {key} has NaN or infinite values")
+    return arrays
 
 
 def _aedat3_packets(data: bytes, start: int, path: str | Path) -> list[np.ndarray]:

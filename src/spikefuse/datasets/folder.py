@@ -30,6 +30,7 @@ import torch.utils.data
 
 from ..errors import SpikefuseError
 from . import events as ev
+from .npfiles import read_npz
 
 __all__ = [
     "NeuromorphicDatasetConfig",
@@ -101,9 +102,8 @@ def _positive_int(value: Any) -> bool:
 
 
 def load_events(path: str | Path) -> dict[str, np.ndarray]:
-    """The events of a sample's ``.npz`` (t, x, y, p)."""
-    with np.load(path) as data:
-        return {key: data[key] for key in data.files}
+    """The arrays of a sample's ``.npz`` by name (t, x, y, p in SpikingJelly's files)."""
+    return read_npz(path, "events")
 
 
 def save_events(path: Path, events: dict[str, np.ndarray]) -> None:
@@ -112,9 +112,29 @@ def save_events(path: Path, events: dict[str, np.ndarray]) -> None:
 
 
 def load_npz_frames(path: str | Path) -> np.ndarray:
-    """The frames of a sample's ``.npz``, float32 (SpikingJelly's ``load_npz_frames``)."""
-    with np.load(path) as data:
-        return data["frames"].astype(np.float32)
+    """The frames of a sample's ``.npz``, float32 (SpikingJelly's ``load_npz_frames``): a
+    damaged file, one without the key 'frames' or with frames that are not finite numbers
+    raise :class:`SpikefuseError`."""
+    arrays = read_npz(path, "frames")
+    if "frames" not in arrays:
+        raise SpikefuseError(
+            f"frames file '{path}' has the arrays {sorted(arrays)} but no 'frames': a frames "
+            "file holds them under that key (np.savez(path, frames=...))"
+        )
+    return _checked_frames(arrays["frames"], path)
+
+
+def _checked_frames(frames: np.ndarray, path: str | Path) -> np.ndarray:
+    if frames.dtype.kind not in "biuf":
+        raise SpikefuseError(f"frames file '{path}' holds {frames.dtype} frames, not numbers")
+    with np.errstate(over="ignore"):  # values beyond float32 become inf, refused next
+        frames = frames.astype(np.float32)
+    if not np.isfinite(frames).all():  # event counts are finite; NaN is damage, not a sample
+        raise SpikefuseError(
+            f"frames file '{path}' holds NaN or infinite values (or values beyond float32): "
+            "delete the frames folder that holds it to build it again"
+        )
+    return frames
 
 
 def build_atomically(target: Path, build: Callable[[Path], None]) -> None:
@@ -263,9 +283,11 @@ class NeuromorphicDatasetFolder(torch.utils.data.Dataset):
                 self._save_frames(Path(folder) / file, out)
 
     def _save_frames(self, events_file: Path, out: Path) -> None:
-        events = load_events(events_file)
+        events: Any = load_events(events_file)
         H, W = self.get_H_W()
         cfg = self.cfg
+        if cfg.custom_integrate_function is None:  # SpikingJelly's get what the file holds
+            events = ev.checked_events(events, events_file)
         if cfg.frames_number is not None:
             assert cfg.split_by is not None  # validated
             frames = ev.integrate_events_by_fixed_frames_number(
