@@ -160,3 +160,46 @@ def test_frames_files_hold_finite_frames(tmp_path, arrays, problem):
     np.savez(tmp_path / "f.npz", **arrays)
     with pytest.raises(SpikefuseError, match=rf"'{tmp_path / 'f.npz'}' .*{problem}"):
         datasets.load_npz_frames(tmp_path / "f.npz")
+
+
+# ---- .npy samples -------------------------------------------------------------------------------
+def _structured(events: dict[str, np.ndarray]) -> np.ndarray:
+    array = np.zeros(events["t"].size, [(key, np.int64) for key in "txyp"])
+    for key in "txyp":
+        array[key] = events[key]
+    return array
+
+
+def test_npy_samples_are_read_as_spikingjelly_reads_them(tmp_path):
+    sample = _events_np(tmp_path)
+    events = _events(seed=7)
+    np.save(sample.with_name("00001.npy"), _structured(events))
+    data = datasets.NMNIST(tmp_path, train=True)
+    assert len(data) == 3 and data.samples[1][0].endswith("00001.npy")
+    array, label = data[1]  # the array as it is (SpikingJelly's _load_events)
+    assert label == 0 and np.array_equal(array, _structured(events))
+    frames = _frames_of(tmp_path)
+    assert len(frames) == 3 and frames.samples[1][0].endswith("00001.npy.npz")  # np.savez's name
+    want = datasets.integrate_events_by_fixed_frames_number(events, "number", 2, 34, 34)
+    assert np.array_equal(frames[1][0], want.astype(np.float32))
+
+
+def test_npy_without_event_fields_is_named_when_integrated(tmp_path):
+    sample = _events_np(tmp_path)
+    np.save(sample.with_name("00001.npy"), np.zeros((4, 40)))
+    assert datasets.NMNIST(tmp_path, train=True)[1][0].shape == (4, 40)
+    with pytest.raises(SpikefuseError, match=r"00001.npy' has no t, x, y, p \(its arrays: none"):
+        _frames_of(tmp_path)
+
+
+def test_npy_frames_are_read_and_checked(tmp_path):
+    path = tmp_path / "f.npy"
+    np.save(path, np.arange(12.0).reshape(1, 2, 2, 3))
+    frames = datasets.load_npz_frames(path)
+    assert frames.dtype == np.float32 and np.array_equal(frames.ravel(), np.arange(12.0))
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(SpikefuseError, match=rf"'{path}' is damaged.*its array declares 224"):
+        datasets.load_npz_frames(path)
+    np.save(path, np.full(3, np.inf))
+    with pytest.raises(SpikefuseError, match="NaN or infinite"):
+        datasets.load_npz_frames(path)

@@ -254,3 +254,35 @@ def test_atis_reader_and_npz_loader_equal_spikingjellys(sj, tmp_path):
     np.savez_compressed(tmp_path / "f.npz", frames=frames)
     loaded, theirs = datasets.load_npz_frames(tmp_path / "f.npz"), sj_utils.load_npz_frames(tmp_path / "f.npz")  # fmt: skip
     assert loaded.dtype == theirs.dtype == np.float32 and np.array_equal(loaded, theirs)
+
+
+@pytest.fixture(scope="module")
+def sj_base(sj):
+    """SpikingJelly's ``datasets.base`` (its event loader), imported as ``sj`` imports the
+    others."""
+    with sys.modules["sj_dropin_harness"].stand_ins():
+        from spikingjelly.datasets import base
+    return base
+
+
+def test_npy_sample_reads_and_integrates_as_spikingjellys(sj, sj_base, tmp_path):
+    sj_utils, _ = sj
+    rng = np.random.default_rng(6)
+    events = np.zeros(60, [(key, np.int64) for key in "txyp"])
+    events["t"] = np.sort(rng.integers(0, 10_000, 60))
+    events["x"], events["y"], events["p"] = (rng.integers(0, n, 60) for n in (34, 34, 2))
+    sample = tmp_path / "events_np" / "train" / "3" / "00000.npy"
+    sample.parent.mkdir(parents=True)
+    np.save(sample, events)
+    theirs, ours = sj_base._load_events(sample), datasets.folder.load_events(sample)
+    assert type(ours) is type(theirs) is np.ndarray
+    assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
+    (tmp_path / "sj").mkdir()
+    sj_utils.integrate_events_file_to_frames_file_by_fixed_frames_number(
+        sj_base._load_events, str(sample), str(tmp_path / "sj"), "number", 3, 34, 34
+    )
+    (tmp_path / "events_np" / "test" / "3").mkdir(parents=True)
+    frames = datasets.NMNIST(tmp_path, True, "frame", frames_number=3, split_by="number")
+    written = [p.name for p in (tmp_path / "sj").iterdir()]
+    assert [Path(path).name for path, _ in frames.samples] == written == ["00000.npy.npz"]
+    assert np.array_equal(frames[0][0], sj_utils.load_npz_frames(tmp_path / "sj" / written[0]))

@@ -71,15 +71,16 @@ def _read(path: str | Path, what: str) -> bytes:
 
 
 def checked_events(events: Any, path: str | Path) -> Events:
-    """The t, x, y and p of ``events`` (read from ``path``: a dict, or a structured array of
-    those fields), refused unless they are 1-d arrays of numbers, of one length, without NaN."""
+    """The t, x, y and p of ``events`` (read from ``path``: a dict, or an ``.npy``'s array of
+    those fields, which SpikingJelly integrates too), refused unless they are 1-d arrays of
+    numbers, of one length, without NaN."""
     names = (events.dtype.names or ()) if isinstance(events, np.ndarray) else tuple(events)
     missing = [key for key in EVENT_KEYS if key not in names]
     if missing:
         raise SpikefuseError(
             f"events file '{path}' has no {', '.join(missing)} (its arrays: "
-            f"{', '.join(names) or 'none'}); a sample of events_np/ holds the arrays t, x, y "
-            "and p, as np.savez(path, t=..., x=..., y=..., p=...) writes them"
+            f"{', '.join(names) or 'none with names'}); a sample of events_np/ holds the "
+            "arrays t, x, y and p, as np.savez(path, t=..., x=..., y=..., p=...) writes them"
         )
     arrays = {key: np.asarray(events[key]) for key in EVENT_KEYS}
     shapes = {key: a.shape for key, a in arrays.items()}

@@ -10,7 +10,8 @@ next ones are made from it. A folder is written under a temporary name and renam
 complete, so an interrupted build is redone, not read.
 
 Samples and labels follow torchvision's ``DatasetFolder`` (what SpikingJelly uses): classes are
-the sorted folder names (so DVS128 Gesture's folder '10' is label 2), samples in sorted order.
+the sorted folder names (so DVS128 Gesture's folder '10' is label 2), samples the ``.npy`` and
+``.npz`` files in sorted order (read as :mod:`.npfiles` says; other files are skipped).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.utils.data
 
 from ..errors import SpikefuseError
 from . import events as ev
-from .npfiles import read_npz
+from .npfiles import is_npy, read_npy, read_npz
 
 __all__ = [
     "NeuromorphicDatasetConfig",
@@ -101,9 +102,10 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def load_events(path: str | Path) -> dict[str, np.ndarray]:
-    """The arrays of a sample's ``.npz`` by name (t, x, y, p in SpikingJelly's files)."""
-    return read_npz(path, "events")
+def load_events(path: str | Path) -> dict[str, np.ndarray] | np.ndarray:
+    """A sample's events as SpikingJelly's loader gives them: the arrays of an ``.npz`` by
+    name (t, x, y, p in SpikingJelly's files), or the array of an ``.npy`` as it is."""
+    return read_npy(path, "events") if is_npy(path, "events") else read_npz(path, "events")
 
 
 def save_events(path: Path, events: dict[str, np.ndarray]) -> None:
@@ -112,9 +114,12 @@ def save_events(path: Path, events: dict[str, np.ndarray]) -> None:
 
 
 def load_npz_frames(path: str | Path) -> np.ndarray:
-    """The frames of a sample's ``.npz``, float32 (SpikingJelly's ``load_npz_frames``): a
-    damaged file, one without the key 'frames' or with frames that are not finite numbers
-    raise :class:`SpikefuseError`."""
+    """The frames of a sample's ``.npz``, float32 (SpikingJelly's ``load_npz_frames``), or of
+    an ``.npy`` (its array: the sample index lists ``.npy`` files too): a damaged file, an
+    ``.npz`` without the key 'frames' or frames that are not finite numbers raise
+    :class:`SpikefuseError`."""
+    if is_npy(path, "frames"):
+        return _checked_frames(read_npy(path, "frames"), path)
     arrays = read_npz(path, "frames")
     if "frames" not in arrays:
         raise SpikefuseError(
@@ -286,7 +291,8 @@ class NeuromorphicDatasetFolder(torch.utils.data.Dataset):
         events: Any = load_events(events_file)
         H, W = self.get_H_W()
         cfg = self.cfg
-        if cfg.custom_integrate_function is None:  # SpikingJelly's get what the file holds
+        # A custom function gets what the file holds, as in SpikingJelly (dict or array).
+        if cfg.custom_integrate_function is None:
             events = ev.checked_events(events, events_file)
         if cfg.frames_number is not None:
             assert cfg.split_by is not None  # validated

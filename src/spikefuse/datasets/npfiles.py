@@ -1,7 +1,10 @@
 """The NumPy files of ``events_np/`` and of the frames folders, checked before they are read.
 
-An ``.npz`` is a zip of ``.npy`` arrays, stored or compressed (``np.savez`` writes the first,
-SpikingJelly's ``np_savez`` the second by default). It is read only after its size
+A sample is an ``.npy`` array or an ``.npz`` of arrays, told apart by their first bytes as
+``np.load`` tells them (SpikingJelly's loaders call it). An ``.npy`` is read after its size and
+header are checked. An ``.npz`` is a zip of ``.npy`` arrays, stored or compressed (``np.savez``
+writes the first, SpikingJelly's ``np_savez`` the second by default). It is read only after its
+size
 (:func:`~.events.check_file`), its zip directory (only ``.npy`` entries, declaring at most
 :data:`~.events.MAX_FILE_BYTES` in all) and each array's header (no Python objects, no more
 data than its entry holds) are checked: numpy allocates an array by the size its header
@@ -23,7 +26,7 @@ import numpy as np
 from ..errors import SpikefuseError
 from . import events
 
-__all__ = ["read_npz"]
+__all__ = ["is_npy", "read_npy", "read_npz"]
 
 # numpy's header readers by format version. 3.0 is 2.0's layout with a UTF-8 header: read as
 # latin-1, only its field names change, not the shape or item size checked here.
@@ -32,6 +35,7 @@ _HEADER_READERS = {
     (2, 0): np.lib.format.read_array_header_2_0,
     (3, 0): np.lib.format.read_array_header_2_0,
 }
+NPY_MAGIC = b"\x93NUMPY"
 # What zipfile, zlib and numpy raise on damaged data (besides OSError, a failed read):
 # encrypted entries raise RuntimeError, unknown compression methods NotImplementedError.
 _DAMAGED = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, RuntimeError, NotImplementedError)
@@ -65,6 +69,31 @@ def read_array(f: IO[bytes], size: int, path: str | Path, what: str, name: str) 
         raise damaged(path, what, f"{name} declares {declared} bytes; it has {size}")
     f.seek(0)
     return np.lib.format.read_array(f, allow_pickle=False)
+
+
+def is_npy(path: str | Path, what: str) -> bool:
+    """Whether ``path`` holds one ``.npy`` array (else it is read as an ``.npz``)."""
+    events.check_file(path, what)
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(NPY_MAGIC)) == NPY_MAGIC
+    except OSError as exc:
+        raise SpikefuseError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from exc
+
+
+def read_npy(path: str | Path, what: str) -> np.ndarray:
+    """The array of ``.npy`` file ``path``, checked as the module says; ``what`` names the
+    file in errors ('events', 'frames')."""
+    size = events.check_file(path, what)
+    try:
+        with open(path, "rb") as f:
+            return read_array(f, size, path, what, "its array")
+    except SpikefuseError:
+        raise
+    except OSError as exc:
+        raise SpikefuseError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from exc
+    except _DAMAGED as exc:
+        raise damaged(path, what, f"{type(exc).__name__}: {exc}") from exc
 
 
 def read_npz(path: str | Path, what: str) -> dict[str, np.ndarray]:
