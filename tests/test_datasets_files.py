@@ -6,7 +6,11 @@ in split and class folders), written here for N-MNIST's 34 x 34 sensor."""
 
 from __future__ import annotations
 
+import fcntl
 import io
+import socket
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -14,6 +18,7 @@ import numpy as np
 import pytest
 
 from spikefuse import datasets
+from spikefuse.datasets import building
 from spikefuse.errors import SpikefuseError
 
 FRAMES = {"frames_number": 2, "split_by": "number"}
@@ -203,3 +208,84 @@ def test_npy_frames_are_read_and_checked(tmp_path):
     np.save(path, np.full(3, np.inf))
     with pytest.raises(SpikefuseError, match="NaN or infinite"):
         datasets.load_npz_frames(path)
+
+
+# ---- folders of earlier builds -------------------------------------------------------------------
+def _partials(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if ".partial" in p.name)
+
+
+def test_a_folder_that_is_not_a_builds_is_never_removed(tmp_path):
+    _events_np(tmp_path)
+    for name in (f"{FRAMES_DIR}.partial", f"{FRAMES_DIR}.partial-0123456789abcdef"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text("not spikefuse's")
+    assert len(_frames_of(tmp_path)) == 2
+    for name in (f"{FRAMES_DIR}.partial", f"{FRAMES_DIR}.partial-0123456789abcdef"):
+        assert (tmp_path / name / "mine.txt").read_text() == "not spikefuse's"
+
+
+def test_a_failed_build_removes_its_folder_and_the_next_one_completes(tmp_path):
+    sample = _events_np(tmp_path)
+    good = sample.read_bytes()
+    sample.write_bytes(good[:100])
+    with pytest.raises(SpikefuseError, match="damaged"):
+        _frames_of(tmp_path)
+    assert _partials(tmp_path) == [] and not (tmp_path / FRAMES_DIR).exists()
+    sample.write_bytes(good)
+    assert len(_frames_of(tmp_path)) == 2 and _partials(tmp_path) == []
+    assert not list((tmp_path / FRAMES_DIR).rglob(building.MARKER))
+    (tmp_path / "plain").mkdir()  # the umask's permissions, as a plain folder's
+    assert (tmp_path / FRAMES_DIR).stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
+def test_a_killed_builds_folder_is_removed_and_a_running_ones_kept(tmp_path):
+    _events_np(tmp_path)
+    target = tmp_path / FRAMES_DIR
+    killed = (  # a build that dies inside: no cleanup runs, the kernel drops its lock
+        "import os, sys; from pathlib import Path; from spikefuse.datasets import building; "
+        "building.build_atomically(Path(sys.argv[1]), lambda p: os._exit(3))"
+    )
+    assert subprocess.run([sys.executable, "-c", killed, str(target)]).returncode == 3
+    [stale] = _partials(tmp_path)
+    assert (tmp_path / stale / building.MARKER).is_file()
+    running = tmp_path / f"{FRAMES_DIR}.partial-{'a' * 16}"
+    other_host = tmp_path / f"{FRAMES_DIR}.partial-{'b' * 16}"
+    for folder, host in ((running, socket.gethostname()), (other_host, "elsewhere")):
+        folder.mkdir()
+        (folder / building.MARKER).write_text(f"{host}\n1\n")
+    with open(running / building.MARKER) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as its building process holds it
+        assert len(_frames_of(tmp_path)) == 2
+    assert _partials(tmp_path) == sorted([running.name, other_host.name])
+
+
+def test_a_target_completed_by_another_process_meanwhile_is_kept(tmp_path):
+    target = tmp_path / "events_np"
+
+    def build(into: Path) -> None:
+        (into / "ours").mkdir()
+        (target / "theirs").mkdir(parents=True)  # another rank renamed its build first
+
+    building.build_atomically(target, build)
+    assert [p.name for p in target.iterdir()] == ["theirs"] and _partials(tmp_path) == []
+
+
+def test_ranks_building_the_same_frames_at_once_all_get_them(tmp_path):
+    for split in ("train", "test"):
+        for label in range(2):
+            folder = tmp_path / "events_np" / split / str(label)
+            folder.mkdir(parents=True)
+            for i in range(30):
+                np.savez(folder / f"{i:05d}.npz", **_events(seed=i))
+    rank = (
+        "import sys; from spikefuse import datasets; "
+        "d = datasets.NMNIST(sys.argv[1], True, 'frame', frames_number=2, split_by='number'); "
+        "print(len(d), d[45][1])"
+    )
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", rank, str(tmp_path)], stdout=subprocess.PIPE)
+        for _ in range(3)
+    ]
+    assert [(r.communicate()[0], r.returncode) for r in ranks] == [(b"60 1\n", 0)] * 3
+    assert _partials(tmp_path) == []

@@ -7,7 +7,7 @@ events per sample, in ``train``/``test`` and class folders) and one folder of in
 per setting (``frames_number_{T}_split_by_{split_by}``, ``duration_{d}``, or the custom
 function's name), built once and read from then on. Any of the first three may be given: the
 next ones are made from it. A folder is written under a temporary name and renamed when
-complete, so an interrupted build is redone, not read.
+complete, so an interrupted build is redone, not read (:mod:`.building`).
 
 Samples and labels follow torchvision's ``DatasetFolder`` (what SpikingJelly uses): classes are
 the sorted folder names (so DVS128 Gesture's folder '10' is label 2), samples the ``.npy`` and
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import tarfile
 import zipfile
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import torch.utils.data
 
 from ..errors import SpikefuseError
 from . import events as ev
+from .building import build_atomically
 from .npfiles import is_npy, read_npy, read_npz
 
 __all__ = [
@@ -140,16 +140,6 @@ def _checked_frames(frames: np.ndarray, path: str | Path) -> np.ndarray:
             "delete the frames folder that holds it to build it again"
         )
     return frames
-
-
-def build_atomically(target: Path, build: Callable[[Path], None]) -> None:
-    """Run ``build`` into a temporary sibling of ``target`` and rename it when done."""
-    partial = target.with_name(target.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
-    build(partial)
-    partial.rename(target)
 
 
 def extract_archive(archive: Path, into: Path) -> None:
