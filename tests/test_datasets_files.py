@@ -289,3 +289,13 @@ def test_ranks_building_the_same_frames_at_once_all_get_them(tmp_path):
     ]
     assert [(r.communicate()[0], r.returncode) for r in ranks] == [(b"60 1\n", 0)] * 3
     assert _partials(tmp_path) == []
+
+
+@pytest.mark.parametrize("folder", ["events_np", FRAMES_DIR])
+def test_a_folder_spikingjelly_left_half_built_is_refused_and_kept(tmp_path, folder):
+    _events_np(tmp_path)
+    (tmp_path / FRAMES_DIR).mkdir()  # as SpikingJelly makes it, before integrating
+    (tmp_path / f"{folder}.building").touch()
+    with pytest.raises(SpikefuseError, match=rf"build of '{tmp_path / folder}' did not complete"):
+        _frames_of(tmp_path)
+    assert (tmp_path / folder).is_dir() and (tmp_path / f"{folder}.building").is_file()

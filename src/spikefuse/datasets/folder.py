@@ -157,6 +157,18 @@ def extract_archive(archive: Path, into: Path) -> None:
         raise SpikefuseError(f"'{archive}' is not a zip or tar archive (truncated or corrupt?)")
 
 
+def is_built(folder: Path) -> bool:
+    """Whether ``folder`` exists, refusing one that SpikingJelly left half built: it builds in
+    place, marking the build with ``<folder>.building`` until it completes."""
+    marker = folder.with_name(f"{folder.name}.building")
+    if marker.exists():
+        raise SpikefuseError(
+            f"'{marker}' says that SpikingJelly's build of '{folder}' did not complete: delete "
+            "both (spikefuse then makes the folder again from the files before it)"
+        )
+    return folder.exists()
+
+
 def find_samples(directory: Path) -> tuple[list[str], list[tuple[str, int]]]:
     """torchvision ``DatasetFolder``'s classes and (path, class index) samples."""
     if not directory.is_dir():
@@ -230,10 +242,10 @@ class NeuromorphicDatasetFolder(torch.utils.data.Dataset):
     # ---- preparing the files ------------------------------------------------------------------
     def prepare_raw_dataset(self) -> None:
         """Make ``events_np/`` from ``extract/``, or ``extract/`` from ``download/`` first."""
-        if self.raw_root.exists():
+        if is_built(self.raw_root):
             return
         extract_root = self.cfg.root / "extract"
-        if not extract_root.exists():
+        if not is_built(extract_root):
             download_root = self.cfg.root / "download"
             self._check_downloaded_files(download_root)
             build_atomically(
@@ -266,7 +278,7 @@ class NeuromorphicDatasetFolder(torch.utils.data.Dataset):
 
     def _build_frames(self) -> Path:
         target = self.cfg.root / self.cfg.frames_dir_name
-        if not target.exists():
+        if not is_built(target):
             build_atomically(target, self._integrate_all)
         return target
 
