@@ -133,7 +133,13 @@ MODELS = (
             Case("max_resnet18", lambda s: s.module.max_resnet18(T=2, num_classes=3), (1, 3, 32, 32)),
         ),
     ),
-    Unit("model/masnn.py", (Case("att_ms_resnet18", lambda s: s.module.att_ms_resnet18(T=1, num_classes=3), (2, 3, 32, 32)),)),
+    Unit(
+        "model/masnn.py",
+        (
+            Case("att_ms_resnet18", lambda s: s.module.att_ms_resnet18(T=1, num_classes=3), (2, 3, 32, 32)),
+            Case("MASNN", lambda s: s.module.MASNN(T=5, num_classes=3, channels=(8, 8, 8), fc_hidden=16), (2, 2, 32, 32)),
+        ),
+    ),
     Unit("model/sew_resnet.py", (Case("sew_resnet18", _zoo("sew_resnet18", cnf="ADD"), (2, 1, 3, 32, 32)),)),
     Unit("model/spiking_resnet.py", (Case("spiking_resnet18", _zoo("spiking_resnet18"), (2, 1, 3, 32, 32)),)),
     Unit("model/spiking_vgg.py", (Case("spiking_vgg11_bn", _zoo("spiking_vgg11_bn"), (2, 1, 3, 32, 32)),)),

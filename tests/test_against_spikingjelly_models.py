@@ -5,6 +5,7 @@ input, float64."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 
@@ -192,6 +193,80 @@ def test_monitors_record_the_same():
         assert theirs.monitored_layers == ours.monitored_layers
         for a, b in zip(theirs.records, ours.records, strict=True):
             _same(a.detach(), b.detach())
+
+
+def test_ms_resnets_take_spikingjellys_arguments():
+    from spikingjelly.activation_based.model import ms_resnet as sj_ms
+
+    from spikefuse.model import ms_resnet
+
+    names = "MSResNet MaxResNet ms_resnet18 ms_resnet34 max_resnet18 _MSBlock _MaxResNetBlock"
+    for name in [*names.split(), "_MaxResNetMaxBlock", "_conv1x1", "_conv3x3"]:
+        theirs, ours = (inspect.signature(getattr(m, name)).parameters for m in (sj_ms, ms_resnet))
+        assert [(p.name, p.default, p.kind) for p in theirs.values()] == [
+            (p.name, p.default, p.kind) for p in ours.values()
+        ], name
+    assert inspect.signature(sj_ms._MSBlock._make_lif).parameters.keys() == (
+        inspect.signature(ms_resnet._MSBlock._make_lif).parameters.keys()
+    )
+    # the builders pass the neuron arguments on (eval mode: running statistics, one step)
+    builds = [
+        ("ms_resnet18", lambda lib: {"spiking_neuron": lib.IFNode, "v_threshold": 0.5}),
+        ("max_resnet18", lambda lib: {"tau": 3.0}),
+    ]
+    for build, kwargs in builds:
+        theirs = getattr(sj_ms, build)(T=1, num_classes=3, **kwargs(sj_neuron)).to(F64).eval()
+        ours = getattr(ms_resnet, build)(T=1, num_classes=3, **kwargs(neuron)).to(F64).eval()
+        ours.load_state_dict(theirs.state_dict())
+        x = torch.rand(1, 3, 16, 16, dtype=F64) * 4
+        with torch.no_grad():
+            _same(theirs(x), ours(x))
+
+
+@pytest.mark.parametrize(
+    "build, neuron_kwargs",
+    [
+        ("MSResNet", lambda lib_neuron, lib_sg: {}),
+        ("MSResNet", lambda lib_neuron, lib_sg: {"spiking_neuron": lib_neuron.IFNode, "v_threshold": 0.5}),
+        (
+            "MSResNet",
+            lambda lib_neuron, lib_sg: {
+                "spiking_neuron": lib_neuron.ParametricLIFNode, "init_tau": 3.0,
+                "surrogate_function": lib_sg.ATan(), "detach_reset": True,
+            },
+        ),
+        ("MaxResNet", lambda lib_neuron, lib_sg: {}),
+        ("MaxResNet", lambda lib_neuron, lib_sg: {"v_threshold": 0.8, "surrogate_function": lib_sg.Erf()}),
+    ],
+    ids=["default", "IFNode", "PLIF", "max-default", "max-kwargs"],
+)  # fmt: skip
+def test_ms_resnets_match_with_spikingjellys_weights(build, neuron_kwargs):
+    """The same outputs and gradients from SpikingJelly's state_dict, training and eval mode,
+    with the paper's neurons, a custom neuron class and keyword arguments for the neurons."""
+    from spikingjelly.activation_based.model import ms_resnet as sj_ms
+
+    from spikefuse.model import ms_resnet
+
+    small = {"layers": (1, 1, 1), "base_channels": 4, "stem_kernel_size": 3, "stem_stride": 1}
+    theirs, ours = (
+        getattr(lib, build)(T=2, num_classes=3, **small, **neuron_kwargs(lib_neuron, lib_sg)).to(F64)
+        for lib, lib_neuron, lib_sg in ((sj_ms, sj_neuron, sj_surrogate), (ms_resnet, neuron, surrogate))
+    )  # fmt: skip
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.rand(2, 3, 16, 16, dtype=F64) * 2
+    outputs = []
+    for net in (theirs, ours):
+        y = net(x)
+        y.square().sum().backward()
+        sj_functional.reset_net(net)
+        net.eval()
+        with torch.no_grad():
+            outputs.append((y, net(x), [p.grad for p in net.parameters()]))
+    assert outputs[0][0].abs().sum() > 0
+    _same(outputs[0][0], outputs[1][0])
+    _same(outputs[0][1], outputs[1][1])
+    for a, b in zip(outputs[0][2], outputs[1][2], strict=True):
+        _same(a, b, 1e-10)
 
 
 def test_zoo_constructors_share_state_dicts_and_outputs():

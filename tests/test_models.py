@@ -1,5 +1,6 @@
 """spikefuse.models: every network fuses completely and the fused network equals the unfused one
-(outputs, input and parameter gradients, running statistics; float64 on the CPU)."""
+(outputs, input and parameter gradients, running statistics; float64 on the CPU); and how
+``spikefuse.model.ms_resnet`` builds its neurons (SpikingJelly's ``spiking_neuron, **kwargs``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from spikefuse import functional, fuse, models, neuron, surrogate
+from spikefuse import functional, fuse, layer, models, neuron, surrogate
 from spikefuse.errors import SpikefuseError
 from spikefuse.fused import FusedBlock
 
@@ -228,3 +229,51 @@ def test_saved_model_loads_and_pickles_under_the_public_module(name):
         expected = model(x)
         functional.reset_net(model)
         torch.testing.assert_close(loaded(x), expected, rtol=0, atol=0)
+
+
+# ---- spikefuse.model.ms_resnet: the neurons from spiking_neuron and kwargs ------------------------
+def _spiking_neurons(net: nn.Module) -> list[nn.Module]:
+    return [m for m in net.modules() if isinstance(m, neuron.BaseNode)]
+
+
+def test_ms_resnet_builds_a_custom_neuron_from_the_kwargs_alone():
+    from spikefuse.model import ms_resnet
+
+    net = ms_resnet.ms_resnet18(T=2, num_classes=3, spiking_neuron=neuron.IFNode, v_threshold=0.5)
+    nodes = _spiking_neurons(net)
+    assert len(nodes) == 2 * 8 + 1  # two per block, then the head's
+    for node in nodes:  # the class's defaults: none of the paper's LIF parameters
+        assert type(node) is neuron.IFNode and node.v_threshold == 0.5 and node.step_mode == "m"
+        assert not node.detach_reset and type(node.surrogate_function) is surrogate.Sigmoid
+    assert len({id(n.surrogate_function) for n in nodes}) == len(nodes)
+    assert net(torch.rand(1, 3, 32, 32)).shape == (1, 3)
+
+
+def test_ms_resnet_kwargs_override_the_paper_lif_one_by_one():
+    from spikefuse.model import ms_resnet
+
+    ms = ms_resnet.ms_resnet34(T=2, num_classes=3, v_threshold=0.3, backend="torch")
+    for node in _spiking_neurons(ms):
+        assert type(node) is neuron.LIFNode and node.tau == 4.0 / 3.0 and not node.decay_input
+        assert node.v_threshold == 0.3 and node.detach_reset and node.backend == "torch"
+        assert type(node.surrogate_function) is surrogate.Rect
+        assert node.surrogate_function.alpha == 2.0
+    max_net = ms_resnet.max_resnet18(T=2, num_classes=3, tau=3.0)
+    for node in _spiking_neurons(max_net):  # Max-ResNet's LIF: tau 2 (here 3), threshold 1
+        assert type(node) is neuron.LIFNode and node.tau == 3.0 and node.v_threshold == 1.0
+        assert node.detach_reset and node.decay_input
+    with pytest.raises(ValueError, match="step_mode='m'"):
+        ms_resnet.MSResNet(layers=(1, 1, 1), base_channels=4, step_mode="s")
+
+
+def test_ms_resnet_blocks_take_spikingjellys_arguments_for_subclasses():
+    """SpikingJelly's ``model.masnn`` subclasses ``_MSBlock`` and calls ``_conv1x1``."""
+    from spikefuse.model import ms_resnet
+
+    down = nn.Sequential(ms_resnet._conv1x1(4, 8, 2), layer.BatchNorm2d(8, step_mode="m"))
+    block = ms_resnet._MSBlock(4, 8, 2, down)
+    assert isinstance(block.spike1, neuron.LIFNode) and block.conv1.stride == (2, 2)
+    custom = ms_resnet._MaxResNetMaxBlock(4, 4, 1, None, neuron.IFNode, {"v_threshold": 0.2})
+    assert isinstance(custom.spike2, neuron.IFNode) and custom.spike2.v_threshold == 0.2
+    x = torch.rand(T, B, 4, 8, 8)
+    assert block(x).shape == (T, B, 8, 4, 4) and custom(x).shape == x.shape

@@ -134,3 +134,18 @@ def test_dsqn_with_its_non_spiking_readout_is_a_drop_in(harness, monkeypatch):
     (row,) = harness.run_unit(root, unit)
     assert row.sj_runs and row.sf_runs and not row.cause, row
     assert row.difference is not None and row.difference < 1e-12, row
+
+
+def test_masnn_subclassing_ms_resnets_internals_is_a_drop_in(harness, monkeypatch):
+    """SpikingJelly's MA-SNN file subclasses ``ms_resnet._MSBlock`` and calls ``_conv1x1``."""
+    sj = pytest.importorskip("spikingjelly.activation_based")
+    root = Path(sj.__file__).resolve().parents[2]
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from sj_dropin_units import UNITS
+
+    (unit,) = [u for u in UNITS if u.relpath == "model/masnn.py"]
+    rows = harness.run_unit(root, unit)
+    assert len(rows) == 2
+    for row in rows:
+        assert row.sj_runs and row.sf_runs and not row.cause, row
+        assert row.difference is not None and row.difference < 1e-12, row

@@ -61,7 +61,8 @@ _ELSEWHERE = {
         for name in ("MaxFormer", "maxformer_10_384", "maxformer_cifar", "maxformer")
     },
     **{
-        name: "MA-SNN is not ported; use ms_resnet18 (or layer.MultiDimensionalAttention)"
+        name: "MA-SNN is not ported; use ms_resnet18 (or layer.MultiDimensionalAttention), or "
+        "SpikingJelly's model/masnn.py with its imports changed (it runs on model.ms_resnet)"
         for name in ("MASNN", "AttMSResNet", "att_ms_resnet18", "masnn_dvs128_gesture", "masnn")
     },
 }

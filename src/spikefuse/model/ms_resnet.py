@@ -11,21 +11,31 @@ H, W]`` sequences and returns ``[N, num_classes]`` (the mean over time). Their L
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from .. import functional, layer, neuron, surrogate
+from .. import functional, layer, surrogate
+from .._neuron import _make_multi_step_neuron
 from ..errors import SpikefuseError
 
 __all__ = ["MSResNet", "MaxResNet", "max_resnet18", "ms_resnet18", "ms_resnet34"]
 
+SpikingNeuron = Callable[..., nn.Module]
 
-def _conv(in_channels: int, out_channels: int, kernel: int, stride: int = 1) -> nn.Module:
+
+def _conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Module:
     return layer.Conv2d(
-        in_channels, out_channels, kernel_size=kernel, stride=stride, padding=kernel // 2,
-        bias=False, step_mode="m",
+        in_channels, out_channels, kernel_size=3, stride=stride, padding=1, bias=False,
+        step_mode="m",
     )  # fmt: skip
+
+
+def _conv1x1(in_channels: int, out_channels: int, stride: int = 1) -> nn.Module:
+    return layer.Conv2d(
+        in_channels, out_channels, kernel_size=1, stride=stride, bias=False, step_mode="m"
+    )
 
 
 def _bn(channels: int, weight: float) -> nn.Module:
@@ -35,33 +45,46 @@ def _bn(channels: int, weight: float) -> nn.Module:
 
 
 class _MSBlock(nn.Module):
-    """LIF → Conv3x3 → BN → LIF → Conv3x3 → BN, plus the shortcut (``downsample`` or x)."""
+    """LIF → Conv3x3 → BN → LIF → Conv3x3 → BN, plus the shortcut (``downsample`` or x).
+
+    The neurons are ``spiking_neuron(**neuron_kwargs, step_mode='m')``; with
+    ``spiking_neuron=None`` a ``LIFNode`` of the paper's parameters (:meth:`_lif_defaults`),
+    which ``neuron_kwargs`` override one by one (SpikingJelly's ``_make_lif``)."""
 
     tau: ClassVar[float] = 4.0 / 3.0
     bn_weight: ClassVar[float] = 0.5
     zero_init: ClassVar[bool] = True
 
     @classmethod
-    def _make_lif(cls, backend: str) -> nn.Module:
-        return neuron.LIFNode(
-            tau=cls.tau, v_threshold=0.5, detach_reset=True, decay_input=False, step_mode="m",
-            surrogate_function=surrogate.Rect(alpha=2.0), backend=backend,
-        )  # fmt: skip
+    def _lif_defaults(cls) -> dict[str, Any]:
+        return {
+            "tau": cls.tau, "v_threshold": 0.5, "detach_reset": True, "decay_input": False,
+            "surrogate_function": surrogate.Rect(alpha=2.0),
+        }  # fmt: skip
+
+    @classmethod
+    def _make_lif(
+        cls,
+        spiking_neuron: SpikingNeuron | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> nn.Module:
+        return _make_multi_step_neuron(spiking_neuron, kwargs or {}, cls._lif_defaults())
 
     def __init__(
         self,
         in_channels: int,
         out_channels: int,
         stride: int,
-        backend: str,
         downsample: nn.Module | None,
+        spiking_neuron: SpikingNeuron | None = None,
+        neuron_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.spike1 = self._make_lif(backend)
-        self.conv1 = _conv(in_channels, out_channels, 3, stride)
+        self.spike1 = self._make_lif(spiking_neuron, neuron_kwargs)
+        self.conv1 = _conv3x3(in_channels, out_channels, stride)
         self.bn1 = _bn(out_channels, self.bn_weight)
-        self.spike2 = self._make_lif(backend)
-        self.conv2 = _conv(out_channels, out_channels, 3)
+        self.spike2 = self._make_lif(spiking_neuron, neuron_kwargs)
+        self.conv2 = _conv3x3(out_channels, out_channels)
         self.bn2 = _bn(out_channels, 0.0 if self.zero_init else self.bn_weight)
         self.downsample = downsample
 
@@ -77,8 +100,8 @@ class _MaxResNetBlock(_MSBlock):
     zero_init = False
 
     @classmethod
-    def _make_lif(cls, backend: str) -> nn.Module:
-        return neuron.LIFNode(tau=cls.tau, detach_reset=True, step_mode="m", backend=backend)
+    def _lif_defaults(cls) -> dict[str, Any]:
+        return {"tau": cls.tau, "detach_reset": True}
 
 
 class _MaxResNetMaxBlock(_MaxResNetBlock):
@@ -89,10 +112,11 @@ class _MaxResNetMaxBlock(_MaxResNetBlock):
         in_channels: int,
         out_channels: int,
         stride: int,
-        backend: str,
         downsample: nn.Module | None,
+        spiking_neuron: SpikingNeuron | None = None,
+        neuron_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(in_channels, out_channels, 1, backend, downsample)
+        super().__init__(in_channels, out_channels, 1, downsample, spiking_neuron, neuron_kwargs)
         self.max_pool = layer.MaxPool2d(kernel_size=3, stride=stride, padding=1, step_mode="m")
 
     def forward(self, x: Tensor) -> Tensor:
@@ -103,7 +127,11 @@ class _MaxResNetMaxBlock(_MaxResNetBlock):
 
 class MSResNet(nn.Module):
     """Membrane-shortcut ResNet: stem Conv → BN [→ MaxPool], three or four stages of blocks,
-    then LIF → adaptive average pool → Linear, averaged over time (SpikingJelly's defaults)."""
+    then LIF → adaptive average pool → Linear, averaged over time (SpikingJelly's defaults).
+
+    Every neuron is ``spiking_neuron(**kwargs, step_mode='m')``; with ``spiking_neuron=None``
+    each is the paper's LIF, whose parameters ``kwargs`` override one by one (e.g.
+    ``backend='cuda'``). ``kwargs`` with ``step_mode`` other than 'm' raises ``ValueError``."""
 
     _block_type: ClassVar[type[_MSBlock]] = _MSBlock
     _transition_block_type: ClassVar[type[_MSBlock]] = _MSBlock
@@ -121,7 +149,8 @@ class MSResNet(nn.Module):
         stem_stride: int = 2,
         stem_pool: bool = False,
         stage_channels: tuple[int, ...] | None = None,
-        backend: str = "torch",
+        spiking_neuron: SpikingNeuron | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__()
         if len(layers) not in (3, 4):
@@ -130,8 +159,13 @@ class MSResNet(nn.Module):
             stage_channels = tuple(base_channels * 2**i for i in range(len(layers)))
         if len(stage_channels) != len(layers):
             raise SpikefuseError("stage_channels must have one entry per stage of layers")
-        self.T, self.inplanes, self.backend = T, base_channels, backend
-        stem_conv = _conv(in_channels, base_channels, stem_kernel_size, stem_stride)
+        self.T, self.inplanes = T, base_channels
+        # what _make_layer builds the neurons from (a subclass may override it); removed below
+        self._spiking_neuron, self._neuron_kwargs = spiking_neuron, kwargs
+        stem_conv = layer.Conv2d(
+            in_channels, base_channels, stem_kernel_size, stride=stem_stride,
+            padding=stem_kernel_size // 2, bias=False, step_mode="m",
+        )  # fmt: skip
         self.stem = nn.Sequential(stem_conv, _bn(base_channels, self._bn_weight))
         if stem_pool:
             self.stem.append(layer.MaxPool2d(3, stride=2, padding=1, step_mode="m"))
@@ -142,23 +176,24 @@ class MSResNet(nn.Module):
         ]
         self.layer1, self.layer2, self.layer3 = stages[:3]
         self.layer4 = stages[3] if len(stages) == 4 else None
-        self.head_lif = self._block_type._make_lif(backend)
+        self.head_lif = self._block_type._make_lif(spiking_neuron, kwargs)
         self.avgpool = layer.AdaptiveAvgPool2d((1, 1), step_mode="m")
         self.head = layer.Linear(stage_channels[-1], num_classes, step_mode="m")
+        del self._spiking_neuron, self._neuron_kwargs
         functional.set_step_mode(self, "m")
 
     def _make_layer(self, out_channels: int, blocks: int, stride: int) -> nn.Sequential:
         downsample = None
         if stride != 1 or self.inplanes != out_channels:
             downsample = nn.Sequential(
-                _conv(self.inplanes, out_channels, 1, stride), _bn(out_channels, self._bn_weight)
+                _conv1x1(self.inplanes, out_channels, stride), _bn(out_channels, self._bn_weight)
             )
         first = self._transition_block_type if stride != 1 else self._block_type
-        modules = [first(self.inplanes, out_channels, stride, self.backend, downsample)]
+        neuron = (self._spiking_neuron, self._neuron_kwargs)
+        modules = [first(self.inplanes, out_channels, stride, downsample, *neuron)]
         self.inplanes = out_channels
         modules += [
-            self._block_type(out_channels, out_channels, 1, self.backend, None)
-            for _ in range(1, blocks)
+            self._block_type(out_channels, out_channels, 1, None, *neuron) for _ in range(1, blocks)
         ]
         return nn.Sequential(*modules)
 
@@ -189,27 +224,46 @@ class MaxResNet(MSResNet):
 
 
 def ms_resnet18(
-    T: int = 6, in_channels: int = 3, num_classes: int = 1000, backend: str = "torch"
+    T: int = 6,
+    in_channels: int = 3,
+    num_classes: int = 1000,
+    spiking_neuron: SpikingNeuron | None = None,
+    **kwargs: Any,
 ) -> MSResNet:
-    """MS-ResNet-18 (stages of 2, 2, 2, 2)."""
-    return MSResNet(T=T, in_channels=in_channels, num_classes=num_classes, backend=backend)
+    """MS-ResNet-18 (stages of 2, 2, 2, 2); ``spiking_neuron`` and ``kwargs`` as in
+    :class:`MSResNet`."""
+    return MSResNet(
+        T=T, in_channels=in_channels, num_classes=num_classes, spiking_neuron=spiking_neuron,
+        **kwargs,
+    )  # fmt: skip
 
 
 def ms_resnet34(
-    T: int = 6, in_channels: int = 3, num_classes: int = 1000, backend: str = "torch"
+    T: int = 6,
+    in_channels: int = 3,
+    num_classes: int = 1000,
+    spiking_neuron: SpikingNeuron | None = None,
+    **kwargs: Any,
 ) -> MSResNet:
-    """MS-ResNet-34 (stages of 3, 4, 6, 3)."""
+    """MS-ResNet-34 (stages of 3, 4, 6, 3); ``spiking_neuron`` and ``kwargs`` as in
+    :class:`MSResNet`."""
     return MSResNet(
-        T=T, in_channels=in_channels, num_classes=num_classes, layers=(3, 4, 6, 3), backend=backend
-    )
+        T=T, in_channels=in_channels, num_classes=num_classes, layers=(3, 4, 6, 3),
+        spiking_neuron=spiking_neuron, **kwargs,
+    )  # fmt: skip
 
 
 def max_resnet18(
-    T: int = 4, in_channels: int = 3, num_classes: int = 10, backend: str = "torch"
+    T: int = 4,
+    in_channels: int = 3,
+    num_classes: int = 10,
+    spiking_neuron: SpikingNeuron | None = None,
+    **kwargs: Any,
 ) -> MaxResNet:
     """Max-ResNet-18's CIFAR configuration (stages of 3, 3, 2 with 128, 256, 512 channels,
-    3x3 stride-1 stem)."""
+    3x3 stride-1 stem); ``spiking_neuron`` and ``kwargs`` as in :class:`MSResNet`."""
     return MaxResNet(
         T=T, in_channels=in_channels, num_classes=num_classes, layers=(3, 3, 2),
-        stage_channels=(128, 256, 512), stem_kernel_size=3, stem_stride=1, backend=backend,
+        stage_channels=(128, 256, 512), stem_kernel_size=3, stem_stride=1, stem_pool=False,
+        spiking_neuron=spiking_neuron, **kwargs,
     )  # fmt: skip
