@@ -195,6 +195,29 @@ def test_monitors_record_the_same():
             _same(a.detach(), b.detach())
 
 
+def test_monitor_close_and_context_manager_behave_the_same():
+    """``close()`` (also on leaving ``with``, and at garbage collection) stops recording and
+    removes the hooks but keeps the records, in both libraries."""
+    counts = []
+    for lib_layer, lib_neuron, lib_monitor in (
+        (sj_layer, sj_neuron, sj_monitor),
+        (layer, neuron, monitor),
+    ):
+        torch.manual_seed(5)
+        net = nn.Sequential(lib_layer.Linear(6, 4), lib_neuron.IFNode()).to(F64)
+        x = torch.rand(3, 6, dtype=F64) * 2
+        with lib_monitor.OutputMonitor(net, lib_neuron.IFNode) as mon:
+            net(x)
+        net(x)
+        mon.close()  # again: nothing more happens
+        mon.enable()  # the hooks are gone: enabling records nothing
+        net(x)
+        records = mon.records
+        del mon  # __del__ closes; records another reference holds stay
+        counts.append((len(records), len(net[1]._forward_hooks)))
+    assert counts[0] == counts[1] == (1, 0)
+
+
 def test_ms_resnets_take_spikingjellys_arguments():
     from spikingjelly.activation_based.model import ms_resnet as sj_ms
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -74,3 +77,38 @@ def test_default_instance_is_the_net_type_and_bad_index_raises():
     assert mon.monitored_layers == [""]
     with pytest.raises(SpikefuseError, match="indexed by int or layer name"):
         mon[1.5]
+
+
+def test_close_removes_the_hooks_and_keeps_the_records():
+    net = _net()
+    mon = monitor.OutputMonitor(net, neuron.IFNode)
+    x = torch.rand(4, 3, 8, dtype=F64) * 2
+    net(x)
+    mon.close()
+    assert not mon.is_enable() and mon.hooks == [] and len(mon.records) == 2
+    assert not net[1]._forward_hooks and not net[3]._forward_hooks
+    mon.close()  # idempotent
+    mon.enable()  # no hooks left: nothing is recorded any more
+    net(x)
+    assert len(mon.records) == 2 and len(mon["3"]) == 1
+
+
+def test_a_monitor_is_a_context_manager_that_closes_on_exit():
+    net = _net()
+    x = torch.rand(4, 3, 8, dtype=F64) * 2
+    with monitor.AttributeMonitor("v", False, net, neuron.IFNode) as mon:
+        net(x)
+    assert len(mon.records) == 2 and mon.hooks == [] and not net[1]._forward_hooks
+    with pytest.raises(RuntimeError, match="inside"), monitor.InputMonitor(net) as inputs:
+        raise RuntimeError("raised inside the block")  # propagates, and the monitor closes
+    assert inputs.hooks == [] and not net._forward_hooks
+
+
+def test_garbage_collection_closes_and_leaves_the_records():
+    net = _net()
+    mon = monitor.OutputMonitor(net, neuron.IFNode)
+    net(torch.rand(4, 3, 8, dtype=F64) * 2)
+    records, collected = mon.records, weakref.ref(mon)
+    del mon, net  # the hooks hold the monitor: it goes with the network
+    gc.collect()
+    assert collected() is None and len(records) == 2  # SpikingJelly's __del__ keeps them too

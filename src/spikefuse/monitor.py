@@ -5,7 +5,9 @@ that is an ``instance`` (default: the class of ``net`` itself) at every call, in
 ``monitor.records`` is the flat list, ``monitor['name']`` the records of one module,
 ``monitor.monitored_layers`` the names. ``function_on_*`` maps each value before it is kept
 (e.g. ``lambda s: s.mean().item()`` for firing rates). As in SpikingJelly, a one-element tuple
-of inputs or gradients is unpacked.
+of inputs or gradients is unpacked, and a monitor is a context manager: leaving ``with
+OutputMonitor(net, ...) as mon:`` calls :meth:`~BaseMonitor.close` (the hooks go, the records
+stay).
 
 A fused model (:func:`spikefuse.fuse`) has no neuron modules left in its fused chains (they are
 ``FusedAway``): monitor the unfused model, or monitor the ``FusedBlock`` outputs.
@@ -14,7 +16,8 @@ A fused model (:func:`spikefuse.fuse`) has no neuron modules left in its fused c
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal, Self
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -92,10 +95,29 @@ class BaseMonitor:
             hook.remove()
         self.hooks.clear()
 
-    def __del__(self) -> None:
+    def close(self) -> None:
+        """Stop recording and remove every hook for good, keeping the records (calling it again
+        does nothing more; monitor anew with a new monitor)."""
         self.disable()
-        self.clear_recorded_data()
         self.remove_hooks()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> Literal[False]:
+        """Close the monitor; an exception raised in the block propagates."""
+        self.close()
+        return False
+
+    def __del__(self) -> None:
+        # __del__ also runs when __init__ raised before the hooks existed
+        if "hooks" in self.__dict__:
+            self.close()
 
 
 class OutputMonitor(BaseMonitor):
