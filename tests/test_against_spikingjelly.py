@@ -9,13 +9,14 @@ import pytest
 import torch
 
 sj = pytest.importorskip("spikingjelly.activation_based")
+from spikingjelly.activation_based import base as sj_base  # noqa: E402
 from spikingjelly.activation_based import encoding as sj_encoding  # noqa: E402
 from spikingjelly.activation_based import functional as sj_functional  # noqa: E402
 from spikingjelly.activation_based import layer as sj_layer  # noqa: E402
 from spikingjelly.activation_based import neuron as sj_neuron  # noqa: E402
 from spikingjelly.activation_based import surrogate as sj_surrogate  # noqa: E402
 
-from spikefuse import encoding, functional, layer, neuron, surrogate  # noqa: E402
+from spikefuse import base, encoding, functional, layer, neuron, surrogate  # noqa: E402
 
 F64 = torch.float64
 
@@ -91,6 +92,23 @@ def test_stateful_layers_match_spikingjelly():
     sj_rec = sj_layer.LinearRecurrentContainer(sj_sub, 8, 3, step_mode="m").double()
     sj_rec.rc.load_state_dict(rec.rc.state_dict())
     torch.testing.assert_close(rec(s), sj_rec(s), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["SeqToANNContainer", "MultiStepContainer"])
+def test_sequence_containers_take_step_modes_as_spikingjellys(name):
+    for lib, lib_base, fn in ((layer, base, functional), (sj_layer, sj_base, sj_functional)):
+        c = getattr(lib, name)(torch.nn.Linear(2, 2))
+        assert isinstance(c, lib_base.MultiStepModule) and c.supported_step_mode() == ("m",)
+        assert not hasattr(c, "step_mode")
+        with pytest.raises(ValueError):
+            c.step_mode = "s"
+        net = torch.nn.Sequential(c, lib.Linear(2, 2))
+        fn.set_step_mode(net, "s")  # passes over the container: it has no step_mode yet
+        assert not hasattr(c, "step_mode") and net[1].step_mode == "s"
+        c.step_mode = "m"
+        with pytest.raises(ValueError):
+            fn.set_step_mode(net, "s")
+        assert c.step_mode == "m"
 
 
 def test_encoders_match_spikingjelly():

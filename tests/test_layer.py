@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from conftest import gen
-from spikefuse import SpikefuseError, functional, layer, neuron
+from spikefuse import SpikefuseError, base, functional, layer, neuron
 
 F64 = torch.float64
 
@@ -260,6 +260,35 @@ def test_set_step_mode_keeps_sequence_container_contents():
     functional.set_step_mode(net, "m")
     assert conv.step_mode == "s" and net[1][0].step_mode == "s"
     assert net(torch.rand(4, 2, 2, 5, 5, generator=gen(17))).shape == (4, 2, 3, 5, 5)
+
+
+@pytest.mark.parametrize("container", [layer.SeqToANNContainer, layer.MultiStepContainer])
+def test_sequence_containers_are_multi_step_modules(container):
+    c = container(nn.Linear(2, 2))
+    assert isinstance(c, base.MultiStepModule) and c.supported_step_mode() == ("m",)
+    assert not hasattr(c, "step_mode")  # as SpikingJelly's: none until one is assigned
+    with pytest.raises(SpikefuseError, match="step_mode must be 'm'"):
+        c.step_mode = "s"
+    c.step_mode = "m"
+    assert c.step_mode == "m"
+    with pytest.raises(SpikefuseError, match="step_mode must be 'm'"):
+        c.step_mode = "s"
+    assert c.step_mode == "m"
+
+
+def test_set_step_mode_passes_over_a_sequence_container_until_it_has_a_step_mode():
+    """SpikingJelly sets only modules that have a ``step_mode``: a fresh container has none."""
+    net = nn.Sequential(layer.SeqToANNContainer(nn.Linear(2, 2)), neuron.IFNode(step_mode="m"))
+    functional.set_step_mode(net, "s")
+    assert net[1].step_mode == "s" and not hasattr(net[0], "step_mode")
+    functional.set_step_mode(net, "m")
+    assert net[1].step_mode == "m" and not hasattr(net[0], "step_mode")
+    net[0].step_mode = "m"
+    with pytest.raises(SpikefuseError, match="supports step_mode"):
+        functional.set_step_mode(net, "s")
+    assert net[0].step_mode == net[1].step_mode == "m"  # nothing changed
+    # inside another container a fresh one counts as single-step, as there
+    assert len(layer.MultiStepContainer(layer.SeqToANNContainer(nn.ReLU()))) == 1
 
 
 # ---- Synapses on an input repeated over T ---------------------------------------------------------

@@ -19,7 +19,7 @@ from ..functional import (
     seq_to_ann_forward,
     split_time_batch,
 )
-from ..neuron import StepModeMixin
+from ..neuron import MultiStepModule, StepModeMixin
 
 
 def seq_to_ann(module: Callable[[Tensor], Any], x_seq: Tensor) -> Any:
@@ -27,11 +27,21 @@ def seq_to_ann(module: Callable[[Tensor], Any], x_seq: Tensor) -> Any:
     return seq_to_ann_forward(x_seq, module)
 
 
-class SeqToANNContainer(nn.Sequential):
-    """Runs stateless modules on ``[T, N, *]`` input as if it were a batch of T*N samples.
-    :func:`spikefuse.functional.set_step_mode` leaves the contained modules single-step."""
+class _SequenceContainer(nn.Sequential, MultiStepModule):
+    """An ``nn.Sequential`` that is a ``base.MultiStepModule``, as SpikingJelly's sequence
+    containers: ``supported_step_mode()`` is ``('m',)`` and assigning ``step_mode='s'`` raises.
+    :func:`spikefuse.functional.set_step_mode` leaves the contained modules single-step.
+
+    Unlike the other one-mode modules it has no ``step_mode`` until one is assigned, as there
+    (SpikingJelly's containers never set it): ``set_step_mode(net, 's')`` passes over it, as
+    SpikingJelly's does, and a container inside another one counts as single-step."""
 
     keeps_children_step_mode = True
+    _reads_before_assigned = False
+
+
+class SeqToANNContainer(_SequenceContainer):
+    """Runs stateless modules on ``[T, N, *]`` input as if it were a batch of T*N samples."""
 
     def __init__(self, *args: nn.Module) -> None:
         super().__init__(*args)

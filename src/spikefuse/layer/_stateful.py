@@ -16,7 +16,14 @@ from torch import Tensor, nn
 from ..errors import SpikefuseError
 from ..functional import check_sequence, multi_step_forward
 from ..neuron import MemoryModule, StepModeMixin
-from ._base import Conv2d, Linear, _refuse_dtype, _require_single_step, seq_to_ann
+from ._base import (
+    Conv2d,
+    Linear,
+    _refuse_dtype,
+    _require_single_step,
+    _SequenceContainer,
+    seq_to_ann,
+)
 
 
 class Dropout(MemoryModule):
@@ -133,12 +140,9 @@ class SynapseFilter(MemoryModule):
         return f"tau={tau}, learnable={self.learnable}, step_mode={self.step_mode}"
 
 
-class MultiStepContainer(nn.Sequential):
+class MultiStepContainer(_SequenceContainer):
     """Runs single-step modules on ``[T, N, *]`` one step at a time (a Python loop over T), e.g.
-    stateful modules without a multi-step mode (SpikingJelly's container of the same name).
-    :func:`spikefuse.functional.set_step_mode` leaves the contained modules single-step."""
-
-    keeps_children_step_mode = True
+    stateful modules without a multi-step mode (SpikingJelly's container of the same name)."""
 
     def __init__(self, *args: nn.Module) -> None:
         super().__init__(*args)

@@ -36,13 +36,22 @@ class StepModeMixin:
 
 class _OneStepMode(StepModeMixin):
     """A module that supports one step mode only: ``step_mode`` reads it before any
-    assignment (SpikingJelly's subclasses rarely set it) and refuses the other mode."""
+    assignment (SpikingJelly's subclasses rarely set it) and refuses the other mode.
+
+    A subclass with ``_reads_before_assigned = False`` has no ``step_mode`` until one is
+    assigned, as SpikingJelly's one-mode modules: reading it raises ``AttributeError``."""
 
     _only_mode: str
+    _reads_before_assigned: bool = True
 
     @property
     def step_mode(self) -> str:
-        return self.__dict__.get("_step_mode", self._only_mode)
+        mode = self.__dict__.get("_step_mode")
+        if mode is not None:
+            return mode
+        if self._reads_before_assigned:
+            return self._only_mode
+        raise AttributeError(f"{type(self).__name__} has no step_mode until one is assigned")
 
     @step_mode.setter
     def step_mode(self, mode: str) -> None:
