@@ -16,7 +16,7 @@ from spikingjelly.activation_based import layer as sj_layer  # noqa: E402
 from spikingjelly.activation_based import neuron as sj_neuron  # noqa: E402
 from spikingjelly.activation_based import surrogate as sj_surrogate  # noqa: E402
 
-from spikefuse import base, encoding, functional, layer, neuron, surrogate  # noqa: E402
+from spikefuse import SpikefuseError, base, encoding, functional, layer, neuron, surrogate  # noqa: E402
 
 F64 = torch.float64
 
@@ -61,6 +61,35 @@ def test_surrogates_match_spikingjelly(name, alpha):
     (g1,) = torch.autograd.grad(getattr(surrogate, name)(alpha)(x).sum(), [x])
     (g2,) = torch.autograd.grad(getattr(sj_surrogate, name)(alpha)(x).sum(), [x])
     torch.testing.assert_close(g1, g2, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "name", "Sigmoid ATan PiecewiseQuadratic PiecewiseExp SoftSign SuperSpike Erf Rect".split()
+)
+@pytest.mark.parametrize("alpha", [0.7, 3.0])
+def test_surrogate_static_methods_match_spikingjelly(name, alpha):
+    """``spiking_function(x, alpha)``, ``backward(grad_output, x, alpha)`` and
+    ``primitive_function(x, alpha)`` called on the class, as SpikingJelly's static methods."""
+    ours, theirs = getattr(surrogate, name), getattr(sj_surrogate, name)
+    x = torch.linspace(-3, 3, 601, dtype=F64)
+    g = torch.rand(601, generator=torch.Generator().manual_seed(1), dtype=F64)
+    torch.testing.assert_close(
+        ours.backward(g, x, alpha), theirs.backward(g, x, alpha), rtol=0, atol=1e-12
+    )
+    grads = []
+    for cls in (ours, theirs):
+        xg = x.clone().requires_grad_(True)
+        spikes = cls.spiking_function(xg, alpha)
+        assert torch.equal(spikes, (x >= 0).to(F64))
+        grads.append(torch.autograd.grad((spikes * g).sum(), [xg])[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)
+    if name == "SuperSpike":  # SpikingJelly's raises NotImplementedError: no primitive
+        with pytest.raises(SpikefuseError, match="no primitive function"):
+            ours.primitive_function(x, alpha)
+        return
+    primitive = ours.primitive_function(x, alpha)
+    torch.testing.assert_close(primitive, theirs.primitive_function(x, alpha), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours(alpha).primitive_function(x, alpha), primitive, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cls", ["Dropout", "Dropout2d"])

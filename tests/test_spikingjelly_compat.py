@@ -68,6 +68,7 @@ def test_spiking_false_gives_the_primitive(cls, alpha):
     x = torch.linspace(-3, 3, 1201, dtype=F64).requires_grad_(True)
     y = s(x)
     assert max_err(y.detach(), PRIMITIVES[cls](x.detach(), alpha)) <= 1e-12
+    assert torch.equal(cls.primitive_function(x.detach(), alpha), y.detach())  # on the class
     # its autograd derivative is the surrogate (away from kinks)
     (grad,) = torch.autograd.grad(y.sum(), [x])
     keep = (x.detach().abs() * alpha - 0.5).abs() > 1e-6  # Rect's window edges

@@ -107,6 +107,25 @@ def test_custom_alpha_formula(cls, alpha):
     assert_abs_close(s.derivative(x), formula(x, alpha))
 
 
+@pytest.mark.parametrize("alpha", [0.3, 1.7])
+@pytest.mark.parametrize("cls", list(ALPHA_SURROGATES), ids=lambda c: c.__name__)
+def test_static_style_methods_take_alpha_per_call(cls, alpha):
+    """SpikingJelly's static methods: ``cls.spiking_function(x, alpha)`` spikes with the
+    derivative at alpha; ``cls.backward(grad_output, x, alpha)`` is that gradient."""
+    formula, _ = ALPHA_SURROGATES[cls]
+    x = points(seed=3)
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(4), dtype=x.dtype)
+    assert_abs_close(cls.backward(upstream, x, alpha), upstream * formula(x, alpha))
+    xg = x.clone().requires_grad_(True)
+    spikes = cls.spiking_function(xg, alpha)
+    assert torch.equal(spikes, sg.heaviside(x))
+    (grad,) = torch.autograd.grad((spikes * upstream).sum(), [xg])
+    assert_abs_close(grad, upstream * formula(x, alpha))
+    assert torch.equal(cls(alpha).spiking_function(x, alpha), spikes)
+    with pytest.raises(SpikefuseError, match="alpha"):
+        cls.spiking_function(x, 0.0)
+
+
 def test_rect_default_and_custom():
     s = sg.RectWindow()
     assert s.hyperparameters() == {"eta": 1.0, "th_l": -0.5, "th_r": 0.5}

@@ -173,7 +173,9 @@ class Surrogate(nn.Module):
 class _AlphaSurrogate(Surrogate):
     """A surrogate with SpikingJelly's ``(alpha, spiking)`` arguments. ``spiking=False``
     (SpikingJelly's primitive mode) makes forward return the smooth primitive function instead
-    of spikes; neurons then run it as torch code (torch backend only)."""
+    of spikes; neurons then run it as torch code (torch backend only). ``spiking_function(x,
+    alpha)``, ``primitive_function(x, alpha)`` and ``backward(grad_output, x, alpha)`` take alpha
+    per call and work on the class too, as SpikingJelly's static methods do."""
 
     default_alpha = 1.0
 
@@ -202,15 +204,27 @@ class _AlphaSurrogate(Surrogate):
         for user in list(self.__dict__.get("_users", ())):  # neurons switch program / torch code
             user.surrogate_changed()
 
-    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
-        """g(x) with g' = the surrogate (SpikingJelly's primitive)."""
+    @classmethod
+    def spiking_function(cls, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        """SpikingJelly's static method: Θ(x) forward, the derivative at ``alpha`` backward
+        (``Sigmoid.spiking_function(x, 4.0)`` spikes as ``Sigmoid(4.0)(x)``)."""
+        return _SurrogateSpike.apply(x, _derivative_at((cls, float(alpha))))
+
+    @classmethod
+    def backward(cls, grad_output: torch.Tensor, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        """SpikingJelly's static method: the gradient w.r.t. x, ``grad_output`` times the
+        derivative at ``alpha`` evaluated at x."""
+        return grad_output * _derivative_at((cls, float(alpha)))(x)
+
+    @classmethod
+    def primitive_function(cls, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        """SpikingJelly's static method: g(x) with g' = the surrogate at ``alpha``."""
         raise SpikefuseError(
-            f"{type(self).__name__} has no primitive function (as in SpikingJelly); "
-            "use spiking=True"
+            f"{cls.__name__} has no primitive function (as in SpikingJelly); use spiking=True"
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) if self.spiking else self.primitive_function(x)
+        return super().forward(x) if self.spiking else self.primitive_function(x, self.alpha)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, spiking={self.spiking}"  # SpikingJelly's repr
@@ -225,8 +239,9 @@ class Sigmoid(_AlphaSurrogate):
         s = 1 / (1 + sp.exp(-self.alpha * x))
         return self.alpha * s * (1 - s)
 
-    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.alpha * x)
+    @classmethod
+    def primitive_function(cls, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return torch.sigmoid(alpha * x)
 
 
 class ATan(_AlphaSurrogate):
@@ -237,8 +252,9 @@ class ATan(_AlphaSurrogate):
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / 2 / (1 + (sp.pi / 2 * self.alpha * x) ** 2)
 
-    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.atan(math.pi / 2 * self.alpha * x) / math.pi + 0.5
+    @classmethod
+    def primitive_function(cls, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return torch.atan(math.pi / 2 * alpha * x) / math.pi + 0.5
 
 
 class PiecewiseQuadratic(_AlphaSurrogate):
@@ -250,10 +266,10 @@ class PiecewiseQuadratic(_AlphaSurrogate):
         a = self.alpha
         return sp.Piecewise((0, sp.Abs(x) > 1 / a), (a - a**2 * sp.Abs(x), True))
 
-    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.alpha
-        inner = -(a**2) / 2 * x.abs() * x + a * x + 0.5
-        return torch.where(x > 1 / a, 1.0, torch.where(x < -1 / a, 0.0, inner))
+    @classmethod
+    def primitive_function(cls, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        inner = -(alpha**2) / 2 * x.abs() * x + alpha * x + 0.5
+        return torch.where(x > 1 / alpha, 1.0, torch.where(x < -1 / alpha, 0.0, inner))
 
 
 class PiecewiseExp(_AlphaSurrogate):
@@ -264,9 +280,10 @@ class PiecewiseExp(_AlphaSurrogate):
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / 2 * sp.exp(-self.alpha * sp.Abs(x))
 
-    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def primitive_function(cls, x: torch.Tensor, alpha: float) -> torch.Tensor:
         # |x| as a where, not abs(): autograd's abs'(0) = 0 would make the gradient at 0 zero
-        half_exp = torch.exp(-self.alpha * torch.where(x < 0, -x, x)) / 2
+        half_exp = torch.exp(-alpha * torch.where(x < 0, -x, x)) / 2
         return torch.where(x < 0, half_exp, 1 - half_exp)
 
 
@@ -278,8 +295,9 @@ class SoftSign(_AlphaSurrogate):
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / (2 * (1 + sp.Abs(self.alpha * x)) ** 2)
 
-    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
-        return (torch.nn.functional.softsign(self.alpha * x) + 1) / 2
+    @classmethod
+    def primitive_function(cls, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return (torch.nn.functional.softsign(alpha * x) + 1) / 2
 
 
 class SuperSpike(_AlphaSurrogate):
@@ -299,8 +317,9 @@ class Erf(_AlphaSurrogate):
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return self.alpha / sp.sqrt(sp.pi) * sp.exp(-(self.alpha**2) * x**2)
 
-    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.special.erfc(-self.alpha * x) / 2
+    @classmethod
+    def primitive_function(cls, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return torch.special.erfc(-alpha * x) / 2
 
 
 class Rect(_AlphaSurrogate):
@@ -314,8 +333,9 @@ class Rect(_AlphaSurrogate):
     def expression(self, x: sp.Symbol) -> sp.Expr:
         return sp.Piecewise((self.alpha, sp.Abs(x) < 1 / (2 * self.alpha)), (0, True))
 
-    def primitive_function(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.clamp(self.alpha * x + 0.5, 0.0, 1.0)
+    @classmethod
+    def primitive_function(cls, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        return torch.clamp(alpha * x + 0.5, 0.0, 1.0)
 
 
 class RectWindow(Surrogate):
@@ -413,16 +433,23 @@ class SurrogateFunctionBase(nn.Module):
         )
 
 
+@functools.lru_cache(maxsize=256)
+def _derivative_at(
+    key: tuple[type[_AlphaSurrogate], float],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``cls(alpha)``'s derivative for ``key = (cls, alpha)`` (validating alpha), built once per
+    class and alpha: the functional forms and the static-style methods take alpha per call.
+    One tuple argument, as mypy does not count classes as Hashable."""
+    cls, alpha = key
+    return cls(alpha).derivative
+
+
 def _functional_form(cls: type[_AlphaSurrogate], name: str) -> type[torch.autograd.Function]:
     """SpikingJelly's functional form of ``cls``: ``name.apply(x, alpha)`` returns Θ(x) with
     ``cls(alpha)``'s derivative in backward (:class:`_SurrogateSpike` with its arguments)."""
 
-    @functools.lru_cache(maxsize=64)
-    def derivative(alpha: float) -> Callable[[torch.Tensor], torch.Tensor]:
-        return cls(alpha).derivative  # validates alpha
-
     def forward(ctx: Any, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        return _SurrogateSpike.forward(ctx, x, derivative(float(alpha)))
+        return _SurrogateSpike.forward(ctx, x, _derivative_at((cls, float(alpha))))
 
     doc = (
         f"``{name}.apply(x, alpha)``: Θ(x) forward, :class:`{cls.__name__}`'s derivative backward."
