@@ -140,6 +140,30 @@ def test_sequence_containers_take_step_modes_as_spikingjellys(name):
         assert c.step_mode == "m"
 
 
+def test_memory_registration_and_deletion_match_spikingjelly():
+    for lib_base in (base, sj_base):
+        m = lib_base.MemoryModule()
+        m.gain = 2.0
+        m.register_memory("v", 0.5)
+        for taken in ("gain", "v", "reset"):  # an attribute, a memory, a method
+            with pytest.raises(AssertionError, match=f"{taken} has been set as a member variable"):
+                m.register_memory(taken, 0.0)
+        assert m.gain == 2.0 and m.v == 0.5
+        m.register_memory("w", 1.0)
+        m.v = 3.0
+        del m.v
+        assert not hasattr(m, "v") and [name for name, _ in m.named_memories()] == ["w"]
+        m.reset()
+        assert not hasattr(m, "v") and m.w == 1.0
+        with pytest.raises(KeyError):
+            m.get_reset_value("v")
+        m.register_memory("v", 0.25)  # free again
+        assert m.v == 0.25 and list(m.memories()) == [1.0, 0.25]
+        del m.gain
+        with pytest.raises(AttributeError):
+            del m.gain
+
+
 def test_encoders_match_spikingjelly():
     x = torch.rand(3, 7, generator=torch.Generator().manual_seed(4), dtype=F64)
     torch.manual_seed(5)

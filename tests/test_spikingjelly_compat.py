@@ -301,6 +301,33 @@ def test_user_memory_module_the_spikingjelly_way():
     assert acc.step_mode == "s"
 
 
+def test_register_memory_refuses_a_name_the_module_has():
+    acc = Accumulator()
+    acc.gain = nn.Parameter(torch.ones(1))
+    acc.sub = nn.Linear(1, 1)
+    for taken in ("acc", "gain", "sub", "forward", "step_mode"):
+        with pytest.raises(AssertionError, match=f"^{taken} has been set as a member variable!"):
+            acc.register_memory(taken, 0.0)
+    assert acc.acc == 0.0 and isinstance(acc.gain, nn.Parameter)
+    assert [name for name, _ in acc.named_memories()] == ["acc"]
+
+
+def test_deleting_a_memory_unregisters_it():
+    acc = Accumulator()
+    acc.register_memory("count", 0)
+    acc(torch.ones(2))
+    del acc.acc
+    assert not hasattr(acc, "acc") and dict(acc.named_memories()) == {"count": 0}
+    acc.reset()  # does not bring it back
+    assert not hasattr(acc, "acc")
+    acc.register_memory("acc", 5.0)
+    assert acc.acc == 5.0 and acc.memory_default("acc") == 5.0
+    acc.other = 1.0
+    del acc.other  # other attributes as before
+    with pytest.raises(AttributeError):
+        del acc.other
+
+
 def test_chunk_multi_step_forward_carries_state():
     x = torch.rand(10, 2, 3, generator=gen(11), dtype=F64) * 2
     node = neuron.LIFNode(step_mode="m", backend="torch")

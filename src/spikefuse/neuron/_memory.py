@@ -87,9 +87,15 @@ class MemoryModule(StepModeMixin, nn.Module):
         self.step_mode = step_mode
 
     def register_memory(self, name: str, value: Any) -> None:
-        """Declare a state variable; ``value`` is restored by :meth:`reset`."""
-        if name in self._parameters or name in self._buffers or name in self._modules:
-            raise SpikefuseError(f"memory {name!r} clashes with a parameter, buffer or module")
+        """Declare a state variable; ``value`` is restored by :meth:`reset`. A name the module
+        already has (an attribute, parameter, buffer, submodule or memory) raises
+        ``AssertionError``, as in SpikingJelly."""
+        if hasattr(self, name):
+            # SpikingJelly's assert (its type and words), raised so that python -O keeps it
+            raise AssertionError(
+                f"{name} has been set as a member variable! ({type(self).__name__} already has "
+                f"an attribute {name!r}; a memory needs a new name)"
+            )
         self._memory_defaults[name] = copy.deepcopy(value)
         setattr(self, name, value)
 
@@ -127,6 +133,16 @@ class MemoryModule(StepModeMixin, nn.Module):
             setattr(self, name, value)
         else:
             self.__dict__[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        """``del module.<memory>`` removes the memory (its value and reset value), as in
+        SpikingJelly; other names are deleted as by ``nn.Module``."""
+        defaults = self.__dict__.get("_memory_defaults")
+        if defaults is not None and name in defaults:
+            del defaults[name]
+            self.__dict__.pop(name, None)
+        else:
+            super().__delattr__(name)
 
     def __getstate__(self) -> dict[str, Any]:
         """The module's state with tensor memories detached: after a training forward ``.v`` is
