@@ -15,9 +15,11 @@ unpickled. A file that fails a check, or turns out damaged while it is read, is 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zipfile
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -85,32 +87,32 @@ def read_npy(path: str | Path, what: str) -> np.ndarray:
     """The array of ``.npy`` file ``path``, checked as the module says; ``what`` names the
     file in errors ('events', 'frames')."""
     size = events.check_file(path, what)
-    try:
-        with open(path, "rb") as f:
-            return read_array(f, size, path, what, "its array")
-    except SpikefuseError:
-        raise
-    except OSError as exc:
-        raise SpikefuseError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from exc
-    except _DAMAGED as exc:
-        raise damaged(path, what, f"{type(exc).__name__}: {exc}") from exc
+    with _reading(path, what), open(path, "rb") as f:
+        return read_array(f, size, path, what, "its array")
 
 
 def read_npz(path: str | Path, what: str) -> dict[str, np.ndarray]:
     """The arrays of ``.npz`` file ``path`` by name (``np.load``'s keys), checked as the
     module says; ``what`` names the file in errors ('events', 'frames')."""
     events.check_file(path, what)
+    with _reading(path, what), zipfile.ZipFile(path) as archive:
+        entries = archive.infolist()
+        _check_directory(entries, path, what)
+        arrays = {}
+        for entry in entries:
+            with archive.open(entry) as f:
+                arrays[entry.filename[: -len(".npy")]] = read_array(
+                    f, entry.file_size, path, what, entry.filename
+                )
+        return arrays
+
+
+@contextlib.contextmanager
+def _reading(path: str | Path, what: str) -> Iterator[None]:
+    """Turn what reading ``path`` raises into a SpikefuseError naming the file (an OS error's
+    reason, or the file as damaged); a SpikefuseError passes as it is."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            entries = archive.infolist()
-            _check_directory(entries, path, what)
-            arrays = {}
-            for entry in entries:
-                with archive.open(entry) as f:
-                    arrays[entry.filename[: -len(".npy")]] = read_array(
-                        f, entry.file_size, path, what, entry.filename
-                    )
-            return arrays
+        yield
     except SpikefuseError:
         raise
     except OSError as exc:
