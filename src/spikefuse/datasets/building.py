@@ -25,16 +25,12 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import SpikefuseError
+from ..errors import SpikefuseError, os_reason
 
 __all__ = ["MARKER", "build_atomically", "remove_stale_partials"]
 
 MARKER = ".spikefuse-partial"
 _PARTIAL = re.compile(r"\.partial-[0-9a-f]{16}")
-
-
-def _reason(exc: OSError) -> str:
-    return exc.strerror or str(exc) or type(exc).__name__
 
 
 def build_atomically(target: Path, build: Callable[[Path], None]) -> None:
@@ -62,7 +58,7 @@ def _new_partial(target: Path) -> tuple[Path, int]:
         partial.mkdir()
     except OSError as exc:
         raise SpikefuseError(
-            f"cannot create '{partial}' to build '{target}' in: {_reason(exc)} (is "
+            f"cannot create '{partial}' to build '{target}' in: {os_reason(exc)} (is "
             f"'{target.parent}' an existing folder you can write to?)"
         ) from exc
     staging = partial / f"{MARKER}.new"
@@ -81,7 +77,7 @@ def _new_partial(target: Path) -> tuple[Path, int]:
         shutil.rmtree(partial, ignore_errors=True)
         if isinstance(exc, OSError):
             raise SpikefuseError(
-                f"cannot mark '{partial}' as the build of '{target}': {_reason(exc)}"
+                f"cannot mark '{partial}' as the build of '{target}': {os_reason(exc)}"
             ) from exc
         raise
     return partial, fd
@@ -96,7 +92,7 @@ def _rename(partial: Path, target: Path) -> None:
     except OSError as exc:
         if not target.is_dir():
             raise SpikefuseError(
-                f"cannot rename '{partial}' to '{target}': {_reason(exc)}"
+                f"cannot rename '{partial}' to '{target}': {os_reason(exc)}"
             ) from exc
         shutil.rmtree(partial)  # completed by another process between the check and here
 
@@ -108,7 +104,7 @@ def remove_stale_partials(target: Path) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise SpikefuseError(f"cannot list '{target.parent}': {_reason(exc)}") from exc
+        raise SpikefuseError(f"cannot list '{target.parent}': {os_reason(exc)}") from exc
     for entry in entries:
         suffix = entry.name[len(target.name) :]
         if (

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SpikefuseError
+from ..errors import SpikefuseError, os_reason
 
 __all__ = [
     "cal_fixed_frames_number_segment_index",
@@ -43,6 +43,11 @@ EVENT_KEYS = ("t", "x", "y", "p")
 MAX_FILE_BYTES = 2**32
 
 
+def cannot_read(path: str | Path, what: str, exc: OSError) -> SpikefuseError:
+    """The error for ``what`` file ``path`` that the OS failed to read (``exc``)."""
+    return SpikefuseError(f"cannot read {what} file '{path}': {os_reason(exc)}")
+
+
 def check_file(path: str | Path, what: str) -> int:
     """The size of ``what`` file ``path``, from the file system: refused (naming the file) when
     it is missing, unreadable, not a regular file or over :data:`MAX_FILE_BYTES`."""
@@ -51,7 +56,7 @@ def check_file(path: str | Path, what: str) -> int:
     except FileNotFoundError:
         raise SpikefuseError(f"{what} file '{path}' does not exist") from None
     except OSError as exc:
-        raise SpikefuseError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from exc
+        raise cannot_read(path, what, exc) from exc
     if not stat.S_ISREG(info.st_mode):
         raise SpikefuseError(f"{what} file '{path}' is not a regular file")
     if info.st_size > MAX_FILE_BYTES:
@@ -67,7 +72,7 @@ def _read(path: str | Path, what: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise SpikefuseError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from exc
+        raise cannot_read(path, what, exc) from exc
 
 
 def checked_events(events: Any, path: str | Path) -> Events:

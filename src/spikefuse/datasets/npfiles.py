@@ -80,7 +80,7 @@ def is_npy(path: str | Path, what: str) -> bool:
         with open(path, "rb") as f:
             return f.read(len(NPY_MAGIC)) == NPY_MAGIC
     except OSError as exc:
-        raise SpikefuseError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from exc
+        raise events.cannot_read(path, what, exc) from exc
 
 
 def read_npy(path: str | Path, what: str) -> np.ndarray:
@@ -116,7 +116,7 @@ def _reading(path: str | Path, what: str) -> Iterator[None]:
     except SpikefuseError:
         raise
     except OSError as exc:
-        raise SpikefuseError(f"cannot read {what} file '{path}': {exc.strerror or exc}") from exc
+        raise events.cannot_read(path, what, exc) from exc
     except _DAMAGED as exc:
         raise damaged(path, what, f"{type(exc).__name__}: {exc}") from exc
 

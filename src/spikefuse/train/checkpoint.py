@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spikefuse.errors import SpikefuseError
+from spikefuse.errors import SpikefuseError, os_reason
 from spikefuse.fused import match_optimizer_state
 from spikefuse.train.config import (
     CHECKPOINT_FORMAT,
@@ -26,7 +26,7 @@ from spikefuse.train.config import (
     CheckpointError,
     TrainConfig,
 )
-from spikefuse.train.files import create_temp_file, os_reason, replace_file
+from spikefuse.train.files import create_temp_file, replace_file
 
 
 def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:

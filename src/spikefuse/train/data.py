@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from spikefuse import datasets
-from spikefuse.errors import SpikefuseError
+from spikefuse.errors import SpikefuseError, os_reason
 from spikefuse.extras import require
 from spikefuse.train.config import (
     CIFAR10_RECORD_BYTES,
@@ -30,7 +30,6 @@ from spikefuse.train.config import (
     TrainConfig,
     check_limit,
 )
-from spikefuse.train.files import os_reason
 
 CIFAR10_FILE_RECORDS = 10_000  # in each of the binary version's six files
 READ_CHUNK_BYTES = 1 << 24

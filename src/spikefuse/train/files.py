@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
-from spikefuse.errors import SpikefuseError
+from spikefuse.errors import SpikefuseError, os_reason
 
 # What a lock file holds: nothing else is ever taken over or removed as a lock.
 _LOCK_RECORD = re.compile(rb"spikefuse checkpoint lock\npid ([1-9][0-9]{0,18})\n")
@@ -38,10 +38,6 @@ TEMP_HEAD_BYTES = 1 << 16
 _CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # Opens an existing file without following a symlink or blocking on a FIFO.
 _EXISTING_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-def os_reason(exc: OSError) -> str:
-    return exc.strerror or str(exc) or type(exc).__name__
 
 
 def temp_path(target: Path, pid: int) -> Path:

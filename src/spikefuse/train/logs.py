@@ -6,10 +6,10 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spikefuse.errors import SpikefuseError
+from spikefuse.errors import SpikefuseError, os_reason
 from spikefuse.extras import require
 from spikefuse.train.config import NEEDS_PLOT, TRAIN, TrainConfig
-from spikefuse.train.files import checkpoint_target, os_reason, replace_file
+from spikefuse.train.files import checkpoint_target, replace_file
 
 LOG_HEADER = "epoch,train_loss,test_accuracy,seconds"
 PLOT_MARKER = b"spikefuse training plot"  # in the PNG's Software text chunk: marks it as ours
